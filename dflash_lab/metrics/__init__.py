@@ -1,0 +1,1 @@
+"""Metrics, each defined once (METRICS.md): throughput, plan diversity, loss jumpiness, forgetting."""

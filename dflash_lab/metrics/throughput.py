@@ -1,0 +1,101 @@
+"""Throughput metrics: the one definition of padding efficiency, Ktok/s, ETA and overhead (METRICS.md).
+
+Formulas (every caller in training, planner and analysis uses these functions):
+    real tokens of a batch    = sum of its samples' lengths
+    padded tokens of a batch  = rows x padded row length   (a packed row counts its used length)
+    squared tokens of a batch = sum over attention spans of span^2: rows x padded length^2, or, for a packed row
+                                with per-document attention, the sum of squared document lengths (attention cost)
+    padding efficiency        = sum(real) / sum(padded)                      over a window or an epoch plan
+    Ktok/s                    = real input tokens per second, summed over all ranks, / 1000
+                                live: EMA over steps; reported: median over the steady state (after warm-up)
+    ETA                       = remaining steps x EMA(step time)
+    full-run ETA              = epochs x steps per epoch x step time
+    overhead fraction         = time outside forward/backward/optimizer / wall time
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def padded_tokens(row_lengths: Sequence[int] | np.ndarray, *, packed: bool = False) -> int:
+    """Padded tokens of one batch: rows x longest row, or, for packed rows, the sum of the rows' used lengths.
+
+    Example:
+        >>> padded_tokens([3, 5, 4])
+        15
+    """
+    rows = np.asarray(row_lengths, dtype=np.int64)
+    if rows.size == 0:
+        return 0
+    return int(rows.sum()) if packed else int(rows.size * rows.max())
+
+
+def squared_tokens(row_lengths: Sequence[int] | np.ndarray, *, packed: bool = False) -> int:
+    """Attention cost of one batch: rows x longest^2, or, for one packed row, the sum of squared document lengths.
+
+    Example:
+        >>> squared_tokens([3, 5, 4]), squared_tokens([3, 5, 4], packed=True)
+        (75, 50)
+    """
+    rows = np.asarray(row_lengths, dtype=np.int64)
+    if rows.size == 0:
+        return 0
+    return int((rows * rows).sum()) if packed else int(rows.size * rows.max() ** 2)
+
+
+def padding_efficiency(real_tokens: float | np.ndarray, padded: float | np.ndarray) -> float:
+    """sum(real) / sum(padded); 1.0 means no padding. Accepts scalars or per-batch arrays.
+
+    Example:
+        >>> padding_efficiency([12, 8], [15, 10])
+        0.8
+    """
+    real_sum = float(np.sum(real_tokens))
+    padded_sum = float(np.sum(padded))
+    if padded_sum <= 0:
+        return float("nan")
+    return real_sum / padded_sum
+
+
+def ktok_per_s(real_tokens_all_ranks: float, seconds: float) -> float:
+    """Real (non-pad) input tokens per second across all ranks, in thousands."""
+    if seconds <= 0:
+        return float("nan")
+    return real_tokens_all_ranks / seconds / 1000.0
+
+
+def ema_update(previous: float | None, value: float, alpha: float = 0.1) -> float:
+    """Exponential moving average used for live Ktok/s and step time: prev + alpha x (value - prev)."""
+    if previous is None or not np.isfinite(previous):
+        return float(value)
+    return float(previous + alpha * (value - previous))
+
+
+def steady_state_ktok_s(ktok_s_per_step: Sequence[float] | np.ndarray, warmup_steps: int = 10) -> float:
+    """Reported Ktok/s: median of per-step Ktok/s after the first `warmup_steps` steps (all steps if too few)."""
+    values = np.asarray(ktok_s_per_step, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return float("nan")
+    steady = values[warmup_steps:] if values.size > warmup_steps else values
+    return float(np.median(steady))
+
+
+def eta_seconds(remaining_steps: int, step_time_s: float) -> float:
+    """ETA = remaining steps x (EMA of) step time."""
+    return float(max(remaining_steps, 0) * step_time_s)
+
+
+def full_run_eta_seconds(epochs: float, steps_per_epoch: int, step_time_s: float) -> float:
+    """ETA of a configured full run: epochs x steps per epoch x step time."""
+    return float(epochs * steps_per_epoch * step_time_s)
+
+
+def overhead_fraction(compute_seconds: float, wall_seconds: float) -> float:
+    """Share of wall time spent outside forward/backward/optimizer (data, sampler, logging, probes)."""
+    if wall_seconds <= 0:
+        return float("nan")
+    return float(min(max(1.0 - compute_seconds / wall_seconds, 0.0), 1.0))

@@ -1,0 +1,179 @@
+"""Bucket boundaries: validation, assignment, and fitting from a lengths array.
+
+Convention: boundaries ``[b0=0 < b1 < ... < bK]``; a sample of length l is in bucket k when ``b_k < l <= b_(k+1)``.
+
+Fitting methods (``fit_boundaries``):
+- ``quantile``: equal sample count per bucket (cut at the i/K quantiles). O(N log N).
+- ``equal_tokens``: equal total tokens per bucket (cut where the cumulative token count crosses i/K). O(N log N).
+- ``optimal``: minimise expected padded tokens when every sample is padded to its bucket's longest length,
+  ``sum_k count_k x b_(k+1)``, by exact dynamic programming over candidate upper bounds (the distinct lengths, or
+  ``max_candidates`` quantile-spaced ones when there are more). Greedy token-budget batches inside a shuffled bucket
+  are padded to a batch maximum close to the bucket's top, so this is the padding the bucketed policy pays, as an
+  upper bound. O(K x D^2) vectorised over D candidates (D <= 2048 by default: well under a second).
+
+``smallest_k_for_efficiency`` picks the fewest buckets whose *measured* plan (bucketed policy, epoch 0) reaches a
+target padding efficiency.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+FIT_METHODS = ("quantile", "equal_tokens", "optimal")
+
+
+def validate_boundaries(boundaries: Sequence[Any], longest: int | None = None) -> list[int]:
+    """Check a boundary list and return it as plain ints.
+
+    Raises:
+        ValueError: fewer than two entries, non-integers, first not 0, not strictly increasing (unsorted or
+            duplicate), or a last boundary below the longest sample.
+
+    Example:
+        >>> validate_boundaries([0, 770, 1216, 8192], longest=5000)
+        [0, 770, 1216, 8192]
+    """
+    try:
+        values = list(boundaries)
+    except TypeError:
+        raise ValueError(f"sampler.boundaries={boundaries!r}: must be a list of integers like [0, 770, 1216, 8192]")
+    if len(values) < 2:
+        raise ValueError(f"sampler.boundaries={values}: needs at least two entries [0, longest] (one bucket)")
+    as_ints = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or int(v) != v:
+            raise ValueError(f"sampler.boundaries={values}: {v!r} is not an integer token length")
+        as_ints.append(int(v))
+    if as_ints[0] != 0:
+        raise ValueError(f"sampler.boundaries={as_ints}: the first boundary must be 0 (got {as_ints[0]}); prepend 0")
+    steps = np.diff(as_ints)
+    if np.any(steps <= 0):
+        i = int(np.flatnonzero(steps <= 0)[0])
+        kind = "duplicate" if steps[i] == 0 else "unsorted"
+        raise ValueError(
+            f"sampler.boundaries={as_ints}: {kind} entries {as_ints[i]} and {as_ints[i + 1]}; "
+            f"boundaries must be strictly increasing"
+        )
+    if longest is not None and as_ints[-1] < longest:
+        raise ValueError(
+            f"sampler.boundaries={as_ints}: the last boundary {as_ints[-1]} is below the longest sample ({longest}); "
+            f"raise it to at least {longest}"
+        )
+    return as_ints
+
+
+def bucket_ids(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
+    """Bucket of each length: k with ``b_k < l <= b_(k+1)``."""
+    return (np.searchsorted(np.asarray(boundaries), lengths, side="left") - 1).astype(np.int64)
+
+
+def fit_boundaries(
+    lengths: np.ndarray, num_buckets: int, method: str = "optimal", *, max_candidates: int = 2048, **_: Any
+) -> list[int]:
+    """Fit bucket boundaries to a lengths array.
+
+    Args:
+        lengths: sample lengths.
+        num_buckets: K, the number of buckets (fewer are returned when there are fewer distinct lengths).
+        method: ``quantile``, ``equal_tokens`` or ``optimal`` (see the module docstring).
+        max_candidates: ``optimal`` only: cap on candidate upper bounds for the dynamic program.
+
+    Returns:
+        ``[0, b1, ..., bK]`` with ``bK = max(lengths)``.
+
+    Example:
+        >>> fit_boundaries(np.array([1, 2, 3, 4, 10, 11, 12, 13]), 2, "quantile")
+        [0, 4, 13]
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        raise ValueError("cannot fit boundaries to an empty lengths array")
+    if int(num_buckets) != num_buckets or num_buckets < 1:
+        raise ValueError(f"sampler.num_buckets={num_buckets!r}: must be a positive integer")
+    if method not in FIT_METHODS:
+        raise ValueError(f"sampler.fit_method={method!r}: choose one of {', '.join(FIT_METHODS)}")
+    longest = int(lengths.max())
+    k = int(num_buckets)
+    if method == "optimal":
+        inner = _optimal_uppers(lengths, k, max_candidates)
+    else:
+        ordered = np.sort(lengths)
+        if method == "quantile":
+            positions = (np.arange(1, k) * ordered.size) // k
+        else:
+            cumulative = np.cumsum(ordered)
+            positions = np.searchsorted(cumulative, np.arange(1, k) * cumulative[-1] / k, side="left")
+        inner = ordered[np.clip(positions - 1, 0, ordered.size - 1)].tolist()
+    cuts = sorted({int(b) for b in inner if 0 < b < longest})
+    return [0, *cuts, longest]
+
+
+def _optimal_uppers(lengths: np.ndarray, k: int, max_candidates: int) -> list[int]:
+    """Exact DP: choose K upper bounds minimising sum over buckets of count x upper bound."""
+    values, counts = np.unique(lengths, return_counts=True)
+    if values.size > max_candidates:
+        # Quantile-spaced candidates keep the DP small; the optimum is exact over this candidate set.
+        picks = np.unique(np.quantile(values.repeat(counts), np.linspace(0, 1, max_candidates), method="higher"))
+        keep = np.searchsorted(values, picks)
+        cum = np.concatenate([[0], np.cumsum(counts)])
+        values, counts = values[keep], np.diff(np.concatenate([[0], cum[keep + 1]]))
+    d = values.size
+    k = min(k, d)
+    upper = np.concatenate([[0.0], values.astype(np.float64)])  # candidate 0 = the virtual boundary 0
+    below = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])  # samples <= candidate
+    best = below * upper  # one bucket (0, upper_j]
+    choice = np.zeros((k, d + 1), dtype=np.int64)
+    invalid = np.tril(np.ones((d + 1, d + 1), dtype=bool))  # i >= j: a bucket must be non-empty
+    for buckets in range(1, k):
+        # cost[i, j] = best[i] + (below[j] - below[i]) * upper[j]
+        cost = best[:, None] + (below[None, :] - below[:, None]) * upper[None, :]
+        cost[invalid] = np.inf
+        choice[buckets] = np.argmin(cost, axis=0)
+        best = cost[choice[buckets], np.arange(d + 1)]
+    cuts, j = [], d
+    for buckets in range(k - 1, 0, -1):
+        j = int(choice[buckets, j])
+        cuts.append(int(upper[j]))
+    return sorted(cuts)
+
+
+def smallest_k_for_efficiency(
+    lengths: np.ndarray,
+    target: float,
+    *,
+    max_tokens: int,
+    method: str = "optimal",
+    max_k: int = 32,
+    seed: int = 0,
+    **policy_params: Any,
+) -> dict[str, Any]:
+    """Fewest buckets whose measured bucketed plan (epoch 0) reaches ``target`` padding efficiency.
+
+    Returns:
+        ``{"num_buckets", "boundaries", "pad_eff", "curve": [(k, pad_eff), ...]}``.
+
+    Raises:
+        ValueError: when no K up to ``max_k`` reaches the target (the message gives the best reached).
+    """
+    from . import build_policy
+    from .stats import plan_padding
+
+    if not 0 < target <= 1:
+        raise ValueError(f"target padding efficiency {target!r} must be in (0, 1]")
+    curve = []
+    for k in range(1, max_k + 1):
+        boundaries = fit_boundaries(lengths, k, method)
+        policy = build_policy(
+            "bucketed", lengths, max_tokens=max_tokens, seed=seed, boundaries=boundaries, **policy_params
+        )
+        eff = plan_padding(policy.global_plan(0).batches, policy.lengths, packed=False)["pad_eff"]
+        curve.append((k, eff))
+        if eff >= target:
+            return {"num_buckets": k, "boundaries": boundaries, "pad_eff": eff, "curve": curve}
+    best_k, best_eff = max(curve, key=lambda kv: kv[1])
+    raise ValueError(
+        f"no bucket count up to {max_k} reaches padding efficiency {target:.3f} with method {method!r} "
+        f"(best {best_eff:.3f} at K={best_k}); lower the target, raise max_k, or use bucketed_megabatch/packed"
+    )

@@ -1,0 +1,64 @@
+"""bucketed_megabatch: bucketed with random composition every epoch but locally sorted megabatches inside buckets.
+
+Algorithm: as ``bucketed``, each epoch every bucket's members are shuffled. The shuffled bucket is then cut into
+megabatches of about ``megabatch_batches`` batches' worth of samples (estimated from the bucket's median length),
+and each megabatch is sorted by length -- ascending and descending in turn ("snake" order, so the join between two
+megabatches puts similar lengths together) -- before greedy token-budget packing. This is transformers'
+LengthGroupedSampler megabatch idea, applied inside length buckets and with a token budget instead of a fixed
+batch size.
+
+Properties (the trade-off): padding approaches ``sorted_static`` (>= 0.97 on the seed workload) because batches
+are cut from locally sorted runs, while composition still changes every epoch (composition repeat well below 5%)
+because megabatch membership is reshuffled. The cost is diversity *within* a batch: batches are even more
+length-homogeneous than plain ``bucketed`` (lower within-batch spread). Larger megabatches -> less padding but
+more predictable composition; ``megabatch_batches=1`` approaches plain shuffling inside the bucket.
+
+Cost: O(N log M) per epoch (one shuffle + one lexsort per bucket) + one packing pass + O(B log B) step grouping.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .bucketed import Bucketed
+from .core import Admission, TokenBudget
+
+
+class BucketedMegabatch(Bucketed):
+    name = "bucketed_megabatch"
+
+    def __init__(
+        self,
+        admission: Admission,
+        budget: TokenBudget,
+        *,
+        seed: int,
+        world_size: int,
+        drop_last: bool,
+        boundaries: Sequence[int] | str | None = None,
+        num_buckets: int | None = None,
+        fit_method: str = "optimal",
+        megabatch_batches: int = 16,
+    ):
+        if int(megabatch_batches) != megabatch_batches or megabatch_batches < 1:
+            raise ValueError(f"sampler.megabatch_batches={megabatch_batches!r}: must be a positive integer")
+        super().__init__(
+            admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
+            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method,
+        )
+        # Megabatch size in samples per bucket: megabatch_batches x (samples a batch holds at the median length).
+        lengths = admission.lengths
+        self._megabatch_samples = [
+            max(2, int(megabatch_batches) * max(1, budget.max_tokens // max(1, int(np.median(lengths[m])))))
+            if m.size else 2
+            for m in self.members
+        ]
+
+    def order_bucket(self, members: np.ndarray, bucket: int, rng: np.random.Generator) -> np.ndarray:
+        shuffled = members[rng.permutation(members.size)]
+        megabatch = np.arange(shuffled.size) // self._megabatch_samples[bucket]
+        # Snake order: even megabatches ascending, odd ones descending.
+        signed_length = np.where(megabatch % 2 == 0, 1, -1) * self.admission.lengths[shuffled]
+        return shuffled[np.lexsort((signed_length, megabatch))]

@@ -1,0 +1,81 @@
+"""Plan diagnostics: what a policy's plan costs (padding) and how diverse it is, before any training.
+
+Every number uses the one definition in ``dflash_lab.metrics.throughput`` (padding) or
+``dflash_lab.metrics.diversity`` (composition repeat, adjacent-length correlation, bucket run length, spread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..metrics import diversity
+from ..metrics.throughput import padding_efficiency
+from .boundaries import bucket_ids
+from .core import Policy
+
+
+def plan_padding(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool) -> dict[str, Any]:
+    """Real and padded tokens of a list of batches (packed rows count their used length)."""
+    real = diversity.batch_reduce(batches, lengths.astype(np.int64))
+    if packed:
+        padded = real
+    else:
+        sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+        padded = sizes * diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
+    return {
+        "real_tokens": int(real.sum()),
+        "padded_tokens": int(padded.sum()),
+        "pad_eff": padding_efficiency(real, padded),
+        "per_batch_real": real,
+        "per_batch_padded": padded,
+    }
+
+
+def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = None) -> dict[str, Any]:
+    """Diagnostics of one epoch's global plan (all ranks), plus composition repeat against epoch + 1.
+
+    Args:
+        policy: the policy.
+        epoch: the epoch to describe.
+        bands: boundaries used for "bucket run length" when the policy has none (a fixed set makes policies
+            comparable); defaults to the policy's own boundaries, else 6 equal-count bands.
+
+    Returns:
+        A flat dict: pad_eff, real/padded tokens, batches and steps per epoch, mean/max samples per batch,
+        composition_repeat, adjacent_length_corr, bucket_run_length, within_batch_spread, and the sampling
+        diagnostics (kept, dropped, truncated, repeated/dropped by the remainder rule).
+    """
+    plan = policy.global_plan(epoch)
+    lengths = policy.lengths
+    batches = plan.batches
+    padding = plan_padding(batches, lengths, packed=policy.packed)
+    sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+    if bands is None:
+        bands = policy.boundaries
+    if bands is None:
+        kept_lengths = lengths[policy.admission.kept]
+        qs = np.unique(np.quantile(kept_lengths, np.linspace(0, 1, 7)[1:-1], method="higher").astype(np.int64))
+        bands = [0, *[int(q) for q in qs if q < kept_lengths.max()], int(kept_lengths.max())]
+    longest = diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
+    step_bucket = bucket_ids(longest, bands)[:: policy.world_size]  # bucket of each step (its rank-0 batch)
+    next_batches = policy.planner.plan(epoch + 1).batches
+    return {
+        "policy": policy.name,
+        "pad_eff": padding["pad_eff"],
+        # Share of the per-step token budget holding real tokens (packed: the row fill).
+        "budget_fill": padding["real_tokens"] / max(1, len(batches) * int(policy.config["max_tokens"])),
+        "real_tokens": padding["real_tokens"],
+        "padded_tokens": padding["padded_tokens"],
+        "batches_per_epoch": len(batches),
+        "steps_per_epoch": plan.steps,
+        "mean_samples_per_batch": float(sizes.mean()) if sizes.size else float("nan"),
+        "max_samples_per_batch": int(sizes.max()) if sizes.size else 0,
+        "composition_repeat": diversity.composition_repeat(batches, next_batches),
+        "adjacent_length_corr": diversity.adjacent_length_correlation(diversity.batch_mean_lengths(batches, lengths)),
+        "bucket_run_length": diversity.bucket_run_length(step_bucket),
+        "within_batch_spread": diversity.within_batch_spread(batches, lengths),
+        **{k: v for k, v in policy.diagnostics(epoch).items() if k != "steps"},
+    }
