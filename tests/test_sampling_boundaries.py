@@ -139,3 +139,33 @@ def test_quadratic_cost_shrinks_long_batches():
         longest = lengths[b].max()
         assert b.size * (longest + longest**2 / 512) <= 4096
     assert len(quad.batches(0)) > len(plain.batches(0))
+
+
+def reference_greedy(costs, limit, cap):
+    """The obvious one-pass greedy packer, as an oracle for the vectorised one."""
+    sizes, rows, widest = [], 0, 0.0
+    for cost in costs:
+        wider = max(widest, cost)
+        if (rows + 1) * wider > limit or rows == cap:
+            sizes.append(rows)
+            rows, widest = 1, cost
+        else:
+            rows, widest = rows + 1, wider
+    return sizes + [rows]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap", [None, 1, 3, 50])
+def test_vectorised_greedy_equals_one_pass_greedy(seed, cap):
+    from dflash_lab.sampling.core import TokenBudget, pack_in_order
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 600, size=rng.integers(1, 3000))
+    budget = TokenBudget(1024, cap, 300.0 if seed % 2 else None)
+    costs = budget.row_cost(lengths)
+    order = rng.permutation(lengths.size)
+    costs[order[costs[order] > 1024]] = 1024  # keep every single row admissible
+    batches, widest = pack_in_order(order, costs, budget)
+    assert [b.size for b in batches] == reference_greedy(costs[order].tolist(), 1024.0, cap or lengths.size + 1)
+    assert np.concatenate(batches).tolist() == order.tolist()
+    assert np.allclose(widest, [costs[b].max() for b in batches])

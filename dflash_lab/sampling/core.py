@@ -137,8 +137,9 @@ def pack_in_order(
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Greedy token-budget batches along ``order``: close a batch when the next row would break the budget.
 
-    Cost: one pass over N samples in plain Python floats (about 0.2 us per sample), one ``np.split`` and one
-    ``np.maximum.reduceat``.
+    Cost: one pass over N samples in plain Python floats (about 0.2 us per sample; measured faster here than a
+    vectorised binary-lifting variant, whose O(N log R) numpy passes cost more than the single loop), one
+    ``np.split`` and one ``np.maximum.reduceat``.
 
     Args:
         order: sample indices in the order they are consumed.
@@ -151,18 +152,18 @@ def pack_in_order(
     if order.size == 0:
         return [], np.zeros(0)
     ordered_costs = row_cost[order]
-    costs = ordered_costs.tolist()
     limit = float(budget.max_tokens)
-    cap = budget.max_samples or len(costs) + 1
+    cap = budget.max_samples or order.size + 1
     cuts = []
-    rows, widest = 0, 0.0
-    for position, cost in enumerate(costs):
+    rows, widest, position = 0, 0.0, 0
+    for cost in ordered_costs.tolist():
         wider = cost if cost > widest else widest
         if (rows + 1) * wider > limit or rows == cap:
             cuts.append(position)
             rows, widest = 1, cost
         else:
             rows, widest = rows + 1, wider
+        position += 1
     starts = np.asarray([0, *cuts], dtype=np.int64)
     return np.split(order, cuts), np.maximum.reduceat(ordered_costs, starts)
 

@@ -74,7 +74,10 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
         "mean_samples_per_batch": float(sizes.mean()) if sizes.size else float("nan"),
         "max_samples_per_batch": int(sizes.max()) if sizes.size else 0,
         "composition_repeat": diversity.composition_repeat(batches, next_batches),
-        "adjacent_length_corr": diversity.adjacent_length_correlation(diversity.batch_mean_lengths(batches, lengths)),
+        # Consumption order is per rank: rank 0 sees one batch of each step.
+        "adjacent_length_corr": diversity.adjacent_length_correlation(
+            diversity.batch_mean_lengths(batches[:: policy.world_size], lengths)
+        ),
         "bucket_run_length": diversity.bucket_run_length(step_bucket),
         "within_batch_spread": diversity.within_batch_spread(batches, lengths),
         **{k: v for k, v in policy.diagnostics(epoch).items() if k != "steps"},

@@ -1,0 +1,97 @@
+"""Planner: cost model, predictions, and the Hydra app on a reference workload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflash_lab.plan import CostModel, predict_throughput, sampler_configs
+from dflash_lab.sampling import build_policy
+
+
+def test_cost_model_fit_recovers_coefficients():
+    rng = np.random.default_rng(0)
+    padded = rng.integers(1000, 4096, 200).astype(float)
+    squared = padded * rng.integers(50, 1024, 200)
+    truth = CostModel(0.03, 2e-5, 1e-9)
+    fitted = CostModel.fit(padded, squared, truth.step_time(padded, squared) * (1 + rng.normal(0, 1e-3, 200)))
+    assert fitted.c0 == pytest.approx(0.03, rel=0.05)
+    assert fitted.c1 == pytest.approx(2e-5, rel=0.05)
+    assert fitted.c2 == pytest.approx(1e-9, rel=0.1)
+
+
+def test_cost_model_fit_never_goes_negative():
+    padded = np.linspace(100, 1000, 50)
+    fitted = CostModel.fit(padded, np.zeros(50), 0.5 - 1e-4 * padded)  # time falls with tokens: nonsense data
+    assert min(fitted.c0, fitted.c1, fitted.c2) >= 0
+
+
+def test_cost_model_from_run(tmp_path):
+    rng = np.random.default_rng(1)
+    padded = rng.integers(2000, 8192, 60) * 2  # two ranks' tokens
+    sq = padded * 300
+    rows = [{"step": i, "padded_tokens": int(p), "sq_tokens": int(s), "step_time_s": 0.01 + 1e-5 * p / 2}
+            for i, (p, s) in enumerate(zip(padded, sq))]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2}))
+    fitted = CostModel.from_run(tmp_path)
+    assert fitted.c1 == pytest.approx(1e-5, rel=0.02)
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        CostModel.from_run(tmp_path / "nowhere")
+
+
+def test_prediction_by_hand():
+    lengths = np.array([10, 10, 20, 20, 40, 40, 80, 80])
+    policy = build_policy("sorted_static", lengths, max_tokens=160, world_size=2)
+    cost = CostModel(1.0, 0.01, 0.0)
+    plan = policy.global_plan(0)
+    step_times = []
+    for s in range(plan.steps):
+        pair = plan.batches[2 * s : 2 * s + 2]
+        step_times.append(max(1.0 + 0.01 * b.size * lengths[b].max() for b in pair))
+    got = predict_throughput(policy, cost, epochs=3)
+    assert got["ktok_s"] == pytest.approx(lengths.sum() / sum(step_times) / 1000)
+    assert got["eta_s"] == pytest.approx(3 * sum(step_times))
+
+
+def test_full_random_predicted_slower_than_bucketed_on_seed_shape():
+    from dflash_lab.data.lengths import reference_lengths
+
+    lengths = reference_lengths("seed", 50000)
+    cost = CostModel(0.0, 2.5e-4, 0.0)
+    ktok = {
+        name: predict_throughput(build_policy(name, lengths, max_tokens=32768, world_size=8, **kw), cost, 6)["ktok_s"]
+        for name, kw in [("full_random", {}), ("bucketed", {"boundaries": "seed"})]
+    }
+    assert ktok["full_random"] < 0.7 * ktok["bucketed"]
+
+
+def test_sampler_configs_share_the_budget():
+    chosen = {"name": "bucketed", "max_tokens": 999, "boundaries": [0, 5, 10], "drop_last": True}
+    cfgs = sampler_configs(chosen, "all")
+    assert {c["max_tokens"] for c in cfgs.values()} == {999}
+    assert cfgs["bucketed_megabatch"]["boundaries"] == [0, 5, 10]
+    assert "boundaries" not in cfgs["packed"]
+    with pytest.raises(ValueError, match="unknown"):
+        sampler_configs(chosen, ["nope"])
+
+
+def test_plan_cli_writes_table(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_lab.plan", "data=lengths", "data.workload=cpu", "data.num_samples=20000",
+         "sampler.max_tokens=4096", "sweep_k=[2,4]", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "plan.csv", index_col=0)
+    assert set(table.index) == {"sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed"}
+    assert table.loc["sorted_static", "pad_eff"] > 0.99
+    assert table.loc["full_random", "pred_ktok_s"] < table.loc["bucketed", "pred_ktok_s"]
+    assert json.loads((tmp_path / "plan.json").read_text())["meta"]["num_samples"] == 20000
+    assert (tmp_path / "k_sweep.png").stat().st_size > 0
+    assert "| bucketed |" in out.stdout
