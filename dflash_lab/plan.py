@@ -5,14 +5,16 @@ configured data (or a reference length workload, ``data=lengths``), and prints o
 efficiency, batches and steps per epoch, samples per batch, the diversity diagnostics of ``sampling.stats``, and
 predicted Ktok/s and ETA for the configured run (``epochs``, ``world_size``). It writes ``plan.csv``, ``plan.json``
 and ``plan.md`` to its output directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
-``k_sweep.png``: padding efficiency against within-batch diversity, the trade-off the boundaries choose).
+``k_sweep.png``: padding efficiency against within-batch diversity, the trade-off the boundaries choose), and
+``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency.
 
 Cost model (explicit, per rank and step; a step lasts as long as its slowest rank):
 
     step time = c0 + c1 x padded tokens + c2 x squared tokens
 
 with padded/squared tokens as defined in ``metrics.throughput``. Coefficients come from config (``conf/cost/``),
-or are fitted by least squares on a finished run's ``metrics.jsonl`` (``cost.from_run=RUN_DIR``).
+are fitted by least squares on a finished run's ``metrics.jsonl`` (``cost.from_run=RUN_DIR``), or are calibrated
+by a short micro-benchmark of the configured model (``cost.calibrate=true``).
 Predicted Ktok/s = real tokens of the epoch (all ranks) / sum of step times / 1000; ETA = epochs x epoch time.
 """
 
@@ -28,7 +30,7 @@ import pandas as pd
 
 from .metrics import diversity
 from .metrics.throughput import full_run_eta_seconds, ktok_per_s
-from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config
+from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config, smallest_k_for_efficiency
 from .sampling.stats import plan_padding, plan_stats
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -86,6 +88,46 @@ class CostModel:
         rows = rows.iloc[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
         # Logged token counts are summed over ranks; the model is per rank.
         return cls.fit(rows["padded_tokens"] / world, rows["sq_tokens"] / world, rows["step_time_s"])
+
+
+def calibrate_cost(
+    model_cfg: Mapping[str, Any], max_tokens: int, *, row_lengths: Sequence[int] = (), repeats: int = 3, seed: int = 0
+) -> CostModel:
+    """Fit the cost model from a short micro-benchmark of the configured model (forward + backward + AdamW step).
+
+    Times full-budget padded batches at several row lengths (``max_tokens // length`` rows each) and half-budget
+    ones (so the constant term is identifiable), then fits ``CostModel.fit`` on (padded, squared, seconds).
+    """
+    import time
+
+    import torch
+
+    from .data import collate_padded
+    from .model import build_model
+
+    model, tokenizer = build_model(**dict(model_cfg))
+    model.train()
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
+    generator = torch.Generator().manual_seed(seed)
+    lengths = list(row_lengths) or [n for n in (32, 64, 128, 256, 512, 1024, 2048) if n <= max_tokens]
+    padded, squared, seconds = [], [], []
+    for length in lengths:
+        for share in (1.0, 0.5):
+            rows = max(1, int(max_tokens * share) // length)
+            ids = torch.randint(4, int(tokenizer.vocab_size), (rows, length), generator=generator)
+            samples = [{"input_ids": row, "loss_mask": torch.ones(length, dtype=torch.bool)} for row in ids]
+            batch = collate_padded(samples, list(range(rows)), [length] * rows, tokenizer.pad_token_id)
+            for attempt in range(repeats + 1):
+                start = time.perf_counter()
+                out = model(batch, generator)
+                out.loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if attempt:  # the first pass warms up allocators and kernels
+                    padded.append(rows * length)
+                    squared.append(rows * length * length)
+                    seconds.append(time.perf_counter() - start)
+    return CostModel.fit(np.asarray(padded, float), np.asarray(squared, float), np.asarray(seconds))
 
 
 def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0) -> dict[str, float]:
@@ -215,9 +257,16 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
 
         return reference_lengths(data_cfg["workload"], int(data_cfg["num_samples"]), seed=int(data_cfg.get("seed", 0)))
     from .data import build_dataset
-    from .model import build_tokenizer
+    from .data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 
-    tokenizer = build_tokenizer(**dict(model_cfg or {}))
+    model_cfg = dict(model_cfg or {})
+    if model_cfg.get("kind") == "hf":
+        # Lengths only need the target's tokenizer, not its weights.
+        from transformers import AutoTokenizer
+
+        tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(model_cfg["target_path"]))
+    else:
+        tokenizer = ByteTokenizer()
     train, _ = build_dataset(kind, tokenizer=tokenizer, **data_cfg).split()
     return train.lengths
 
@@ -251,11 +300,12 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     cost_cfg = dict(cfg["cost"])
-    cost = (
-        CostModel.from_run(cost_cfg["from_run"])
-        if cost_cfg.get("from_run")
-        else CostModel(float(cost_cfg["c0"]), float(cost_cfg["c1"]), float(cost_cfg.get("c2", 0.0)))
-    )
+    if cost_cfg.get("from_run"):
+        cost = CostModel.from_run(cost_cfg["from_run"])
+    elif cost_cfg.get("calibrate"):
+        cost = calibrate_cost(cfg["model"], int(cfg["sampler"]["max_tokens"]), seed=int(cfg["seed"]))
+    else:
+        cost = CostModel(float(cost_cfg["c0"]), float(cost_cfg["c1"]), float(cost_cfg.get("c2", 0.0)))
     lengths = load_lengths(cfg["data"], cfg.get("model"))
     samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
     table = plan_table(
@@ -283,6 +333,15 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         sweep.to_csv(out_dir / "k_sweep.csv", index=False)
         plot_k_sweep(sweep, out_dir / "k_sweep.png")
         print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
+    if cfg.get("target_pad_eff"):
+        shared = {k: v for k, v in cfg["sampler"].items() if k in SHARED_KEYS and k != "max_tokens"}
+        found = smallest_k_for_efficiency(
+            lengths, float(cfg["target_pad_eff"]), max_tokens=int(cfg["sampler"]["max_tokens"]),
+            method=cfg.get("sweep_method", "optimal"), seed=int(cfg["seed"]), **shared,
+        )
+        (out_dir / "smallest_k.json").write_text(json.dumps(found, indent=2))
+        print(f"\nfewest buckets reaching padding efficiency {cfg['target_pad_eff']}: K={found['num_buckets']} "
+              f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
     print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md")
     return table
 
