@@ -1,0 +1,47 @@
+"""Analysis: load runs (local run directories, W&B, offline W&B) into one schema, compare policies, plot.
+
+    records = load_runs(["multirun/ablation_policies"]).runs      # or wandb="entity/project", group="..."
+    comparison = compare_records(records)                           # comparison.runs / .policies / .bands
+    print(markdown_tables(comparison))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_lab.analysis.local import LoadReport, find_run_dirs, load_local_paths, load_local_run
+from dflash_lab.analysis.schema import RUN_COLUMNS, RunRecord
+from dflash_lab.analysis.summarize import Comparison, analyse_run, compare_records, markdown_tables
+from dflash_lab.analysis.wandb_runs import OfflineRun, load_offline_runs, load_wandb_runs, wandb_run_to_record
+
+
+def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str | None = None,
+              api=None) -> LoadReport:
+    """Load local paths (run dirs, multirun dirs, or offline W&B run dirs) and, optionally, W&B runs.
+
+    A local path holding no contract run directory is tried as a folder of offline W&B runs before it is reported
+    as a problem. Never raises for bad input: see `LoadReport.problems`.
+
+    Example:
+        >>> load_runs(["/nonexistent"]).problems
+        ['/nonexistent: does not exist']
+    """
+    report = LoadReport()
+    for path in paths:
+        local = load_local_paths([path])
+        if not local.runs and Path(path).is_dir() and OfflineRun.find(path):
+            local = load_offline_runs(path)
+        report.runs += local.runs
+        report.problems += local.problems
+    if wandb:
+        online = load_wandb_runs(wandb, group, api=api)
+        report.runs += online.runs
+        report.problems += online.problems
+    return report
+
+
+__all__ = [
+    "RUN_COLUMNS", "Comparison", "LoadReport", "OfflineRun", "RunRecord", "analyse_run", "compare_records",
+    "find_run_dirs", "load_local_paths", "load_local_run", "load_offline_runs", "load_runs", "load_wandb_runs",
+    "markdown_tables", "wandb_run_to_record",
+]

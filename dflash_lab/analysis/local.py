@@ -1,0 +1,226 @@
+"""Load local run directories (docs/CONTRACTS.md layout) into `RunRecord`s.
+
+A path is a run directory when it holds `metrics.jsonl` or `.hydra/config.yaml`. Any other directory is searched
+for run directories below it (a multirun folder expands to its runs; the search does not descend into a run).
+Nothing here raises on bad input: problems become `RunRecord.messages` or `LoadReport.problems`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from dflash_lab.analysis.schema import (
+    PRESENTATION_COLUMNS,
+    PROBE_COLUMNS,
+    STEP_COLUMNS,
+    RunRecord,
+    conform,
+)
+
+RUN_MARKERS = ("metrics.jsonl", ".hydra/config.yaml")
+
+
+@dataclass
+class LoadReport:
+    """Runs loaded from some paths, and one message per path that held no run or could not be read."""
+
+    runs: list[RunRecord] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def is_run_dir(path: Path) -> bool:
+    """True when `path` holds metrics.jsonl or .hydra/config.yaml.
+
+    Example:
+        >>> is_run_dir(Path("/nonexistent"))
+        False
+    """
+    return path.is_dir() and any((path / marker).is_file() for marker in RUN_MARKERS)
+
+
+def _is_wandb_dir(path: Path) -> bool:
+    """A W&B folder (`wandb/`, or an offline run holding a `.wandb` log): its files/ copies are not runs."""
+    return path.name == "wandb" or any(path.glob("*.wandb"))
+
+
+def find_run_dirs(path: Path | str) -> list[Path]:
+    """`path` itself if it is a run directory, else every run directory below it (sorted; hidden dirs skipped).
+
+    W&B folders are not searched: an offline run's files/ holds copies of metrics.jsonl (read those through
+    `wandb_runs.load_offline_runs` instead).
+
+    Example:
+        >>> find_run_dirs("/nonexistent")
+        []
+    """
+    root = Path(path)
+    if is_run_dir(root):
+        return [root]
+    found: list[Path] = []
+    if not root.is_dir() or _is_wandb_dir(root):
+        return found
+    for directory, subdirs, _ in os.walk(root):
+        current = Path(directory)
+        if is_run_dir(current):
+            found.append(current)
+            subdirs[:] = []  # checkpoints/, wandb/ ... of a run are not runs
+            continue
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not _is_wandb_dir(current / d))
+    return sorted(found)
+
+
+def read_jsonl(path: Path) -> tuple[pd.DataFrame, int]:
+    """Rows of a JSON-lines file; lines that do not parse (a line cut by a crash) are skipped and counted.
+
+    Example:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "m.jsonl"
+        >>> _ = file.write_text('{"step": 1}\\n{"step": 2')
+        >>> frame, bad = read_jsonl(file)
+        >>> len(frame), bad
+        (1, 1)
+    """
+    rows, bad = [], 0
+    with open(path) as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+    return pd.DataFrame(rows), bad
+
+
+def read_config(run_dir: Path) -> tuple[dict, str | None]:
+    """The resolved Hydra config of a run as a plain dict ({} and a message if missing or unreadable)."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}, "no .hydra/config.yaml: sampler and seed come from summary.json only"
+    try:
+        from omegaconf import OmegaConf
+
+        loaded = OmegaConf.load(path)
+        # resolve=False: interpolations such as ${hydra:...} cannot resolve outside a Hydra app
+        return OmegaConf.to_container(loaded, resolve=False), None  # type: ignore[return-value]
+    except Exception as exc:  # noqa: BLE001 - a broken config must not stop the comparison
+        return {}, f"could not read .hydra/config.yaml ({type(exc).__name__}: {exc})"
+
+
+def _steps_table(frame: pd.DataFrame, messages: list[str], label: str) -> pd.DataFrame:
+    steps, missing = conform(frame, STEP_COLUMNS)
+    if missing and len(frame):
+        messages.append(f"{label} lacks {', '.join(missing)}: figures that need them are NaN")
+    if len(steps):
+        steps = steps.sort_values("step", kind="stable").drop_duplicates("step", keep="last").reset_index(drop=True)
+    return steps
+
+
+def load_local_run(run_dir: Path | str) -> RunRecord:
+    """Read one run directory into a RunRecord; never raises for missing or damaged files.
+
+    Args:
+        run_dir: a directory holding metrics.jsonl and/or .hydra/config.yaml (see `is_run_dir`).
+
+    Returns:
+        RunRecord with source "local"; `messages` lists what was missing (summary.json, probes, ...).
+
+    Example:
+        >>> record = load_local_run("/nonexistent")
+        >>> record.status, any(m.startswith("no summary.json") for m in record.messages)
+        ('no_summary', True)
+    """
+    path = Path(run_dir)
+    messages: list[str] = []
+    record = RunRecord(run_id=path.name, source="local", location=str(path), name=path.name)
+
+    record.config, config_message = read_config(path)
+    if config_message:
+        messages.append(config_message)
+    experiment = record.config.get("experiment")
+    record.group = str(experiment) if experiment else path.parent.name
+
+    summary_path = path / "summary.json"
+    if summary_path.is_file():
+        try:
+            loaded = json.loads(summary_path.read_text())
+            record.summary = loaded if isinstance(loaded, dict) else {}
+        except json.JSONDecodeError as exc:
+            messages.append(f"summary.json is not valid JSON ({exc}): treated as a partial run")
+    else:
+        messages.append("no summary.json (crashed or still running): partial run, figures from metrics.jsonl")
+
+    metrics_path = path / "metrics.jsonl"
+    if metrics_path.is_file():
+        frame, bad = read_jsonl(metrics_path)
+        if bad:
+            messages.append(f"metrics.jsonl: skipped {bad} unreadable line(s)")
+        record.steps = _steps_table(frame, messages, "metrics.jsonl")
+    else:
+        messages.append("no metrics.jsonl: no per-step figures")
+    if record.steps.empty:
+        messages.append("no logged steps")
+
+    probes_path = path / "probes.jsonl"
+    if probes_path.is_file():
+        frame, bad = read_jsonl(probes_path)
+        if bad:
+            messages.append(f"probes.jsonl: skipped {bad} unreadable line(s)")
+        record.probes, missing = conform(frame, PROBE_COLUMNS)
+        if missing and len(frame):
+            messages.append(f"probes.jsonl lacks {', '.join(missing)}")
+    else:
+        messages.append("no probes.jsonl: band forgetting, interference and loop score are NaN")
+
+    presentations_path = path / "presentations.parquet"
+    if presentations_path.is_file():
+        try:
+            record.presentations, missing = conform(pd.read_parquet(presentations_path), PRESENTATION_COLUMNS)
+            if missing:
+                messages.append(f"presentations.parquet lacks {', '.join(missing)}")
+        except Exception as exc:  # noqa: BLE001 - a half-written parquet file from a crash
+            messages.append(f"could not read presentations.parquet ({type(exc).__name__}): example forgetting NaN")
+    else:
+        messages.append("no presentations.parquet: example forgetting events are NaN")
+
+    record.messages = messages
+    return record
+
+
+def load_local_paths(paths: list[Path | str]) -> LoadReport:
+    """Expand each path to its run directories and load them; paths holding no run become problems.
+
+    Example:
+        >>> load_local_paths(["/nonexistent"]).problems
+        ['/nonexistent: does not exist']
+    """
+    report = LoadReport()
+    seen: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            report.problems.append(f"{raw}: does not exist")
+            continue
+        run_dirs = find_run_dirs(path)
+        if not run_dirs:
+            report.problems.append(
+                f"{raw}: not a run directory (no metrics.jsonl or .hydra/config.yaml) and holds no run directories"
+            )
+            continue
+        for run_dir in run_dirs:
+            resolved = run_dir.resolve()
+            if resolved in seen:
+                continue
+            seen.add(resolved)
+            report.runs.append(load_local_run(run_dir))
+    return report

@@ -1,0 +1,173 @@
+"""The one schema every run source (local run directory, W&B run, offline W&B run) is loaded into.
+
+A loaded run is a `RunRecord`: identity and status, the resolved config, the final summary, and three long tables
+whose columns are the run-directory contract (docs/CONTRACTS.md, `dflash_lab.run_logger`):
+
+    steps          one row per logged training step   STEP_COLUMNS    (metrics.jsonl)
+    probes         one row per (eval, band)           PROBE_COLUMNS   (probes.jsonl)
+    presentations  one row per example presentation  PRESENTATION_COLUMNS (presentations.parquet)
+
+Analysis turns records into the comparison table: one row per run with exactly RUN_COLUMNS (see `RUN_COLUMN_DOCS`
+for the formula behind each column), and per-policy aggregates (mean and std over seeds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dflash_lab.run_logger import METRIC_FIELDS, PROBE_FIELDS, SUMMARY_FIELDS
+
+STEP_COLUMNS: tuple[str, ...] = METRIC_FIELDS
+PROBE_COLUMNS: tuple[str, ...] = PROBE_FIELDS
+PRESENTATION_COLUMNS: tuple[str, ...] = ("sample_index", "epoch", "step", "length", "band", "acc")
+SUMMARY_KEYS: tuple[str, ...] = SUMMARY_FIELDS
+
+# Status of a run whose summary.json is missing: it crashed or is still running; figures come from metrics.jsonl.
+STATUS_NO_SUMMARY = "no_summary"
+
+# Column -> where its value comes from. "summary:" columns fall back to the steps table for partial runs.
+RUN_COLUMN_DOCS: dict[str, str] = {
+    "run_id": "run directory name or W&B run id",
+    "name": "display name (run directory name or W&B run name)",
+    "source": "local | wandb | wandb_offline",
+    "location": "run directory path or W&B path entity/project/id",
+    "group": "experiment / W&B group",
+    "sampler": "summary.sampler, else config sampler.name",
+    "seed": "summary.seed, else config seed",
+    "status": "summary.status (finished | failed | running), else no_summary",
+    "partial": "True unless status == finished",
+    "steps": "summary.steps, else last logged step",
+    "ktok_s": "summary.ktok_s, else throughput.steady_state_ktok_s(steps.ktok_s)",
+    "pad_eff": "summary.pad_eff, else throughput.padding_efficiency(steps.real_tokens, steps.padded_tokens)",
+    "eta_s": "summary.eta_s, else the last logged eta_s",
+    "full_run_eta_s": "summary.full_run_eta_s",
+    "overhead_frac": "summary.overhead_frac",
+    "jumpiness": "jumpiness.jumpiness: std(d_t), d_t = log L_t - log L_(t-1), steady state",
+    "robust_jumpiness": "jumpiness.robust_jumpiness: 1.4826 median(|d - median d|), steady state",
+    "resid_lag1_acf": "jumpiness.autocorrelation(L_t - EMA_t, lag 1), steady state",
+    "spike_score": "jumpiness.spike_flags: share of steps with L_t > mean(W) + 6 std(W), W = previous 128",
+    "length_r2": "jumpiness.length_confound: R^2 of r_t on [log mean_len, log max_len, one_hot(bucket)]",
+    "residual_jumpiness": "jumpiness.length_confound: jumpiness of EMA_t + fit residual",
+    "band_forgetting": "forgetting.band_forgetting: F_b averaged over probe bands",
+    "final_drop": "forgetting.final_drop: drop_b averaged over probe bands",
+    "max_final_drop": "forgetting.final_drop: the largest drop_b over probe bands",
+    "forgetting_events_per_example": "forgetting.example_forgetting: mean learned->not-learned events per example",
+    "frac_ever_forgotten": "forgetting.example_forgetting: share of examples with >= 1 event",
+    "frac_never_learned": "forgetting.example_forgetting: share of examples never at acc >= 0.5",
+    "interference_cross": "forgetting.interference_matrix: mean of I[a, b] over a != b (learning curve partialled out)",
+    "loop_score": "forgetting.loop_score: mean over bands of the autocorrelation of band-relative, detrended probe "
+                  "log-loss at the bucket-cycle lag",
+    "loop_lag_evals": "forgetting.loop_score: lag L in evals",
+    "final_loss": "summary.final_loss, else the last logged loss",
+    "final_acc": "summary.final_acc, else the last logged acc",
+    "tau": "summary.tau: acceptance length of greedy speculative decoding",
+    "tau_baseline": "summary.tau_baseline: tau of the untrained draft",
+    "notes": "what was missing or approximated for this run",
+}
+RUN_COLUMNS: tuple[str, ...] = tuple(RUN_COLUMN_DOCS)
+
+# Columns of the comparison table (comparison.md), in order: the figures the ablation is judged on.
+COMPARISON_COLUMNS: tuple[str, ...] = (
+    "ktok_s",
+    "pad_eff",
+    "eta_s",
+    "jumpiness",
+    "spike_score",
+    "length_r2",
+    "band_forgetting",
+    "forgetting_events_per_example",
+    "loop_score",
+    "final_loss",
+    "final_acc",
+    "tau",
+)
+NUMERIC_RUN_COLUMNS: tuple[str, ...] = tuple(
+    c
+    for c in RUN_COLUMNS
+    if c not in {"run_id", "name", "source", "location", "group", "sampler", "status", "partial", "notes"}
+)
+
+
+def conform(frame: pd.DataFrame | None, columns: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
+    """Reorder `frame` to `columns`, adding missing ones as NaN; returns (frame, names of missing columns).
+
+    Extra columns are kept after the contract ones (a newer trainer may log more).
+
+    Example:
+        >>> frame, missing = conform(pd.DataFrame({"b": [1]}), ("a", "b"))
+        >>> list(frame.columns), missing
+        (['a', 'b'], ['a'])
+    """
+    if frame is None:
+        frame = pd.DataFrame()
+    missing = [c for c in columns if c not in frame.columns]
+    extra = [c for c in frame.columns if c not in columns]
+    result = frame.copy()
+    for name in missing:
+        result[name] = np.nan
+    return result[list(columns) + extra], missing
+
+
+@dataclass
+class RunRecord:
+    """One training run in the common schema, whatever it was loaded from.
+
+    Attributes:
+        run_id: run directory name or W&B id (unique within one comparison).
+        source: "local", "wandb" or "wandb_offline".
+        location: where it was read from (directory path or W&B path).
+        config: resolved training config (nested dict; empty if unknown).
+        summary: summary.json contents (empty if the run has none).
+        steps / probes / presentations: the contract tables (probes / presentations may be empty).
+        messages: human-readable notes on anything missing or repaired while loading.
+    """
+
+    run_id: str
+    source: str
+    location: str
+    name: str = ""
+    group: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    steps: pd.DataFrame = field(default_factory=lambda: conform(None, STEP_COLUMNS)[0])
+    probes: pd.DataFrame = field(default_factory=lambda: conform(None, PROBE_COLUMNS)[0])
+    presentations: pd.DataFrame = field(default_factory=lambda: conform(None, PRESENTATION_COLUMNS)[0])
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """summary.status, or "no_summary" when the run never wrote its summary (crashed or still running)."""
+        if not self.summary:
+            return STATUS_NO_SUMMARY
+        return str(self.summary.get("status") or "finished")
+
+    @property
+    def partial(self) -> bool:
+        """True for any run that did not finish: its figures are computed from what it logged."""
+        return self.status != "finished"
+
+    @property
+    def sampler(self) -> str | None:
+        """Policy name: summary.sampler, else config sampler.name (or a flat "sampler.name"/"sampler" key)."""
+        value = self.summary.get("sampler")
+        if value:
+            return str(value)
+        sampler_cfg = self.config.get("sampler")
+        if isinstance(sampler_cfg, dict) and sampler_cfg.get("name"):
+            return str(sampler_cfg["name"])
+        if isinstance(sampler_cfg, str):
+            return sampler_cfg
+        flat = self.config.get("sampler.name") or self.config.get("sampler/name")
+        return str(flat) if flat else None
+
+    @property
+    def seed(self) -> int | None:
+        """summary.seed, else config seed."""
+        for value in (self.summary.get("seed"), self.config.get("seed")):
+            if value is not None and not (isinstance(value, float) and np.isnan(value)):
+                return int(value)
+        return None

@@ -1,0 +1,99 @@
+"""On-disk caches shared by datasets and the tiny target: a hashed key, a directory built once, atomically.
+
+Algorithm: ``build_once(path, build)`` returns at once when ``path`` exists. Otherwise it takes an exclusive
+``fcntl`` lock on ``path + ".lock"`` (so DDP ranks or parallel jobs wait for one builder instead of racing),
+checks again, lets ``build`` fill a private temporary directory next to ``path`` and renames it into place
+(``os.replace`` is atomic on one file system), so a reader never sees a half-written cache. Temporary
+directories of a builder that was killed are removed by the next builder of the same entry.
+
+Cost: one ``stat`` when the cache exists; otherwise whatever ``build`` costs.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache root: ``cache_dir`` if given, else ``$DFLASH_LAB_CACHE``, else ``~/.cache/dflash_lab``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("DFLASH_LAB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dflash_lab"
+
+
+def config_hash(obj) -> str:
+    """16 hex digits of sha256 over the canonical JSON of ``obj`` (dict keys sorted)."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def source_hash(*modules) -> str:
+    """Hash of the code of ``modules``: a cache built by older code is never reused.
+
+    The hash covers the syntax tree without docstrings, so comments, docstrings and formatting can change
+    without invalidating caches (the tiny target takes a minute to rebuild); any change to the code does.
+    """
+    digest = hashlib.sha256()
+    for module in modules:
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(ast.dump(tree, include_attributes=False).encode())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def file_lock(lock_path: Path):
+    """Exclusive advisory lock held for the ``with`` block (blocks until free)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def build_once(path: Path, build: Callable[[Path], None]) -> tuple[Path, bool]:
+    """Make sure directory ``path`` exists, building it with ``build(tmp_dir)`` at most once.
+
+    Args:
+        path: final cache directory.
+        build: fills the given (empty, temporary) directory; it is renamed to ``path`` on success and removed
+            on failure.
+
+    Returns:
+        (path, built): built is True when this call ran ``build``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return path, False
+    with file_lock(path.with_name(path.name + ".lock")):
+        if path.is_dir():  # another process finished while we waited for the lock
+            return path, False
+        # Holding the lock, nobody else builds this entry: temporary dirs left by a killed builder are stale.
+        for stale in path.parent.glob(path.name + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+        try:
+            build(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return path, True

@@ -1,0 +1,245 @@
+"""Tokenized datasets behind one class, built once per (data config, tokenizer, code) and memory-mapped after.
+
+Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/``):
+    tokens.npy  int32[total]   all samples' ids, concatenated
+    loss_mask.npy bool[total]  supervised tokens
+    offsets.npy int64[N + 1]   sample i is tokens[offsets[i]:offsets[i+1]]
+    lengths.npy int64[N]       one length per sample: what the samplers read, without touching the samples
+    meta.json                  config, counts (e.g. skipped JSONL lines)
+The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
+them rebuilds. Arrays are opened with ``mmap_mode="r"``: start-up cost is independent of N.
+
+``TokenizedDataset.split()`` holds out ``probe_fraction`` of the samples for probes and decoding prompts,
+stratified by length (one pick per run of ``1/probe_fraction`` samples in length order) so every length band
+has held-out samples; training uses the other view, so it never sees them.
+
+Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_lab.data import code as code_module
+from dflash_lab.data import jsonl as jsonl_module
+from dflash_lab.data import synthetic as synthetic_module
+from dflash_lab.data import tokenizer as tokenizer_module
+from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
+from dflash_lab.data.tokenizer import ByteTokenizer
+
+KINDS = ("synthetic", "code", "jsonl")
+__all__ = ["KINDS", "TokenizedDataset", "build_dataset", "default_cache_dir"]
+
+
+class TokenizedDataset:
+    """Samples as ``{"input_ids": Long[L], "loss_mask": Bool[L], "index": i}`` over memory-mapped arrays.
+
+    Args:
+        tokens, loss_mask, offsets, lengths: the cached arrays (see module docstring).
+        meta: the cache metadata (config, counts).
+        indices: optional view: sample i of this dataset is sample ``indices[i]`` of the arrays.
+        probe_fraction, split_seed: defaults for :meth:`split`.
+    """
+
+    def __init__(self, tokens, loss_mask, offsets, lengths, meta: dict, indices: np.ndarray | None = None,
+                 probe_fraction: float = 0.05, split_seed: int = 0):
+        self._tokens = tokens
+        self._loss_mask = loss_mask
+        self._offsets = offsets
+        self._all_lengths = lengths
+        self.meta = meta
+        self.source_indices = (np.arange(len(lengths), dtype=np.int64) if indices is None
+                               else np.asarray(indices, dtype=np.int64))
+        self.lengths = np.ascontiguousarray(lengths[self.source_indices], dtype=np.int64)
+        self.probe_fraction = probe_fraction
+        self.split_seed = split_seed
+
+    def __len__(self) -> int:
+        return len(self.source_indices)
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers receive a pickled dataset: send the cache directory, not the (memory-mapped)
+        # token arrays, which pickle would copy in full into every worker.
+        state = dict(self.__dict__)
+        if self.meta.get("directory"):
+            state["_tokens"] = state["_loss_mask"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._tokens is None:
+            directory = Path(self.meta["directory"])
+            self._tokens = np.load(directory / "tokens.npy", mmap_mode="r")
+            self._loss_mask = np.load(directory / "loss_mask.npy", mmap_mode="r")
+
+    def __getitem__(self, i: int) -> dict:
+        source = int(self.source_indices[i])
+        start, end = int(self._offsets[source]), int(self._offsets[source + 1])
+        return {
+            "input_ids": torch.from_numpy(np.asarray(self._tokens[start:end], dtype=np.int64)),
+            "loss_mask": torch.from_numpy(np.array(self._loss_mask[start:end], dtype=bool)),
+            "index": int(i),
+        }
+
+    @property
+    def stats(self) -> dict:
+        """Counts recorded when the cache was built (e.g. ``jsonl``: total/kept/bad lines)."""
+        return dict(self.meta.get("stats", {}))
+
+    def subset(self, indices) -> TokenizedDataset:
+        """A view holding samples ``indices`` of this dataset (renumbered 0..len-1)."""
+        return TokenizedDataset(self._tokens, self._loss_mask, self._offsets, self._all_lengths, self.meta,
+                                self.source_indices[np.asarray(indices, dtype=np.int64)],
+                                self.probe_fraction, self.split_seed)
+
+    def heldout_indices(self, probe_fraction: float | None = None, seed: int | None = None) -> np.ndarray:
+        """Sorted indices of the held-out samples (length-stratified, deterministic)."""
+        fraction = self.probe_fraction if probe_fraction is None else probe_fraction
+        seed = self.split_seed if seed is None else seed
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"data.probe_fraction={fraction}: choose a held-out share in [0, 1)")
+        n = len(self)
+        if fraction == 0.0 or n < 2:
+            return np.zeros(0, dtype=np.int64)
+        stride = max(2, int(round(1.0 / fraction)))
+        order = np.argsort(self.lengths, kind="stable")
+        rng = np.random.default_rng(seed)
+        picks = [order[start + rng.integers(min(stride, n - start))] for start in range(0, n, stride)]
+        return np.sort(np.asarray(picks, dtype=np.int64))
+
+    def train_indices(self, probe_fraction: float | None = None, seed: int | None = None) -> np.ndarray:
+        """Sorted indices of the training samples: everything not held out."""
+        keep = np.ones(len(self), dtype=bool)
+        keep[self.heldout_indices(probe_fraction, seed)] = False
+        return np.flatnonzero(keep).astype(np.int64)
+
+    def split(self, probe_fraction: float | None = None,
+              seed: int | None = None) -> tuple[TokenizedDataset, TokenizedDataset]:
+        """(train view, held-out view); defaults from the data config's probe_fraction and seed.
+
+        Example:
+            >>> train, heldout = ds.split()            # doctest: +SKIP
+            >>> len(train) + len(heldout) == len(ds)   # doctest: +SKIP
+            True
+        """
+        return (self.subset(self.train_indices(probe_fraction, seed)),
+                self.subset(self.heldout_indices(probe_fraction, seed)))
+
+
+def _write_arrays(directory: Path, samples, kind: str) -> None:
+    """Consume (ids, mask) pairs into the cache arrays (chunks keep peak memory ~ 2x the corpus)."""
+    ids_chunks, mask_chunks, lengths = [], [], []
+    for ids, mask in samples:
+        ids_chunks.append(np.asarray(ids, dtype=np.int32))
+        mask_chunks.append(np.asarray(mask, dtype=bool))
+        lengths.append(len(ids))
+    if not lengths:
+        raise ValueError(f"the {kind} dataset produced no samples: check the data config (data.*)")
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths_arr, out=offsets[1:])
+    np.save(directory / "tokens.npy", np.concatenate(ids_chunks))
+    np.save(directory / "loss_mask.npy", np.concatenate(mask_chunks))
+    np.save(directory / "offsets.npy", offsets)
+    np.save(directory / "lengths.npy", lengths_arr)
+
+
+def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedDataset:
+    meta = json.loads((directory / "meta.json").read_text())
+    meta["directory"] = str(directory)
+    return TokenizedDataset(
+        np.load(directory / "tokens.npy", mmap_mode="r"),
+        np.load(directory / "loss_mask.npy", mmap_mode="r"),
+        np.load(directory / "offsets.npy"),
+        np.load(directory / "lengths.npy"),
+        meta,
+        probe_fraction=probe_fraction,
+        split_seed=split_seed,
+    )
+
+
+def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | None = None,
+                  probe_fraction: float = 0.05, seed: int = 0, num_samples: int | None = 3000,
+                  min_length: int = 32, max_length: int = 1024, path: str | None = None,
+                  max_bad_fraction: float = 0.01, stdlib_dir: str | None = None, **unused) -> TokenizedDataset:
+    """Build (first call) or load (later calls) a tokenized dataset.
+
+    Args:
+        kind: ``synthetic`` (embedded default), ``code`` (stdlib functions/classes) or ``jsonl`` (chat file).
+        tokenizer: the target's tokenizer (``build_model`` returns it); default ByteTokenizer.
+        cache_dir: cache root (default ``$DFLASH_LAB_CACHE`` or ``~/.cache/dflash_lab``).
+        probe_fraction: held-out share used by ``split()``.
+        seed: corpus seed (synthetic) and held-out split seed.
+        num_samples: synthetic: corpus size; code: cap (None = all); jsonl: ignored.
+        min_length: synthetic: smallest sample; code: skip shorter samples.
+        max_length: code/jsonl: cap on tokens per sample (synthetic lengths are capped at 1024 by their shape).
+        path: jsonl: the file.
+        max_bad_fraction: jsonl: largest tolerated share of malformed lines.
+        stdlib_dir: code: override the standard-library directory.
+        **unused: other keys of the data config (e.g. ``name``) are accepted and ignored.
+
+    Returns:
+        A TokenizedDataset whose ``lengths`` come from the cached lengths array.
+
+    Example:
+        >>> ds = build_dataset("synthetic", num_samples=100)   # doctest: +SKIP
+        >>> ds.lengths.dtype
+        dtype('int64')
+    """
+    del unused
+    tokenizer = tokenizer or ByteTokenizer()
+    if kind == "synthetic":
+        if not num_samples or num_samples <= 0:
+            raise ValueError(f"data.num_samples={num_samples}: the synthetic corpus needs a positive size")
+        config = {"num_samples": int(num_samples), "seed": int(seed), "min_length": int(min_length)}
+        module = synthetic_module
+
+        def produce(report):
+            return synthetic_module.iter_synthetic(tokenizer, **config)
+    elif kind == "code":
+        config = {"num_samples": num_samples, "max_length": int(max_length), "min_length": int(min_length),
+                  "stdlib_dir": stdlib_dir or code_module.sysconfig.get_paths()["stdlib"]}
+        module = code_module
+
+        def produce(report):
+            return code_module.iter_code(tokenizer, **config)
+    elif kind == "jsonl":
+        if not path:
+            raise ValueError("data.path is not set: data=jsonl needs data.path=/path/to/chat.jsonl")
+        file = Path(path).expanduser().resolve()
+        if not file.is_file():
+            raise FileNotFoundError(f"data.path={path!r} does not exist: point it at a ShareGPT/messages JSONL file")
+        if not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"data.max_bad_fraction={max_bad_fraction}: choose a share in [0, 1]")
+        stat = file.stat()
+        config = {"path": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                  "max_length": int(max_length), "max_bad_fraction": float(max_bad_fraction)}
+        module = jsonl_module
+
+        def produce(report):
+            return jsonl_module.iter_jsonl(tokenizer, path=str(file), max_length=int(max_length),
+                                           max_bad_fraction=float(max_bad_fraction), report=report)
+    else:
+        raise ValueError(f"data.kind={kind!r}: choose one of {', '.join(KINDS)}")
+
+    key = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint,
+           "code": source_hash(module, sys.modules[__name__], tokenizer_module)}
+    directory = default_cache_dir(cache_dir) / "data" / f"{kind}-{config_hash(key)}"
+
+    def build(tmp: Path) -> None:
+        report = jsonl_module.JsonlReport()
+        meta = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint}
+        # iter_jsonl raises after its pass when too many lines are bad: the cache is then never written.
+        _write_arrays(tmp, produce(report), kind)
+        meta["stats"] = report.as_dict() if kind == "jsonl" else {}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+
+    build_once(directory, build)
+    return _load(directory, probe_fraction, seed)
+
+

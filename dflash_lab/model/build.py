@@ -1,0 +1,120 @@
+"""``build_model(**model_cfg) -> (DFlashModel, tokenizer)``: the model config's plain keys -> a ready model.
+
+``kind=tiny``: ByteTokenizer + the cached, self-pretrained tiny Qwen3 target (dflash_lab.model.target).
+``kind=hf``: a local HF causal LM + its tokenizer (HFTokenizerAdapter), frozen, bf16 on GPU.
+Then a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers`` layers) reading the
+target layers ``target_layer_ids`` (default spacing rule: dflash_lab.model.draft.default_target_layer_ids).
+
+Cost: tiny: the first call pretrains (~1 min on 2 cores), later calls load in < 1 s; hf: the weights' load time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
+from dflash_lab.model.dflash import DFlashModel
+from dflash_lab.model.draft import DFlashDraft, DraftConfig, default_target_layer_ids
+from dflash_lab.model.target import load_hf_target, load_or_build_tiny_target
+
+log = logging.getLogger(__name__)
+KINDS = ("tiny", "hf")
+
+_TINY_PRETRAIN_CORPUS = {"kind": "synthetic", "num_samples": 3000, "seed": 0}
+
+
+def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | None = None,
+                anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
+                target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
+                draft_init_seed: int = 0, draft_init_std: float | None = None, cache_dir: str | None = None,
+                hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
+                intermediate_size: int = 192, max_position_embeddings: int = 2048,
+                pretrain_steps: int = 400, pretrain_tokens_per_step: int = 2048, pretrain_lr: float = 1e-2,
+                pretrain_window: int = 256, pretrain_seed: int = 0, pretrain_max_seconds: float | None = None,
+                pretrain_data: dict | None = None,
+                target_path: str | None = None, dtype: str = "auto", device: str | None = None,
+                attn_implementation: str = "sdpa", mask_token_id: int | None = None,
+                **unused):
+    """Build the DFlash model and the target's tokenizer from plain config values.
+
+    Args:
+        kind: ``tiny`` or ``hf``.
+        block_size: tokens per draft block (16 on GPU as in DFlash, 8 on CPU).
+        loss_gamma: slot-weight decay constant (None: 7 for bs 16, 5 for 10, 4 for 8).
+        anchors_per_doc: anchors per document (cap when anchor_density is set).
+        anchor_density: anchors per valid anchor position (None: exactly anchors_per_doc per document).
+        draft_layers: number of draft decoder layers (also the number of target layers read, by default).
+        target_layer_ids: target layers read (None: the spacing rule).
+        draft_intermediate_size: MLP width of the draft (None: the target's).
+        draft_init_seed: seed of the draft initialisation.
+        draft_init_std: std of the draft's linear weights (None: hidden_size ** -0.5, see DFlashDraft).
+        cache_dir: cache root for the tiny target and its corpus.
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings: tiny shape.
+        pretrain_steps, pretrain_tokens_per_step, pretrain_lr, pretrain_window, pretrain_seed,
+            pretrain_max_seconds: tiny pretraining (dflash_lab.model.target.pretrain_tiny_target).
+        pretrain_data: corpus of the tiny target (``build_dataset`` keys; default synthetic, 3000 samples).
+        target_path, dtype, device, attn_implementation: hf target loading.
+        mask_token_id: hf: MASK id (None: tokenizer's mask, else pad, else eos token).
+        **unused: other keys of the model config (e.g. ``name``, ``decode_*``) are accepted and ignored.
+
+    Returns:
+        (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter.
+
+    Example:
+        >>> model, tok = build_model("tiny", block_size=8)   # doctest: +SKIP
+    """
+    del unused
+    if kind == "tiny":
+        tokenizer = ByteTokenizer()
+        arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
+                "num_kv_heads": int(num_kv_heads), "intermediate_size": int(intermediate_size),
+                "max_position_embeddings": int(max_position_embeddings)}
+        pretrain = {"steps": int(pretrain_steps), "tokens_per_step": int(pretrain_tokens_per_step),
+                    "lr": float(pretrain_lr), "window": int(pretrain_window), "seed": int(pretrain_seed),
+                    "max_seconds": pretrain_max_seconds}
+        corpus = dict(pretrain_data) if pretrain_data else dict(_TINY_PRETRAIN_CORPUS)
+        target, meta = load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain, corpus=corpus,
+                                                 cache_dir=cache_dir)
+        log.info("tiny target: %s (pretrain loss %.3f)", meta["path"], meta["pretrain_stats"]["loss"])
+        target.dflash_meta = meta
+        mask_id = tokenizer.mask_token_id
+    elif kind == "hf":
+        target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
+                                              attn_implementation=attn_implementation)
+        tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_token_id)
+        mask_id = tokenizer.mask_token_id
+    else:
+        raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
+
+    config = target.config
+    layers = config.num_hidden_layers
+    layer_ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(layers, int(draft_layers))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    draft_cfg = DraftConfig(
+        hidden_size=config.hidden_size,
+        num_layers=int(draft_layers),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=int(draft_intermediate_size or config.intermediate_size),
+        target_layer_ids=layer_ids,
+        target_hidden_size=config.hidden_size,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_theta(config)),
+    )
+    draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std)
+    weight = target.get_input_embeddings().weight
+    draft.to(device=weight.device)  # draft master weights stay float32; autocast handles bf16 on GPU
+    model = DFlashModel(target, draft, mask_token_id=mask_id, block_size=int(block_size), loss_gamma=loss_gamma,
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density,
+                        draft_init_seed=int(draft_init_seed))
+    model.stop_token_ids = list(tokenizer.stop_token_ids)
+    return model, tokenizer
+
+
+def _rope_theta(config) -> float:
+    """RoPE base of an HF config across transformers versions (rope_theta or rope_parameters)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return getattr(config, "rope_theta", 10_000.0)

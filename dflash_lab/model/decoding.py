@@ -1,0 +1,168 @@
+"""Greedy speculative decoding with the DFlash draft, and the real acceptance length tau.
+
+Loop (the DFlash inference loop, greedy):
+    prefill: target on the prompt (KV cache) -> features of the prompt, first token = argmax (the first anchor)
+    repeat:  draft proposes bs-1 tokens from [context features ; anchor, MASK...]   (draft_block_logits)
+             target verifies [anchor, d_1..d_{bs-1}] in one forward on its cache
+             accepted = longest prefix of drafts equal to the target's greedy tokens; bonus = target's next token
+             keep accepted + 1 tokens, extend the context with the target features of the kept block tokens,
+             crop the target cache to the kept length; the bonus token is the next anchor
+tau = mean over verify steps of (accepted + 1) (dflash_lab.metrics.draft_quality.acceptance_length_tau).
+Greedy verification makes the output identical to the target's own greedy decoding, whatever the draft does.
+
+Cost: per verify step one draft forward over the context (the context is re-projected each step; fine at our
+scales) and one target forward over bs tokens with a KV cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from dflash_lab.metrics.draft_quality import acceptance_length_tau
+from dflash_lab.model.dflash import capture_target_features
+
+
+def heldout_prompts(dataset, num_prompts: int = 16, max_prompt_tokens: int = 128) -> list[torch.Tensor]:
+    """Prompts (the unsupervised prefix of each sample) of the first ``num_prompts`` usable held-out samples.
+
+    Samples are taken evenly over the dataset's length order so short and long samples both appear.
+
+    Args:
+        dataset: usually the held-out view from ``dataset.split()``.
+        num_prompts: how many prompts.
+        max_prompt_tokens: longer prefixes keep their last ``max_prompt_tokens`` tokens.
+
+    Returns:
+        Long[P_i] tensors.
+    """
+    order = sorted(range(len(dataset)), key=lambda i: int(dataset.lengths[i]))
+    if not order:
+        return []
+    step = max(1, len(order) // max(1, num_prompts))
+    prompts = []
+    for i in order[::step]:
+        sample = dataset[i]
+        supervised = torch.as_tensor(sample["loss_mask"]).nonzero()
+        if supervised.numel() == 0:
+            continue
+        cut = int(supervised[0])
+        if cut == 0:
+            cut = 1  # at least one prompt token so the target has context
+        prompts.append(torch.as_tensor(sample["input_ids"][:cut], dtype=torch.long)[-max_prompt_tokens:])
+        if len(prompts) >= num_prompts:
+            break
+    return prompts
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of the cache (transformers 5 crops by a negative count to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _cache_kwarg(target) -> str:
+    # transformers >= 5.x names the KV cache argument `cache` (past_key_values is deprecated); 4.x has only the latter.
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _target_step(model, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache):
+    features, out = capture_target_features(model.target, model.target_layer_ids, stop_early=False, input_ids=ids,
+                                            position_ids=positions, use_cache=True,
+                                            **{_cache_kwarg(model.target): cache})
+    return out.logits.float(), features
+
+
+@torch.no_grad()
+def speculative_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int = 64,
+                         stop_token_ids: list[int] | None = None, block_size: int | None = None):
+    """Greedy speculative decoding of one prompt.
+
+    Args:
+        model: a DFlashModel.
+        prompt_ids: Long[P] prompt.
+        max_new_tokens: generation budget.
+        stop_token_ids: stop after emitting any of these (None: ``model.stop_token_ids``).
+        block_size: verify block size (default: the model's training block size).
+
+    Returns:
+        (new_tokens list[int], accepted list[int] per verify step).
+    """
+    bs = block_size or model.block_size
+    device = model.target.get_input_embeddings().weight.device
+    prompt = prompt_ids.to(device).view(1, -1)
+    stops = set(getattr(model, "stop_token_ids", []) if stop_token_ids is None else stop_token_ids)
+    cache = DynamicCache()
+    logits, context = _target_step(model, prompt, torch.arange(prompt.shape[1], device=device)[None], cache)
+    anchor = int(logits[0, -1].argmax())
+    generated = [anchor]
+    accepted_per_step: list[int] = []
+    while len(generated) < max_new_tokens and anchor not in stops:
+        start = context.shape[1]                         # position of the anchor
+        draft_tokens = model.draft_block_logits(context, anchor, start, bs).argmax(dim=-1)
+        block = torch.cat([torch.tensor([anchor], device=device), draft_tokens])[None]
+        logits, features = _target_step(model, block, start + torch.arange(bs, device=device)[None], cache)
+        greedy = logits[0].argmax(dim=-1)                # greedy[j]: target's token after block[:j+1]
+        matches = (block[0, 1:] == greedy[:-1]).long().cumprod(dim=0)
+        accepted = int(matches.sum())
+        new = block[0, 1:accepted + 1].tolist() + [int(greedy[accepted])]
+        new = new[: max_new_tokens - len(generated)]
+        hit = [i for i, token in enumerate(new) if token in stops]
+        if hit:
+            new = new[: hit[0] + 1]  # the target itself would stop at the first stop token
+        generated.extend(new)
+        # Tokens produced by this verify step = accepted drafts + 1 (fewer only when the budget/stop cuts).
+        accepted_per_step.append(len(new) - 1)
+        if len(new) < accepted + 1 or hit:
+            break
+        # Keep the target state of the anchor and the accepted drafts; the bonus token is the next anchor.
+        context = torch.cat([context, features[:, : accepted + 1]], dim=1)
+        _crop(cache, start + accepted + 1)
+        anchor = generated[-1]
+    return generated, accepted_per_step
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int = 64,
+                    stop_token_ids: list[int] | None = None) -> list[int]:
+    """The target's own greedy decoding (no draft, full recompute each token): the reference for tests."""
+    device = model.target.get_input_embeddings().weight.device
+    ids = prompt_ids.to(device).view(1, -1)
+    stops = set(stop_token_ids or [])
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = int(model.target(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+        if token in stops:
+            break
+    return out
+
+
+@torch.no_grad()
+def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int = 64,
+                       stop_token_ids: list[int] | None = None, block_size: int | None = None) -> dict:
+    """Real acceptance length tau over held-out prompts.
+
+    Returns:
+        {"tau", "verify_steps", "new_tokens", "prompts"}; tau is NaN when no verify step ran.
+
+    Example:
+        >>> res = measure_acceptance(model, heldout_prompts(heldout, 8), max_new_tokens=32)   # doctest: +SKIP
+    """
+    was_training = model.draft.training
+    model.draft.eval()
+    accepted: list[int] = []
+    new_tokens = 0
+    try:
+        for prompt in prompts:
+            tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
+            accepted.extend(steps)
+            new_tokens += len(tokens)
+    finally:
+        model.draft.train(was_training)
+    return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
+            "prompts": len(prompts)}

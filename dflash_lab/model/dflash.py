@@ -1,0 +1,295 @@
+"""DFlashModel: frozen target + trainable draft + block objective, the one object the training loop calls.
+
+Step (``forward(batch, generator)``):
+    1. target (no grad) on the batch with a per-document causal mask (packed rows: documents never see each
+       other; positions restart per document) -> hidden states at ``target_layer_ids``, concatenated;
+    2. anchors per document from the generator, blocks [anchor, MASK...] (dflash_lab.model.objective);
+    3. draft on the blocks: queries = block tokens, keys/values = [projected context ; block], block mask;
+    4. target LM head on the supervised slots only; weighted CE, accuracy, per-slot and per-document counts.
+Returns a StepOutput with the loss and the raw weighted CE sum / weight sum, so the loop can normalise by the
+global weight across ranks and accumulation steps.
+
+Cost: one target forward (no grad, up to the deepest layer read) over R x T tokens; a draft forward/backward
+over N x bs block tokens per row (N anchors); the LM head only on supervised slots.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_lab.model.draft import DFlashDraft
+from dflash_lab.model.objective import build_blocks, default_gamma, sample_anchors
+
+
+@dataclass
+class StepOutput:
+    """Results of one training/eval forward. Counts are Long tensors on the batch device (no host sync)."""
+
+    loss: torch.Tensor              # weighted_ce_sum / max(weight_sum, eps): local normalisation
+    weighted_ce_sum: torch.Tensor   # sum(w * CE), carries the gradient
+    weight_sum: torch.Tensor        # sum(w), no gradient
+    correct: torch.Tensor           # argmax-correct supervised slots (k >= 1)
+    count: torch.Tensor             # supervised slots
+    per_pos_correct: torch.Tensor   # Long[bs - 1], slot k = 1..bs-1
+    per_pos_count: torch.Tensor     # Long[bs - 1]
+    doc_correct: torch.Tensor       # Long[D], documents in batch["sample_index"] order
+    doc_count: torch.Tensor         # Long[D]
+    num_blocks: torch.Tensor        # valid anchors (blocks) in the batch
+
+    @property
+    def acc(self) -> torch.Tensor:
+        """Block accuracy (0 when nothing was supervised)."""
+        return self.correct.float() / self.count.clamp(min=1).float()
+
+
+class _StopTarget(Exception):
+    """Raised by a forward hook once the deepest needed target layer has run (later layers are skipped)."""
+
+
+def capture_target_features(target, layer_ids: list[int], *, stop_early: bool, **forward_kwargs):
+    """Run the target and return (outputs of decoder layers ``layer_ids`` concatenated [R, T, n*H], model output).
+
+    Forward hooks on the chosen decoder layers record their outputs (layer i's output = HF's hidden_states[i + 1]).
+    With ``stop_early`` the base model runs only up to the deepest chosen layer (the training step needs no
+    logits: this skips the last layers of the target) and the model output is None. Training and decoding
+    both read features through this function, so they see identical target states.
+    """
+    layers = getattr(target.base_model, "layers", None)
+    if layers is None:  # unusual architecture: fall back to HF's hidden_states tuple
+        out = (target.base_model if stop_early else target)(output_hidden_states=True, **forward_kwargs)
+        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), (None if stop_early else out)
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layer_ids)
+
+    def hook_for(index: int):
+        def hook(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+            if stop_early and index == deepest:
+                raise _StopTarget
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(layer_ids))]
+    out = None
+    try:
+        out = (target.base_model if stop_early else target)(**forward_kwargs)
+    except _StopTarget:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1), out
+
+
+def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Bool[R, 1, T, T]: causal, same document only; a padding token sees itself (no empty softmax row)."""
+    length = doc_ids.shape[1]
+    index = torch.arange(length, device=doc_ids.device)
+    causal = index[None, :] <= index[:, None]
+    same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
+    diagonal = torch.eye(length, dtype=torch.bool, device=doc_ids.device)
+    return ((same_doc & causal) | diagonal)[:, None]
+
+
+class DFlashModel(nn.Module):
+    """Frozen target + DFlash draft.
+
+    Args:
+        target: a Hugging Face causal LM (frozen here: eval mode, requires_grad False).
+        draft: the DFlashDraft (its cfg.target_layer_ids name the target layers it reads).
+        mask_token_id: id of the MASK token in the target vocabulary.
+        block_size: tokens per block (anchor + bs - 1 predictions).
+        loss_gamma: decay constant of the slot weights (None: DFlash's value for the block size).
+        anchors_per_doc: anchors per document (cap when anchor_density is set).
+        anchor_density: anchors per valid anchor position of a document (None: fixed anchors_per_doc).
+        draft_init_seed: seed of the draft initialisation (the untrained baseline reuses it).
+    """
+
+    CE_CHUNK_ELEMENTS = 1 << 27   # logits elements above which the LM head + CE run in checkpointed chunks
+
+    def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int = 8,
+                 loss_gamma: float | None = None, anchors_per_doc: int | None = 64,
+                 anchor_density: float | None = 0.0625, draft_init_seed: int = 0):
+        super().__init__()
+        if block_size < 2:
+            raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one prediction")
+        self.target = target
+        self.draft = draft
+        self.mask_token_id = int(mask_token_id)
+        self.block_size = int(block_size)
+        self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(block_size)
+        self.anchors_per_doc = anchors_per_doc
+        self.anchor_density = anchor_density
+        self.draft_init_seed = int(draft_init_seed)
+        self.target_layer_ids = list(draft.cfg.target_layer_ids)
+        self.stop_token_ids: list[int] = []   # set by build_model from the tokenizer; ends decoding
+        num_target_layers = target.config.num_hidden_layers
+        if max(self.target_layer_ids) >= num_target_layers or min(self.target_layer_ids) < 0:
+            raise ValueError(f"model.target_layer_ids={self.target_layer_ids} outside the target's "
+                             f"{num_target_layers} layers")
+        self.target.requires_grad_(False)
+        self.target.eval()
+
+    # -- frozen target ------------------------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        """Only the draft switches mode; the target stays in eval mode."""
+        super().train(mode)
+        self.target.eval()
+        return self
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The draft's parameters (give these, and only these, to the optimizer)."""
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def draft_state_dict(self) -> dict:
+        """State of the draft alone (the target is frozen and rebuilt from its config)."""
+        return self.draft.state_dict()
+
+    def load_draft_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`draft_state_dict`."""
+        self.draft.load_state_dict(state)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's frozen input embedding."""
+        return self.target.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's frozen LM head (hidden cast to its dtype outside autocast)."""
+        head = self.target.get_output_embeddings()
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(head.weight.dtype)
+        return head(hidden)
+
+    @torch.no_grad()
+    def target_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        doc_ids: torch.Tensor) -> torch.Tensor:
+        """Concatenated target hidden states at the draft's layer ids, per-document attention: [R, T, n*H]."""
+        mask = document_attention_mask(doc_ids)
+        if getattr(self.target.config, "_attn_implementation", "sdpa") not in ("sdpa", "flex_attention"):
+            dtype = self.target.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        features, _ = capture_target_features(self.target, self.target_layer_ids, stop_early=True,
+                                              input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                              use_cache=False)
+        return features
+
+    # -- training step ------------------------------------------------------------------------------------
+    def forward(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
+        """One DFlash step on a collated batch (docs/CONTRACTS.md). Gradients flow into the draft only."""
+        blocks, hidden = self.block_hidden(batch, generator)
+        return self._score(hidden, blocks, int(batch["sample_index"].numel()))
+
+    def block_hidden(self, batch: dict, generator: torch.Generator | None = None):
+        """Training path up to the draft output: (Blocks, hidden [R, N * bs, H]); shared by forward and tests."""
+        device = self.target.get_input_embeddings().weight.device
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        doc_ids = batch["doc_ids"].to(device, non_blocking=True)
+        features = self.target_features(input_ids, position_ids, doc_ids)
+        anchors, valid, anchor_doc = sample_anchors(loss_mask, doc_ids, generator, self.anchors_per_doc,
+                                                    self.anchor_density, int(batch["sample_index"].numel()))
+        blocks = build_blocks(input_ids, loss_mask, position_ids, doc_ids, anchors, valid, anchor_doc,
+                              block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.loss_gamma)
+        hidden = self.draft(self.draft.project_context(features), position_ids, self.embed(blocks.block_ids),
+                            blocks.block_positions, blocks.attn_mask)
+        return blocks, hidden
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
+        """:meth:`forward` without gradients (probes); the draft's train/eval mode is left unchanged."""
+        return self.forward(batch, generator)
+
+    def _score(self, hidden: torch.Tensor, blocks, num_docs: int) -> StepOutput:
+        rows, slots, bs = blocks.labels.shape
+        hidden = hidden.view(rows, slots, bs, -1)
+        row_i, slot_i, k_i = blocks.label_ok.nonzero(as_tuple=True)
+        # The LM head runs on supervised slots only: slot 0 and invalid slots never need logits.
+        labels = blocks.labels[row_i, slot_i, k_i]
+        weights = blocks.weights[row_i, slot_i, k_i]
+        ce, predicted = self._head_ce(hidden[row_i, slot_i, k_i], labels)
+        weighted_ce_sum = (ce * weights).sum()
+        weight_sum = weights.sum().detach()
+        with torch.no_grad():
+            correct = predicted == labels
+            per_pos_correct = torch.bincount(k_i[correct] - 1, minlength=bs - 1)[: bs - 1]
+            per_pos_count = torch.bincount(k_i - 1, minlength=bs - 1)[: bs - 1]
+            docs = blocks.anchor_doc[row_i, slot_i]
+            doc_correct = torch.bincount(docs[correct], minlength=num_docs)[:num_docs]
+            doc_count = torch.bincount(docs, minlength=num_docs)[:num_docs]
+        return StepOutput(
+            loss=weighted_ce_sum / weight_sum.clamp(min=1e-6),
+            weighted_ce_sum=weighted_ce_sum,
+            weight_sum=weight_sum,
+            correct=correct.sum(),
+            count=torch.as_tensor(labels.numel(), device=labels.device),
+            per_pos_correct=per_pos_correct,
+            per_pos_count=per_pos_count,
+            doc_correct=doc_correct,
+            doc_count=doc_count,
+            num_blocks=blocks.valid.sum(),
+        )
+
+    def _head_logits_ce(self, hidden: torch.Tensor, labels: torch.Tensor):
+        logits = self.lm_head(hidden).float()
+        return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+
+    def _head_ce(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """Per-slot CE and argmax through the frozen LM head; chunked for large vocabularies.
+
+        Logits of S slots x V words in float32 would dominate memory on a real target (32K slots x 152K words
+        = 20 GB); above ``CE_CHUNK_ELEMENTS`` the head runs in chunks under activation checkpointing, so only
+        one chunk's logits exist at a time (recomputed in backward).
+        """
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        if hidden.shape[0] * vocab <= self.CE_CHUNK_ELEMENTS:
+            return self._head_logits_ce(hidden, labels)
+        chunk = max(1, self.CE_CHUNK_ELEMENTS // vocab)
+        ces, preds = [], []
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            if torch.is_grad_enabled():
+                ce, pred = checkpoint(self._head_logits_ce, hidden[part], labels[part], use_reentrant=False)
+            else:
+                ce, pred = self._head_logits_ce(hidden[part], labels[part])
+            ces.append(ce)
+            preds.append(pred)
+        return torch.cat(ces), torch.cat(preds)
+
+    # -- decoding helpers ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_block_logits(self, context_features: torch.Tensor, anchor_token: int, anchor_position: int,
+                           block_size: int | None = None) -> torch.Tensor:
+        """Draft logits for one block at inference: [block_size - 1, V] for slots 1..bs-1.
+
+        Args:
+            context_features: [1, P, n*H] target features of positions 0..P-1 (P = anchor_position).
+            anchor_token: the token at ``anchor_position`` (the last accepted / bonus token).
+            anchor_position: position of the anchor (= number of context tokens).
+            block_size: default: the training block size.
+        """
+        bs = block_size or self.block_size
+        device = context_features.device
+        ids = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = int(anchor_token)
+        context_positions = torch.arange(context_features.shape[1], device=device)[None]
+        block_positions = anchor_position + torch.arange(bs, device=device)[None]
+        hidden = self.draft(self.draft.project_context(context_features), context_positions, self.embed(ids),
+                            block_positions, None)
+        return self.lm_head(hidden[0, 1:]).float()
+
+    def baseline_model(self) -> DFlashModel:
+        """A DFlashModel sharing this target with a freshly initialised (untrained) draft: the tau baseline."""
+        fresh = DFlashDraft(copy.deepcopy(self.draft.cfg), init_seed=self.draft_init_seed, init_std=self.draft.init_std)
+        param = next(self.draft.parameters())
+        fresh.to(device=param.device, dtype=param.dtype)
+        baseline = DFlashModel(self.target, fresh, mask_token_id=self.mask_token_id, block_size=self.block_size,
+                               loss_gamma=self.loss_gamma, anchors_per_doc=self.anchors_per_doc,
+                               anchor_density=self.anchor_density, draft_init_seed=self.draft_init_seed)
+        baseline.stop_token_ids = list(self.stop_token_ids)
+        return baseline

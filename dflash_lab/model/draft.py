@@ -1,0 +1,230 @@
+"""The DFlash draft: Qwen3-style decoder layers that denoise a block of MASK tokens given target hidden states.
+
+Architecture (one definition, used by both training and decoding):
+    context = RMSNorm(W_fc [h_l1 ; h_l2 ; ...])      target hidden states at ``target_layer_ids``, concatenated,
+                                                      projected (linear, no bias) and RMS-normalised
+    x_0     = target embedding of the block tokens   (anchor token, then MASK x (block_size - 1))
+    layer:  x = x + Attn(RMSNorm(x), context);  x = x + SwiGLU(RMSNorm(x))
+    Attn:   queries from the block tokens only; keys/values from [context ; block]; RoPE at absolute
+            (document-relative) positions; q/k RMSNorm per head; grouped-query attention
+    output  = RMSNorm(x_L), read out by the target's (frozen) LM head
+The draft owns no embedding and no LM head: ``DFlashModel`` passes the target's.
+
+Cost per layer: O(Q * (T + Q) * hidden) attention + O(Q * hidden * intermediate) MLP for Q block tokens and T
+context tokens; the context projection is O(T * n_layers_used * hidden^2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the draft: one per draft layer.
+
+    Rule: one draft layer -> the middle layer ``L // 2``; n > 1 layers -> evenly spaced from layer 1 to L - 3.
+
+    Raises:
+        ValueError: the target is too shallow for n evenly spaced layers (set ``model.target_layer_ids``).
+
+    Example:
+        >>> default_target_layer_ids(36, 5)
+        [1, 9, 17, 25, 33]
+        >>> default_target_layer_ids(4, 1)
+        [2]
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"model.draft_layers={num_draft_layers}: the draft needs at least one layer")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end <= start:
+        raise ValueError(
+            f"a {num_target_layers}-layer target has no room for {num_draft_layers} evenly spaced layers in "
+            f"[1, L-3]: set model.target_layer_ids explicitly or use model.draft_layers=1"
+        )
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    """Shape of the draft; hidden_size must equal the target's (shared embedding and LM head)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    target_hidden_size: int | None = None     # None: same as hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self) -> None:
+        if not self.target_layer_ids:
+            raise ValueError("DraftConfig.target_layer_ids is empty: give one target layer id per feature")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def to_dict(self) -> dict:
+        """Plain dict (checkpoints, run config)."""
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; computed in float32 for stability under bf16."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [..., L, head_dim] for integer ``positions`` [..., L] (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [R, heads, L, d] by cos/sin [R, L, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block, keys/values from [context ; block]; GQA; q/k norm; RoPE."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, context, rope_q, rope_kv, attn_mask):
+        rows, q_len, _ = x.shape
+        d = self.cfg.head_dim
+        kv_in = torch.cat([context, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(rows, q_len, -1, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(rows, kv_in.shape[1], -1, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(rows, kv_in.shape[1], -1, d).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_kv)
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        if groups > 1:  # expand kv heads explicitly: works on every sdpa backend and torch version
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer: attention over [context ; block], then a SwiGLU MLP."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, context, rope_q, rope_kv, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, attn_mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDraft(nn.Module):
+    """The trainable draft network (no embedding, no LM head).
+
+    Args:
+        cfg: shapes and target layer ids.
+        init_seed: seed of the weight initialisation: the untrained baseline is reproducible.
+        init_std: std of the linear weights; None: hidden_size ** -0.5 (0.016 at hidden 4096, about the 0.02
+            DFlash uses at that size; 0.125 at hidden 64, where 0.02 would leave the draft's contributions ten
+            times smaller than the target embeddings it adds to, and learning stalls at the unigram).
+    """
+
+    def __init__(self, cfg: DraftConfig, init_seed: int = 0, init_std: float | None = None):
+        super().__init__()
+        self.cfg = cfg
+        in_features = len(cfg.target_layer_ids) * (cfg.target_hidden_size or cfg.hidden_size)
+        self.fc = nn.Linear(in_features, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_std = float(init_std) if init_std is not None else cfg.hidden_size ** -0.5
+        self.reset_parameters(init_seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init: linear weights ~ N(0, init_std^2) from a private generator; norms = 1."""
+        generator = torch.Generator().manual_seed(int(seed))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                weight = torch.empty(module.weight.shape).normal_(0.0, self.init_std, generator=generator)
+                module.weight.copy_(weight)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def _compute_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast the kernels pick the dtype; without it, inputs follow the draft's weights (a bf16
+        # target feeding a float32 draft on GPU would otherwise fail in the matmul).
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.fc.weight.dtype)
+
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[R, T, n_layers * H_target] target features -> [R, T, H] normalised draft context."""
+        return self.hidden_norm(self.fc(self._compute_dtype(target_features)))
+
+    def forward(self, context: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
+                block_positions: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states of the block tokens.
+
+        Args:
+            context: [R, T, H] projected context (``project_context``).
+            context_positions: Long[R, T] positions of the context tokens.
+            block_embeds: [R, Q, H] target embeddings of the block tokens.
+            block_positions: Long[R, Q] positions of the block tokens.
+            attn_mask: Bool[R, 1, Q, T + Q] (True = may attend) or None (everything visible).
+
+        Returns:
+            [R, Q, H] final-normed hidden states (apply the target LM head for logits).
+        """
+        block_embeds = self._compute_dtype(block_embeds)
+        dtype = block_embeds.dtype
+        cfg = self.cfg
+        rope_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        key_positions = torch.cat([context_positions, block_positions], dim=1)
+        rope_kv = rope_cos_sin(key_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        context = context.to(dtype)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, context, rope_q, rope_kv, attn_mask)
+        return self.norm(x)

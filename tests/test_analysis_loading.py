@@ -1,0 +1,347 @@
+"""Loading runs into the common schema: hand-made run directories (CONTRACTS.md format), bad input, W&B mapping."""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflash_lab.analysis import compare_records, load_runs, markdown_tables
+from dflash_lab.analysis.local import find_run_dirs, load_local_run
+from dflash_lab.analysis.schema import (
+    PROBE_COLUMNS,
+    RUN_COLUMNS,
+    STEP_COLUMNS,
+    RunRecord,
+)
+from dflash_lab.analysis.wandb_runs import OfflineRun, load_wandb_runs, wandb_run_to_record
+
+BANDS = [0, 96, 216, 1024]
+
+
+def write_run(
+    run_dir: Path,
+    sampler: str,
+    seed: int,
+    *,
+    steps: int = 120,
+    summary: bool = True,
+    probes: bool = True,
+    presentations: bool = True,
+    drop_fields: tuple[str, ...] = (),
+    torn_tail: bool = False,
+) -> Path:
+    """A small run directory in the docs/CONTRACTS.md format (a test fixture, not a result)."""
+    rng = np.random.default_rng(seed + 100 * len(sampler))
+    run_dir.mkdir(parents=True)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        f"sampler:\n  name: {sampler}\n  max_tokens: 4096\nseed: {seed}\nexperiment: test_ablation\n"
+        "run_dir: ${hydra:runtime.output_dir}\n"
+    )
+    rows = []
+    for step in range(1, steps + 1):
+        mean_len = float(rng.uniform(30, 600))
+        row = {
+            "step": step, "epoch": (step - 1) // (steps // 2), "loss": 3.0 * math.exp(-step / 80) + 1.0
+            + 0.05 * rng.standard_normal(), "acc": min(0.9, step / steps), "lr": 6e-4, "grad_norm": 1.0,
+            "real_tokens": 3000, "padded_tokens": 4000, "pad_eff": 0.75, "batch_size": 8,
+            "max_len": int(mean_len * 1.3), "mean_len": mean_len, "bucket": int(rng.integers(0, 3)),
+            "sq_tokens": 10, "step_time_s": 0.1, "compute_time_s": 0.09, "ktok_s": 30.0 + rng.uniform(-1, 1),
+            "eta_s": 0.1 * (steps - step),
+        }
+        rows.append({k: v for k, v in row.items() if k not in drop_fields})
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if torn_tail:
+        text += '{"step": 999, "loss": 1.'  # the line a crash cut off
+    (run_dir / "metrics.jsonl").write_text(text)
+    if probes:
+        probe_rows = []
+        for step in range(0, steps + 1, 10):
+            for band in range(len(BANDS) - 1):
+                probe_rows.append({
+                    "step": step, "band": band, "band_lo": BANDS[band], "band_hi": BANDS[band + 1],
+                    "loss": 3.0 - 0.01 * step + 0.05 * rng.standard_normal(),
+                    "acc": min(1.0, 0.1 + 0.004 * step + 0.05 * rng.standard_normal()), "tokens": 64,
+                })
+        (run_dir / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe_rows))
+    if presentations:
+        records = []
+        for epoch in range(2):
+            for sample in range(40):
+                length = int(rng.integers(20, 900))
+                records.append({
+                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 2) + sample,
+                    "length": length, "band": int(np.searchsorted(BANDS, length, side="left") - 1),
+                    "acc": float(rng.uniform(0, 1)),
+                })
+        pd.DataFrame(records).to_parquet(run_dir / "presentations.parquet")
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({
+            "sampler": sampler, "seed": seed, "steps": steps, "epochs": 2, "ktok_s": 30.0, "pad_eff": 0.75,
+            "eta_s": 0.0, "full_run_eta_s": 12.0, "final_loss": rows[-1]["loss"], "final_acc": 0.9, "tau": 2.5,
+            "tau_baseline": 1.1, "overhead_frac": 0.03, "world_size": 1, "status": "finished",
+        }))
+    return run_dir
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    root = tmp_path / "multirun" / "2026-12-02_10-00-00"
+    write_run(root / "0_bucketed_s0", "bucketed", 0)
+    write_run(root / "1_bucketed_s1", "bucketed", 1)
+    write_run(root / "2_full_random_s0", "full_random", 0)
+    write_run(root / "3_full_random_s1", "full_random", 1, summary=False, torn_tail=True)  # crashed
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return tmp_path / "multirun"
+
+
+def test_multirun_expands_to_its_runs_and_does_not_descend_into_runs(multirun):
+    (multirun / "2026-12-02_10-00-00" / "0_bucketed_s0" / "checkpoints" / "inner" / ".hydra").mkdir(parents=True)
+    runs = find_run_dirs(multirun)
+    assert [r.name for r in runs] == ["0_bucketed_s0", "1_bucketed_s1", "2_full_random_s0", "3_full_random_s1"]
+    assert find_run_dirs(runs[0]) == [runs[0]]
+
+
+def test_local_run_matches_the_contract_schema(multirun):
+    record = load_local_run(find_run_dirs(multirun)[0])
+    assert tuple(record.steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
+    assert tuple(record.probes.columns[: len(PROBE_COLUMNS)]) == PROBE_COLUMNS
+    assert len(record.steps) == 120 and len(record.presentations) == 80
+    assert (record.sampler, record.seed, record.status, record.partial) == ("bucketed", 0, "finished", False)
+    assert record.group == "test_ablation"
+
+
+def test_crashed_run_is_included_marked_partial_with_figures_from_metrics(multirun):
+    record = load_local_run(find_run_dirs(multirun)[3])
+    assert record.status == "no_summary" and record.partial
+    assert any("no summary.json" in m for m in record.messages)
+    assert any("skipped 1 unreadable line" in m for m in record.messages)
+    assert record.sampler == "full_random" and record.seed == 1  # from .hydra/config.yaml
+    row = compare_records([record]).runs.iloc[0]
+    assert bool(row["partial"])
+    assert row["ktok_s"] == pytest.approx(np.median(record.steps["ktok_s"].to_numpy()[10:]))
+    assert row["pad_eff"] == pytest.approx(0.75)
+    assert row["final_loss"] == pytest.approx(record.steps["loss"].iloc[-1])
+    assert np.isnan(row["tau"])
+
+
+def test_running_summary_is_partial_and_falls_back_to_metrics(tmp_path):
+    run = write_run(tmp_path / "run", "packed", 0, summary=False)
+    (run / "summary.json").write_text(json.dumps({"sampler": "packed", "seed": 0, "steps": 40, "status": "running"}))
+    row = compare_records(load_runs([run]).runs).runs.iloc[0]
+    assert row["status"] == "running" and bool(row["partial"])
+    assert np.isfinite(row["ktok_s"]) and np.isfinite(row["final_loss"])
+
+
+def test_bad_paths_are_reported_not_raised(tmp_path, multirun):
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    (not_a_run / "notes.txt").write_text("hello")
+    report = load_runs([tmp_path / "missing", not_a_run, multirun])
+    assert len(report.runs) == 4
+    assert any("does not exist" in p for p in report.problems)
+    assert any("not a run directory" in p for p in report.problems)
+
+
+def test_runs_with_different_metric_sets_compare_without_crash(tmp_path):
+    full = write_run(tmp_path / "a" / "full", "bucketed", 0)
+    bare = write_run(
+        tmp_path / "a" / "bare", "sorted_static", 0, probes=False, presentations=False,
+        drop_fields=("mean_len", "max_len", "bucket", "ktok_s"),
+    )
+    comparison = compare_records(load_runs([full.parent]).runs)
+    runs = comparison.runs.set_index("sampler")
+    assert list(comparison.runs.columns) == list(RUN_COLUMNS)
+    assert np.isfinite(runs.loc["bucketed", "length_r2"])
+    assert np.isnan(runs.loc["sorted_static", "length_r2"])
+    assert np.isnan(runs.loc["sorted_static", "band_forgetting"])
+    assert np.isfinite(runs.loc["sorted_static", "jumpiness"])
+    assert "metrics.jsonl lacks max_len, mean_len, bucket, ktok_s" in runs.loc["sorted_static", "notes"]
+    assert bare.name in markdown_tables(comparison)
+
+
+def test_every_comparison_column_is_filled_for_complete_runs(multirun):
+    comparison = compare_records(load_runs([multirun]).runs)
+    finished = comparison.runs[~comparison.runs["partial"]]
+    for column in ("ktok_s", "pad_eff", "eta_s", "jumpiness", "robust_jumpiness", "resid_lag1_acf", "spike_score",
+                   "length_r2", "residual_jumpiness", "band_forgetting", "final_drop",
+                   "forgetting_events_per_example", "frac_ever_forgotten", "frac_never_learned",
+                   "interference_cross", "loop_score", "final_loss", "final_acc", "tau"):
+        assert finished[column].notna().all(), column
+    policies = comparison.policies
+    assert policies.loc["bucketed", "n_runs"] == 2
+    assert policies.loc["full_random", "n_partial"] == 1
+    assert policies.loc["bucketed", "ktok_s_std"] == pytest.approx(0.0)
+    assert not comparison.bands.empty and set(comparison.bands["band"]) == {0, 1, 2}
+    assert set(comparison.interference.columns) >= {"train_band", "probe_band", "interference", "run_id"}
+
+
+def test_duplicate_run_names_from_two_multiruns_stay_distinct(tmp_path):
+    write_run(tmp_path / "m1" / "0_bucketed_s0", "bucketed", 0)
+    write_run(tmp_path / "m2" / "0_bucketed_s0", "bucketed", 0)
+    runs = compare_records(load_runs([tmp_path / "m1", tmp_path / "m2"]).runs).runs
+    assert runs["run_id"].is_unique
+
+
+# ------------------------------------------------------------------------------------------------------------ W&B
+class FakeSummary(dict):
+    """wandb's HTTPSummary exposes the raw values as _json_dict."""
+
+    @property
+    def _json_dict(self):
+        return dict(self)
+
+
+class FakePublicRun:
+    """Shaped like wandb.apis.public.Run: id, name, group, path, config, summary, history()."""
+
+    def __init__(self, history: pd.DataFrame, summary: dict, config: dict):
+        self.id, self.name, self.group = "x1y2z3", "bucketed_s3", "ablation_policies"
+        self.path = ["me", "dflash_lab", "x1y2z3"]
+        self.config = config
+        self.summary = FakeSummary(summary)
+        self._history = history
+
+    def history(self, samples=500, pandas=True):
+        return self._history.head(samples)
+
+
+def _history_like_run_logger(steps: int = 60) -> pd.DataFrame:
+    """W&B history as RunLogger writes it: step rows with the metric names, probe rows probe/<band>/<loss|acc>."""
+    rows = []
+    for step in range(1, steps + 1):
+        rows.append({"step": step, "loss": 2.0 + 1.0 / step, "acc": 0.01 * step, "ktok_s": 20.0, "mean_len": 100.0,
+                     "max_len": 140, "bucket": step % 3, "real_tokens": 900, "padded_tokens": 1000})
+        if step % 10 == 0:
+            rows.append({"step": step, **{f"probe/{b}/loss": 3.0 - 0.01 * step - b for b in range(2)},
+                         **{f"probe/{b}/acc": 0.005 * step + 0.1 * b for b in range(2)}})
+    history = pd.DataFrame(rows)
+    history["_step"] = np.arange(len(history))
+    history["_runtime"] = 1.0
+    return history
+
+
+def test_fake_public_run_maps_to_the_schema():
+    config = {"sampler": {"value": {"name": "bucketed", "max_tokens": 4096}}, "seed": {"value": 3}, "_wandb": {}}
+    summary = {"sampler": "bucketed", "seed": 3, "ktok_s": 21.5, "final_loss": 2.1, "tau": 2.2, "status": "finished",
+               "_runtime": 12.0, "loss": 2.0}
+    record = wandb_run_to_record(FakePublicRun(_history_like_run_logger(), summary, config))
+    assert record.source == "wandb" and record.location == "me/dflash_lab/x1y2z3"
+    assert record.group == "ablation_policies" and record.run_id == "x1y2z3"
+    assert record.config == {"sampler": {"name": "bucketed", "max_tokens": 4096}, "seed": 3}
+    assert (record.sampler, record.seed, record.status) == ("bucketed", 3, "finished")
+    assert "_runtime" not in record.summary
+    # all 60 step rows (the adapter asks for every row, not wandb's default 500-row sample) and only those
+    assert record.steps["step"].tolist() == list(range(1, 61))
+    assert tuple(record.steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
+    assert record.probes[["step", "band"]].to_numpy().tolist()[:2] == [[10, 0], [10, 1]]
+    at_step_30 = record.probes[(record.probes.step == 30) & (record.probes.band == 1)]
+    assert at_step_30["loss"].item() == pytest.approx(1.7)
+    row = compare_records([record]).runs.iloc[0]
+    assert row["ktok_s"] == 21.5 and np.isfinite(row["jumpiness"]) and np.isfinite(row["band_forgetting"])
+    assert "no presentations.parquet" in row["notes"]
+
+
+def test_wandb_run_without_final_figures_is_partial():
+    record = wandb_run_to_record(FakePublicRun(_history_like_run_logger(), {"loss": 2.0, "_step": 5}, {}))
+    assert record.partial and record.status == "no_summary"
+    assert any("partial run" in m for m in record.messages)
+
+
+def test_wandb_api_errors_become_problems():
+    class BrokenApi:
+        def runs(self, path, filters=None):
+            raise ConnectionError("no network")
+
+    report = load_wandb_runs("me/dflash_lab", "g", api=BrokenApi())
+    assert report.runs == [] and "cannot list runs" in report.problems[0]
+
+    class Api:
+        def __init__(self):
+            self.filters = None
+
+        def runs(self, path, filters=None):
+            self.filters = filters
+            return [FakePublicRun(_history_like_run_logger(), {"final_loss": 1.0}, {"seed": 0})]
+
+    api = Api()
+    report = load_runs(wandb="me/dflash_lab", group="ablation_policies", api=api)
+    assert api.filters == {"group": "ablation_policies"} and len(report.runs) == 1
+
+
+def _real_run_with_offline_wandb(run_dir: Path, steps: int = 40) -> Path:
+    """Write a run with the trainer's own RunLogger and W&B in offline mode (local files and W&B side by side)."""
+    from dflash_lab.run_logger import METRIC_FIELDS, RunLogger
+
+    config = {"sampler": {"name": "bucketed"}, "seed": 5, "experiment": "offline_test"}
+    logger = RunLogger(
+        run_dir, is_main=True, config=config, run_id="offl1234",
+        wandb_settings={"mode": "offline", "project": "dflash_lab_test", "group": "offline_test",
+                        "job_type": "bucketed", "name": "bucketed_s5"},
+    )
+    assert logger.wandb is not None and logger.wandb.active
+    rng = np.random.default_rng(0)
+    for step in range(1, steps + 1):
+        row = {name: 1 for name in METRIC_FIELDS}
+        row.update(step=step, loss=2.0 + 1.0 / step + 0.01 * rng.standard_normal(), ktok_s=10.0 + step % 3,
+                   mean_len=float(rng.uniform(20, 400)), bucket=step % 2)
+        logger.log_step(row)
+        if step % 5 == 0:
+            logger.log_probes([{"step": step, "band": b, "band_lo": BANDS[b], "band_hi": BANDS[b + 1],
+                                "loss": 3.0 - 0.02 * step, "acc": 0.01 * step, "tokens": 8} for b in range(2)])
+    logger.write_summary({"sampler": "bucketed", "seed": 5, "steps": steps, "ktok_s": 11.0, "pad_eff": 0.8,
+                          "final_loss": 2.05, "final_acc": 0.4, "tau": 1.9, "status": "finished"})
+    logger.close()
+    return run_dir
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_reads_back_to_the_same_schema_as_the_local_files(tmp_path):
+    run_dir = _real_run_with_offline_wandb(tmp_path / "run")
+    offline_dirs = OfflineRun.find(run_dir / "wandb")
+    assert len(offline_dirs) == 1
+    # wandb.finish() may return before wandb-core has flushed the last block of the offline log: wait for it
+    deadline = time.monotonic() + 30
+    offline = OfflineRun(offline_dirs[0])
+    while not offline.complete and time.monotonic() < deadline:
+        time.sleep(0.2)
+        offline = OfflineRun(offline_dirs[0])
+    assert offline.complete, "the offline W&B log never received its exit record"
+    assert (offline.id, offline.group, offline.name) == ("offl1234", "offline_test", "bucketed_s5")
+    from_wandb = wandb_run_to_record(offline, "wandb_offline")
+    local = load_local_run(run_dir)
+    assert from_wandb.sampler == local.sampler == "bucketed" and from_wandb.seed == local.seed == 5
+    assert from_wandb.status == "finished", (from_wandb.messages, offline.summary)
+    assert from_wandb.summary["tau"] == local.summary["tau"]
+    pd.testing.assert_series_equal(from_wandb.steps["loss"], local.steps["loss"], check_names=False)
+    assert from_wandb.steps["step"].tolist() == local.steps["step"].tolist()
+    merged = local.probes.merge(from_wandb.probes, on=["step", "band"], suffixes=("_local", "_wandb"))
+    assert len(merged) == len(local.probes) == 16
+    assert np.allclose(merged["loss_local"], merged["loss_wandb"])
+    assert np.allclose(merged["acc_local"], merged["acc_wandb"])
+    # the offline folder is also accepted directly as a compare PATH
+    report = load_runs([run_dir / "wandb"])
+    assert [r.source for r in report.runs] == ["wandb_offline"]
+    # a log cut short (crash, or read while still being written) is read up to the cut and flagged
+    torn = tmp_path / "torn" / offline_dirs[0].name
+    torn.mkdir(parents=True)
+    log = next(offline_dirs[0].glob("*.wandb"))
+    (torn / log.name).write_bytes(log.read_bytes()[: len(log.read_bytes()) * 2 // 3])
+    torn_record = wandb_run_to_record(OfflineRun(torn), "wandb_offline")
+    assert not OfflineRun(torn).complete and any("no exit record" in m for m in torn_record.messages)
+    assert 0 < len(torn_record.steps) < len(local.steps)
+    # the run directory itself is one local run: the copies in wandb/offline-run-*/files/ are not a second one
+    assert [(r.source, r.run_id) for r in load_runs([run_dir.parent]).runs] == [("local", "run")]
+    rows = compare_records([local, from_wandb]).runs.set_index("source")
+    for column in ("jumpiness", "band_forgetting", "loop_score", "ktok_s"):
+        assert rows.loc["local", column] == pytest.approx(rows.loc["wandb_offline", column], nan_ok=True)
+
+
+def test_record_defaults_are_schema_shaped():
+    record = RunRecord(run_id="r", source="local", location="r")
+    assert tuple(record.steps.columns) == STEP_COLUMNS and record.steps.empty
+    assert record.partial and record.sampler is None and record.seed is None

@@ -1,0 +1,54 @@
+"""JSONL chat data: both formats, loss only on assistant tokens, malformed lines skipped/counted/refused."""
+
+import json
+
+import pytest
+
+from dflash_lab.data import ByteTokenizer, build_dataset
+
+
+def _write(path, good, bad_lines=()):
+    lines = []
+    for i in range(good):
+        if i % 2:
+            record = {"conversations": [{"from": "human", "value": f"question {i}"},
+                                        {"from": "gpt", "value": f"answer number {i}"}]}
+        else:
+            record = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
+                                   {"role": "assistant", "content": f"reply {i} here"}]}
+        lines.append(json.dumps(record))
+    for position, text in bad_lines:
+        lines.insert(position, text)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_formats_and_assistant_only_loss(tmp_path):
+    file = tmp_path / "chat.jsonl"
+    _write(file, 300, bad_lines=[(5, "{not json"), (50, json.dumps({"messages": [{"role": "user", "content": "x"}]}))])
+    ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.01)
+    assert len(ds) == 300
+    assert ds.stats["bad"] == 2 and ds.stats["bad_line_numbers"] == [6, 51] and ds.stats["total_lines"] == 302
+    tok = ByteTokenizer()
+    first, second = ds[0], ds[1]
+    assert tok.decode(first["input_ids"][first["loss_mask"]]) == "reply 0 here"
+    assert tok.decode(second["input_ids"][second["loss_mask"]]) == "answer number 1"
+    assert "be brief" in tok.decode(first["input_ids"][~first["loss_mask"]])
+
+
+def test_too_many_bad_lines_is_an_error_naming_file_lines_and_key(tmp_path):
+    file = tmp_path / "bad.jsonl"
+    _write(file, 20, bad_lines=[(0, "nope"), (3, "[1, 2]"), (7, json.dumps({"conversations": "x"}))])
+    with pytest.raises(ValueError) as err:
+        build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.05)
+    message = str(err.value)
+    assert "bad.jsonl" in message and "1, 4, 8" in message and "data.max_bad_fraction" in message
+    # Nothing was cached: a later call with a laxer threshold reads the file again and succeeds.
+    ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.2)
+    assert len(ds) == 20 and ds.stats["bad"] == 3
+
+
+def test_missing_path_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="data.path"):
+        build_dataset("jsonl", cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        build_dataset("jsonl", path=str(tmp_path / "absent.jsonl"), cache_dir=tmp_path)

@@ -1,0 +1,331 @@
+"""Launcher configs and the pre-submission checks of dflash_lab/launch.py (no cluster needed).
+
+Configs are composed with Hydra's compose API from the real conf/ (and sweeps/), so a broken launcher or sweep
+file fails here; the command-line tests run the real entry point and show that a bad value stops the sweep
+before anything runs. The checks against a live Slurm (partition from sinfo, real submissions) are in
+tests/test_slurm*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dflash_lab.launch import (
+    LaunchConfigError,
+    check_launcher,
+    check_sampler,
+    check_sweep,
+    expand_sweep,
+    launcher_kind,
+    validate_multirun,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+SWEEPS = ROOT / "sweeps"
+SEED_BOUNDARIES = [0, 770, 1216, 1728, 2432, 3296, 8192]
+CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]
+
+
+def _compose(overrides=(), config_name="train"):
+    """Compose like `python -m dflash_lab.train -m ...` would (hydra node included).
+
+    A sweep file is the primary config (`--config-dir sweeps --config-name NAME` on the command line): compose it
+    from sweeps/ with conf/ on the search path, where its `train` default lives.
+    """
+    with _hydra_context(config_name):
+        return compose(config_name, overrides=[*_search_path(config_name), *overrides], return_hydra_config=True)
+
+
+def _hydra_context(config_name):
+    return initialize_config_dir(str(CONF if config_name == "train" else SWEEPS), version_base="1.3")
+
+
+def _search_path(config_name):
+    return [] if config_name == "train" else [f"hydra.searchpath=[file://{CONF}]"]
+
+
+def _with_sweep_checks(config_name, overrides=()):
+    """Compose and run the sweep checks inside the same Hydra context (they compose every job again)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    with _hydra_context(config_name):
+        # compose() composes for a single run, where a sweep value such as a=1,2 is an error: compose as -m does.
+        cfg = GlobalHydra.instance().hydra.compose_config(
+            config_name, [*_search_path(config_name), *overrides], run_mode=RunMode.MULTIRUN,
+        )
+        return cfg, expand_sweep(cfg), check_sweep(cfg)
+
+
+# ------------------------------------------------------------------------------------------ launcher configs
+
+
+def test_slurm_launcher_defaults_one_task_per_gpu():
+    cfg = _compose(["hydra/launcher=slurm"])
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher_kind(cfg.hydra.launcher) == "slurm"
+    assert launcher["gpus_per_node"] == 8 and launcher["tasks_per_node"] == 8 and launcher["nodes"] == 1
+    assert launcher["signal_delay_s"] > 0 and launcher["max_num_timeout"] > 0  # requeue after a time-limit hit
+    assert launcher["additional_parameters"]["requeue"] is True
+    assert launcher["submitit_folder"].startswith(str(cfg.hydra.sweep.dir))
+    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.launch.ValidateLaunch"
+    # tasks follow the GPU count unless set explicitly
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4"])
+    assert cfg.hydra.launcher.tasks_per_node == 4
+    assert check_launcher(cfg.hydra.launcher, partitions=["debug"]) == []
+
+
+def test_slurm_launcher_takes_cluster_settings_from_the_command_line():
+    cfg = _compose([
+        "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=lab",
+        "hydra.launcher.qos=high", "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=30",
+        "hydra.launcher.mem_gb=400", "hydra.launcher.cpus_per_task=12", '+hydra.launcher.srun_args=["--cpu-bind=none"]',
+    ])
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert (launcher["partition"], launcher["account"], launcher["qos"]) == ("gpu", "lab", "high")
+    resources = (launcher["nodes"], launcher["timeout_min"], launcher["mem_gb"], launcher["cpus_per_task"])
+    assert resources == (2, 30, 400, 12)
+    assert launcher["srun_args"] == ["--cpu-bind=none"]
+    assert check_launcher(cfg.hydra.launcher, partitions=["gpu", "cpu"]) == []
+
+
+def test_local_launcher_defaults_two_cpu_ranks():
+    cfg = _compose(["hydra/launcher=local"])
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher_kind(cfg.hydra.launcher) == "local"
+    assert (launcher["tasks_per_node"], launcher["gpus_per_node"], launcher["nodes"]) == (2, 0, 1)
+    assert check_launcher(cfg.hydra.launcher) == []  # no sinfo needed for the local executor
+
+
+# ------------------------------------------------------------------------------------------ launcher checks
+
+
+def test_more_tasks_than_gpus_is_rejected_with_the_key_and_the_fix():
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=16"])
+    problems = check_launcher(cfg.hydra.launcher, partitions=["debug"])
+    assert len(problems) == 1
+    msg = problems[0]
+    assert "hydra.launcher.tasks_per_node=16" in msg and "hydra.launcher.gpus_per_node=8" in msg
+    assert "Fix: hydra.launcher.tasks_per_node=8" in msg and "hydra.launcher.gpus_per_node=0" in msg
+
+
+def test_cpu_run_with_several_tasks_is_valid():
+    # How CI tests DDP on Slurm: no GPUs, two tasks.
+    cfg = _compose([
+        "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=4",
+    ])
+    assert check_launcher(cfg.hydra.launcher, partitions=["debug"]) == []
+    cfg = _compose(["hydra/launcher=local", "hydra.launcher.tasks_per_node=4"])
+    assert check_launcher(cfg.hydra.launcher) == []
+
+
+def test_zero_gpus_without_a_task_count_says_to_set_tasks():
+    # tasks_per_node follows gpus_per_node (0) unless given: the message must say which key to set.
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0"])
+    (msg,) = check_launcher(cfg.hydra.launcher, partitions=["debug"])
+    assert "hydra.launcher.tasks_per_node=0" in msg and "hydra.launcher.tasks_per_node=2" in msg
+
+
+def test_unknown_partition_is_rejected_and_named():
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.partition=gpu_big"])
+    (msg,) = check_launcher(cfg.hydra.launcher, partitions=["debug", "long"])
+    assert "hydra.launcher.partition='gpu_big'" in msg and "debug, long" in msg
+    assert "hydra.launcher.partition=null" in msg  # the way back to the cluster default
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.partition=long"])
+    assert check_launcher(cfg.hydra.launcher, partitions=["debug", "long"]) == []
+
+
+def test_no_partition_means_cluster_default():
+    cfg = _compose(["hydra/launcher=slurm"])
+    assert cfg.hydra.launcher.partition is None
+    assert check_launcher(cfg.hydra.launcher, partitions=["debug"]) == []
+
+
+def test_signal_delay_longer_than_time_limit_is_rejected():
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=300"])
+    (msg,) = check_launcher(cfg.hydra.launcher, partitions=["debug"])
+    assert "hydra.launcher.signal_delay_s=300" in msg and "hydra.launcher.timeout_min=2" in msg
+
+
+def test_several_problems_are_reported_together():
+    cfg = _compose([
+        "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=9", "hydra.launcher.partition=nope",
+        "hydra.launcher.cpus_per_task=0",
+    ])
+    with pytest.raises(LaunchConfigError) as err:
+        validate_multirun(cfg, partitions=["debug"])
+    assert len(err.value.problems) == 3
+    text = str(err.value)
+    assert "nothing was submitted" in text
+    for key in ("tasks_per_node", "partition", "cpus_per_task"):
+        assert f"hydra.launcher.{key}" in text
+
+
+def test_basic_launcher_is_not_checked():
+    cfg = _compose([])
+    assert launcher_kind(cfg.hydra.launcher) is None
+    assert check_launcher(cfg.hydra.launcher) == []
+
+
+# ------------------------------------------------------------------------------------------ sweep value checks
+
+
+@pytest.mark.parametrize(
+    "boundaries, words",
+    [
+        ([0, 152, 96, 1024], ["unsorted", "152", "96"]),
+        ([0, 96, 96, 1024], ["duplicate"]),
+        ([16, 96, 1024], ["first boundary must be 0"]),
+        ([0, 96.5, 1024], ["96.5", "not an integer"]),
+        ([0], ["at least two"]),
+        ("bogus", ["'bogus'", "preset"]),
+    ],
+)
+def test_invalid_boundary_lists_are_rejected(boundaries, words):
+    (msg,) = check_sampler({"name": "bucketed", "boundaries": boundaries, "num_buckets": None}, "job #2 (x): ")
+    assert msg.startswith("job #2 (x): sampler.boundaries=")
+    assert "Fix:" in msg and "sampler.num_buckets=K" in msg
+    for word in words:
+        assert word in msg
+
+
+@pytest.mark.parametrize("boundaries", [SEED_BOUNDARIES, CPU_BOUNDARIES, [0, 1024], "seed", "cpu"])
+def test_valid_boundary_lists_pass(boundaries):
+    assert check_sampler({"name": "bucketed", "boundaries": boundaries, "num_buckets": None}) == []
+
+
+def test_bucket_count_settings():
+    assert check_sampler({"name": "bucketed", "boundaries": None, "num_buckets": 4}) == []
+    (msg,) = check_sampler({"name": "bucketed", "boundaries": None, "num_buckets": 0})
+    assert "sampler.num_buckets=0" in msg
+    (msg,) = check_sampler({"name": "bucketed", "boundaries": CPU_BOUNDARIES, "num_buckets": 4})
+    assert "sampler.num_buckets=4" in msg and "sampler.boundaries=null" in msg
+    (msg,) = check_sampler({"name": "bucketed", "boundaries": None, "num_buckets": None})
+    assert "sampler.boundaries=null and sampler.num_buckets=null" in msg
+    assert check_sampler({"name": "full_random", "max_tokens": 4096}) == []  # nothing to check
+
+
+def test_a_bad_value_in_a_command_line_sweep_names_its_job():
+    cfg, jobs, problems = _with_sweep_checks(
+        "train", ["sampler=bucketed", "sampler.boundaries=[0,96,1024],[0,300,200,1024]", "seed=0,1"]
+    )
+    assert len(jobs) == 4
+    assert len(problems) == 2  # the bad list, once per seed
+    assert all("sampler.boundaries=[0, 300, 200, 1024]" in p for p in problems)
+    assert problems[0].startswith("job #2 (") and problems[1].startswith("job #3 (")
+
+
+# ------------------------------------------------------------------------------------------ sweep files
+
+
+@pytest.mark.parametrize(
+    "name, njobs",
+    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15)],
+)
+def test_sweep_files_expand_to_valid_jobs(name, njobs):
+    cfg, jobs, problems = _with_sweep_checks(name)
+    assert len(jobs) == njobs
+    assert problems == []
+    assert cfg.experiment == name  # own multirun folder: multirun/<name>/<time>/
+    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.launch.ValidateLaunch"
+    text = (SWEEPS / f"{name}.yaml").read_text()
+    assert text.startswith("# python -m dflash_lab.train -m --config-dir sweeps --config-name " + name)
+
+
+def test_boundaries_grid_holds_the_seed_lists():
+    cfg, jobs, _ = _with_sweep_checks("boundaries_grid")
+    values = [job[0].split("=", 1)[1] for job in jobs]
+    assert "[" + ",".join(map(str, SEED_BOUNDARIES)) + "]" in values
+    assert "[" + ",".join(map(str, CPU_BOUNDARIES)) + "]" in values
+
+
+def test_bucket_count_grid_fits_k_2_to_16():
+    _, jobs, _ = _with_sweep_checks("bucket_count_grid")
+    ks = sorted(int(o.split("=")[1]) for job in jobs for o in job if o.startswith("sampler.num_buckets="))
+    assert ks == list(range(2, 17))
+    assert all("sampler.boundaries=null" in job for job in jobs)
+
+
+def test_policies_seeds_covers_every_policy():
+    from dflash_lab.sampling import POLICIES
+
+    _, jobs, _ = _with_sweep_checks("policies_seeds")
+    pairs = {(job[0].split("=")[1], job[1].split("=")[1]) for job in jobs}
+    assert pairs == {(p, s) for p in POLICIES for s in ("0", "1", "2")}
+
+
+def test_sweep_jobs_get_distinct_directories():
+    # Every job of a sweep must land in its own run directory (subdir resolved per job, as Hydra does).
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds"):
+        with _hydra_context(name):
+            master = compose(name, overrides=_search_path(name), return_hydra_config=True)
+            loader = GlobalHydra.instance().config_loader()
+            jobs = expand_sweep(master)
+            subdirs = set()
+            for num, overrides in enumerate(jobs):
+                job = loader.load_sweep_config(master, overrides)
+                OmegaConf.set_struct(job, False)
+                job.hydra.job.num = num
+                HydraConfig.instance().set_config(job)
+                subdirs.add(str(job.hydra.sweep.subdir))
+            assert len(subdirs) == len(jobs), name
+
+
+# ------------------------------------------------------------------------------------------ the real command line
+
+
+def _cli(*args, cwd: Path, timeout=180):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_lab.train", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_cli_rejects_a_bad_boundary_sweep_before_any_job_runs(tmp_path):
+    sweep_dir = tmp_path / "multirun"
+    out = _cli(
+        "-m", "hydra/launcher=local", f"hydra.sweep.dir={sweep_dir}", "sampler=bucketed",
+        "sampler.boundaries=[0,96,1024],[0,512,256,1024]", "trainer.max_steps=1",
+        cwd=ROOT,
+    )
+    assert out.returncode != 0
+    assert "launch config rejected before submission" in out.stderr
+    assert "job #1 (" in out.stderr and "sampler.boundaries=[0, 512, 256, 1024]" in out.stderr
+    assert not sweep_dir.exists()  # the sweeper never started: no job, not even the good one
+
+
+def test_cli_rejects_more_tasks_than_gpus_before_submission(tmp_path):
+    sweep_dir = tmp_path / "multirun"
+    out = _cli(
+        "-m", "hydra/launcher=local", f"hydra.sweep.dir={sweep_dir}", "hydra.launcher.gpus_per_node=2",
+        "hydra.launcher.tasks_per_node=4", "trainer.max_steps=1",
+        cwd=ROOT,
+    )
+    assert out.returncode != 0
+    assert "hydra.launcher.tasks_per_node=4 exceeds hydra.launcher.gpus_per_node=2" in out.stderr
+    assert not sweep_dir.exists()
+
+
+def test_cli_sweep_file_with_a_bad_override_is_rejected(tmp_path):
+    sweep_dir = tmp_path / "multirun"
+    out = _cli(
+        "-m", "--config-dir", "sweeps", "--config-name", "bucket_count_grid", f"hydra.sweep.dir={sweep_dir}",
+        "sampler.num_buckets=0,3",  # replaces the file's K grid (command-line sweeps win over sweeper params)
+        cwd=ROOT,
+    )
+    assert out.returncode != 0
+    assert "job #0 (" in out.stderr and "sampler.num_buckets=0" in out.stderr
+    assert not sweep_dir.exists()

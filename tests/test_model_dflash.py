@@ -1,0 +1,204 @@
+"""DFlashModel: frozen target, per-document target attention, train/decode parity, no NaN, decoding, metrics."""
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from dflash_lab.data import ByteTokenizer, collate_packed, collate_padded
+from dflash_lab.metrics.draft_quality import acceptance_length_tau, estimated_acceptance_length
+from dflash_lab.model import DFlashDraft, DFlashModel, DraftConfig, default_target_layer_ids
+from dflash_lab.model.decoding import greedy_generate, measure_acceptance, speculative_generate
+from dflash_lab.model.target import tiny_qwen3_config
+
+torch.set_num_threads(1)
+TOK = ByteTokenizer()
+
+
+def _model(block_size=4, anchors_per_doc=64, anchor_density=None, draft_seed=0, layers=4):
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(TOK.vocab_size, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2)
+    target = Qwen3ForCausalLM(cfg).eval()
+    ids = [1, layers - 2] if layers >= 4 else default_target_layer_ids(layers, 1)
+    draft = DFlashDraft(DraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                    intermediate_size=64, target_layer_ids=ids), init_seed=draft_seed)
+    model = DFlashModel(target, draft, mask_token_id=TOK.mask_token_id, block_size=block_size,
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density)
+    model.stop_token_ids = TOK.stop_token_ids
+    return model
+
+
+def _samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[: n // 3] = False
+        out.append({"input_ids": torch.randint(8, 200, (n,), generator=g), "loss_mask": mask})
+    return out
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(4, 1) == [2]
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        default_target_layer_ids(4, 3)
+
+
+def test_only_the_draft_trains():
+    model = _model()
+    assert all(not p.requires_grad for p in model.target.parameters())
+    draft_ids = {id(p) for p in model.draft.parameters()}
+    assert {id(p) for p in model.trainable_parameters()} == draft_ids
+    out = model(collate_padded(_samples([20, 12]), [0, 1], [20, 12], 0), torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert all(p.grad is None for p in model.target.parameters())
+    assert all(p.grad is not None for p in model.draft.parameters())
+    model.train()
+    assert not model.target.training and model.draft.training
+
+
+def test_packed_row_gives_the_same_target_states_as_separate_documents():
+    model = _model()
+    samples = _samples([17, 9, 25])
+    packed = collate_packed(samples, [0, 1, 2], [17, 9, 25], 0)
+    together = model.target_features(packed["input_ids"], packed["position_ids"], packed["doc_ids"])[0]
+    start = 0
+    for s in samples:
+        n = len(s["input_ids"])
+        alone = model.target(input_ids=s["input_ids"][None], output_hidden_states=True).hidden_states
+        expected = torch.cat([alone[i + 1][0] for i in model.target_layer_ids], dim=-1)
+        torch.testing.assert_close(together[start:start + n], expected, atol=1e-5, rtol=1e-4)
+        start += n
+    padded = collate_padded(samples, [0, 1, 2], [17, 9, 25], 0)
+    rows = model.target_features(padded["input_ids"], padded["position_ids"], padded["doc_ids"])
+    torch.testing.assert_close(rows[1, :9], together[17:26], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_and_padded_give_the_same_loss_with_every_anchor():
+    # Density 1 makes every valid position an anchor: no randomness, so both layouts must agree exactly.
+    model = _model(anchors_per_doc=1000, anchor_density=1.0)
+    samples = _samples([23, 8, 31], seed=2)
+    g = torch.Generator()
+    a = model.evaluate(collate_padded(samples, [0, 1, 2], [23, 8, 31], 0), g)
+    b = model.evaluate(collate_packed(samples, [0, 1, 2], [23, 8, 31], 0), g)
+    torch.testing.assert_close(a.weighted_ce_sum, b.weighted_ce_sum, rtol=1e-5, atol=1e-4)
+    assert a.weight_sum == b.weight_sum and a.correct == b.correct and a.count == b.count
+    assert torch.equal(a.doc_count, b.doc_count) and torch.equal(a.per_pos_count, b.per_pos_count)
+
+
+def test_training_path_and_decoding_path_give_the_same_block_logits():
+    model = _model(block_size=5, anchors_per_doc=1000, anchor_density=1.0)
+    samples = _samples([19, 26], seed=4)
+    batch = collate_packed(samples, [0, 1], [19, 26], 0)
+    blocks, hidden = model.block_hidden(batch, torch.Generator())
+    logits = model.lm_head(hidden).view(*blocks.labels.shape, -1)
+    checked = 0
+    for n in range(blocks.anchors.shape[1]):
+        if not blocks.valid[0, n]:
+            continue
+        row_index = int(blocks.anchors[0, n])
+        doc = int(blocks.anchor_doc[0, n])
+        doc_start = 0 if doc == 0 else 19
+        anchor_pos = row_index - doc_start
+        context_ids = samples[doc]["input_ids"][:anchor_pos]
+        if anchor_pos == 0:
+            continue
+        features = model.target_features(context_ids[None], torch.arange(anchor_pos)[None],
+                                         torch.zeros(1, anchor_pos, dtype=torch.long))
+        decode = model.draft_block_logits(features, int(samples[doc]["input_ids"][anchor_pos]), anchor_pos)
+        torch.testing.assert_close(logits[0, n, 1:], decode, atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= 10
+
+
+def test_no_nan_when_blocks_or_rows_have_nothing_to_learn():
+    model = _model()
+    samples = _samples([20, 6, 14])
+    samples[1]["loss_mask"][:] = False          # a document without any anchor
+    batch = collate_padded(samples, [0, 1, 2], [20, 6, 14], 0)
+    out = model(batch, torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.loss) and out.doc_count[1] == 0
+    for s in samples:
+        s["loss_mask"][:] = False               # a batch with no anchor at all
+    out = model(collate_packed(samples, [0, 1, 2], [20, 6, 14], 0), torch.Generator().manual_seed(0))
+    assert out.weight_sum == 0 and out.loss == 0 and out.count == 0
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.draft.parameters() if p.grad is not None)
+
+
+def test_step_output_counts():
+    model = _model(block_size=4)
+    batch = collate_packed(_samples([30, 40]), [7, 3], [30, 40], 0)
+    out = model(batch, torch.Generator().manual_seed(1))
+    assert out.per_pos_count.shape == (3,) and out.doc_count.shape == (2,)
+    assert out.per_pos_count.sum() == out.count == out.doc_count.sum()
+    assert out.per_pos_correct.sum() == out.correct == out.doc_correct.sum()
+    torch.testing.assert_close(out.loss, out.weighted_ce_sum / out.weight_sum)
+    assert out.weighted_ce_sum.requires_grad and not out.weight_sum.requires_grad
+
+
+def test_speculative_decoding_reproduces_target_greedy_output():
+    model = _model(block_size=4)
+    prompt = torch.tensor([1, 5] + TOK.encode("tell me") + [7, 6])
+    tokens, accepted = speculative_generate(model, prompt, max_new_tokens=20, stop_token_ids=[])
+    assert tokens == greedy_generate(model, prompt, 20, stop_token_ids=[])
+    assert len(tokens) == 20 and all(0 <= a <= 3 for a in accepted)
+    assert 1 + sum(a + 1 for a in accepted) == 20   # the first token comes from the prefill
+    result = measure_acceptance(model, [prompt, prompt[:4]], max_new_tokens=12)
+    assert result["tau"] >= 1.0 and result["prompts"] == 2
+
+
+def test_an_oracle_draft_is_always_fully_accepted():
+    # A draft that proposes the target's own greedy continuation must be accepted in full at every step.
+    model = _model(block_size=4)
+    prompt = torch.tensor([1, 5, 60, 61])
+    reference = prompt.tolist() + greedy_generate(model, prompt, 40, stop_token_ids=[])
+
+    def oracle(context_features, anchor_token, anchor_position, block_size=None):
+        assert reference[anchor_position] == anchor_token and context_features.shape[1] == anchor_position
+        logits = torch.zeros(3, TOK.vocab_size)
+        logits[torch.arange(3), torch.tensor(reference[anchor_position + 1: anchor_position + 4])] = 1.0
+        return logits
+
+    model.draft_block_logits = oracle
+    tokens, accepted = speculative_generate(model, prompt, 25, stop_token_ids=[])
+    assert tokens == reference[4:29]
+    assert accepted == [3] * 6   # 1 prefill token + 6 steps x 4 tokens = 25
+    assert measure_acceptance(model, [prompt], 25, stop_token_ids=[])["tau"] == 4.0
+
+
+def test_baseline_model_is_the_untrained_draft():
+    model = _model()
+    with torch.no_grad():
+        for p in model.draft.parameters():
+            p.add_(1.0)
+    base = model.baseline_model()
+    fresh = _model().draft
+    for a, b in zip(base.draft.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert base.target is model.target
+
+
+def test_draft_quality_formulas():
+    assert estimated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert math.isclose(estimated_acceptance_length([0.5, 0.5, 0.0]), 1.75)
+    assert acceptance_length_tau([0, 0]) == 1.0 and math.isnan(acceptance_length_tau([]))
+
+
+def test_chunked_lm_head_gives_the_same_loss_and_gradients():
+    batch = collate_packed(_samples([40, 30]), [0, 1], [40, 30], 0)
+    whole, chunked = _model(), _model()
+    chunked.CE_CHUNK_ELEMENTS = TOK.vocab_size * 7   # 7 slots per chunk
+    a = whole(batch, torch.Generator().manual_seed(3))
+    b = chunked(batch, torch.Generator().manual_seed(3))
+    a.loss.backward()
+    b.loss.backward()
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.correct == b.correct and torch.equal(a.doc_correct, b.doc_correct)
+    for p, q in zip(whole.draft.parameters(), chunked.draft.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4)

@@ -1,0 +1,58 @@
+"""model=hf: a local HF directory (random tiny Qwen3 + a locally built fast tokenizer with a chat template)."""
+
+import json
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    directory = tmp_path_factory.mktemp("hf_model")
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(directory)
+    config = Qwen3Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_hf_model_and_chat_template_data(hf_dir, tmp_path):
+    from dflash_lab.data import Collator, build_dataset
+    from dflash_lab.model import build_model, measure_acceptance
+
+    model, tok = build_model("hf", target_path=str(hf_dir), device="cpu", block_size=4, draft_layers=2,
+                             cache_dir=str(tmp_path))
+    assert model.target_layer_ids == [1, 3]          # evenly spaced in [1, L-3] for 6 layers
+    assert model.mask_token_id == tok.pad_token_id == 0 and tok.eos_token_id in model.stop_token_ids
+    file = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"ok {i}!"}]}
+            for i in range(10)]
+    file.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ds = build_dataset("jsonl", tokenizer=tok, path=str(file), cache_dir=str(tmp_path))
+    sample = ds[3]
+    assert tok.decode(sample["input_ids"][sample["loss_mask"]].tolist(), show_special=True) == "ok 3!<|im_end|>\n"
+    assert tok.decode(sample["input_ids"][~sample["loss_mask"]].tolist()).endswith("hi 3\nassistant\n")
+    out = model(Collator(tok.pad_token_id, packed=True)([ds[i] for i in range(4)]), torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.loss) and out.count > 0
+    result = measure_acceptance(model, [sample["input_ids"][:5]], max_new_tokens=8)
+    assert result["tau"] >= 1.0

@@ -1,0 +1,108 @@
+"""Tiny target: built by our own pretraining, cached by config hash, built once under concurrency; learning check."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lab.data import Collator, build_dataset
+from dflash_lab.data.cache import build_once
+from dflash_lab.model import build_model
+from dflash_lab.model import target as target_module
+
+torch.set_num_threads(1)
+
+SMALL = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=64,
+             pretrain_steps=4, pretrain_tokens_per_step=256, pretrain_window=64,
+             pretrain_data={"kind": "synthetic", "num_samples": 80, "seed": 0}, block_size=4)
+
+
+def test_tiny_target_is_pretrained_once_then_loaded_from_cache(tmp_path, monkeypatch):
+    model, tok = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    meta = model.target.dflash_meta
+    assert meta["pretrain_stats"]["steps"] == 4 and np.isfinite(meta["pretrain_stats"]["loss"])
+    assert model.target.config.hidden_size == 32 and tok.vocab_size == model.target.config.vocab_size
+
+    def boom(*args, **kwargs):
+        raise AssertionError("pretrained again although the cache exists")
+
+    monkeypatch.setattr(target_module, "pretrain_tiny_target", boom)
+    again, _ = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    assert again.target.dflash_meta["path"] == meta["path"]
+    for a, b in zip(model.target.parameters(), again.target.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="pretrained again"):
+        build_model("tiny", cache_dir=str(tmp_path), **{**SMALL, "pretrain_steps": 5})   # new key: new target
+
+
+def test_build_once_runs_the_builder_once_under_concurrency(tmp_path):
+    calls = []
+
+    def slow_build(directory):
+        calls.append(1)
+        time.sleep(0.3)
+        (directory / "done").write_text("ok")
+
+    threads = [threading.Thread(target=build_once, args=(tmp_path / "entry", slow_build)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and (tmp_path / "entry" / "done").read_text() == "ok"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "entry.lock"]   # no temporary leftovers
+
+
+def test_failed_build_leaves_no_cache(tmp_path):
+    def broken(directory):
+        (directory / "half").write_text("x")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        build_once(tmp_path / "entry", broken)
+    assert not (tmp_path / "entry").exists() and [p.name for p in tmp_path.iterdir()] == ["entry.lock"]
+
+
+def test_bad_model_config_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="model.kind"):
+        build_model("big", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="model.target_path"):
+        build_model("hf", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="model.block_size"):
+        build_model("tiny", cache_dir=str(tmp_path), **{**SMALL, "block_size": 1})
+
+
+@pytest.mark.slow
+def test_a_few_hundred_draft_steps_lower_the_loss_and_beat_the_baseline_tau(tmp_path):
+    from dflash_lab.model import heldout_prompts, measure_acceptance
+
+    config = {**SMALL, "pretrain_steps": 150, "pretrain_tokens_per_step": 1024, "pretrain_window": 128,
+              "pretrain_data": {"kind": "synthetic", "num_samples": 400, "seed": 0}, "anchor_density": 0.125}
+    model, tok = build_model("tiny", cache_dir=str(tmp_path), **config)
+    train, heldout = build_dataset("synthetic", tokenizer=tok, num_samples=400, cache_dir=str(tmp_path)).split()
+    collate = Collator(tok.pad_token_id, packed=True)
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    short = np.flatnonzero(train.lengths <= 200)
+    losses = []
+    for _ in range(300):
+        batch = collate([train[int(i)] for i in rng.choice(short, 6, replace=False)])
+        out = model(batch, generator)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss.detach()))
+    assert np.mean(losses[-30:]) < 0.85 * np.mean(losses[:10])
+    prompts = heldout_prompts(heldout, 6)
+    trained = measure_acceptance(model, prompts, 32)["tau"]
+    baseline = measure_acceptance(model.baseline_model(), prompts, 32)["tau"]
+    assert trained > baseline
+
+
+def test_stale_temporary_dirs_of_a_killed_builder_are_removed(tmp_path):
+    (tmp_path / "entry.tmp-dead").mkdir()
+    (tmp_path / "entry.tmp-dead" / "half").write_text("x")
+    build_once(tmp_path / "entry", lambda directory: (directory / "done").write_text("ok"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "entry.lock"]

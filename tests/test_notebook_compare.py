@@ -1,0 +1,124 @@
+"""End to end on REAL training runs: a small 3-policy x 2-seed CPU multirun trained with `python -m dflash_lab.train`
+through sweeps/ablation_policies.yaml, then `python -m dflash_lab.compare` on it, then the notebook executed with
+nbmake against it.
+
+The multirun is written to multirun/notebook_ci (git-ignored), the notebook's default DFLASH_RUNS, so
+`pytest --nbmake notebooks/` also works by hand after this test has run once.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dflash_lab.analysis import find_run_dirs
+from dflash_lab.analysis.schema import COMPARISON_COLUMNS
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "multirun" / "notebook_ci"
+POLICIES = ("bucketed", "full_random", "packed")
+SEEDS = (0, 1)
+# Small enough for CI on 2 cores, big enough that every comparison column is defined: two full epochs (each example
+# presented twice), >= 33 steps (spike score; a 2048-token budget doubles the steps for the same tokens), probes
+# every 4 steps (the loop-score lag of one epoch must fit in half the evals), a short tau measurement.
+TRAIN_OVERRIDES = (
+    "data.num_samples=160",
+    "sampler.max_tokens=2048",
+    "trainer.epochs=2",
+    "probes.every=4",
+    "probes.per_band=2",
+    "model.decode_num_prompts=4",  # tau: 16 prompts x 64 tokens would cost more than the training itself
+    "model.decode_max_new_tokens=16",
+    "trainer.progress=false",
+    "trainer.ckpt_every=0",
+)
+ABLATION_POLICIES = ("sorted_static", "full_random", "bucketed", "packed", "bucketed_megabatch")
+
+
+def _env() -> dict:
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env.pop("WANDB_ENTITY", None)
+    env.pop("WANDB_PROJECT", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def trained_multirun() -> Path:
+    shutil.rmtree(RUNS, ignore_errors=True)  # never compare stale runs from older code
+    command = [
+        sys.executable, "-m", "dflash_lab.train", "-m", "--config-dir", "sweeps", "--config-name", "ablation_policies",
+        f"sampler={','.join(POLICIES)}", f"seed={','.join(map(str, SEEDS))}", *TRAIN_OVERRIDES,
+        f"hydra.sweep.dir={RUNS}",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=3000)
+    assert result.returncode == 0, f"multirun failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return RUNS
+
+
+@pytest.mark.slow
+def test_multirun_holds_one_finished_run_per_policy_and_seed(trained_multirun):
+    runs = find_run_dirs(trained_multirun)
+    assert len(runs) == len(POLICIES) * len(SEEDS)
+    for run in runs:
+        for name in ("metrics.jsonl", "probes.jsonl", "presentations.parquet", "summary.json", ".hydra/config.yaml"):
+            assert (run / name).is_file(), f"{run.name} lacks {name}"
+
+
+@pytest.mark.slow
+def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
+    out = tmp_path / "comparison"
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_lab.compare", str(trained_multirun), "--out", str(out)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    runs = pd.read_csv(out / "comparison.csv")
+    assert sorted(runs["sampler"].unique()) == sorted(POLICIES)
+    assert sorted(runs["seed"].unique()) == list(SEEDS)
+    assert not runs["partial"].any(), runs[["run_id", "status", "notes"]].to_string()
+    missing = {c: runs.loc[runs[c].isna(), "run_id"].tolist() for c in COMPARISON_COLUMNS if runs[c].isna().any()}
+    assert not missing, f"empty comparison columns {missing}; notes: {runs['notes'].tolist()}"
+    for name in ("comparison.md", "loss_curves.png", "band_accuracy.png", "metric_bars.png",
+                 "throughput_vs_forgetting.png", "bands.csv", "interference.csv"):
+        assert (out / name).is_file(), name
+    # throughput figures are the trainer's (summary.json), computed with metrics.throughput
+    assert (runs["pad_eff"] > 0).all() and (runs["pad_eff"] <= 1).all()
+    packed = runs[runs["sampler"] == "packed"]["pad_eff"]
+    full_random = runs[runs["sampler"] == "full_random"]["pad_eff"]
+    assert packed.mean() > full_random.mean()  # packing leaves no padding inside rows; random batches pad a lot
+    assert "## Per policy" in result.stdout
+
+
+@pytest.mark.slow
+def test_notebook_executes_under_nbmake_against_the_multirun(trained_multirun, tmp_path):
+    env = _env() | {"DFLASH_RUNS": str(trained_multirun), "DFLASH_NOTEBOOK_FIGURES": str(tmp_path / "figures")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=600",
+         "notebooks/compare_policies.ipynb"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert (tmp_path / "figures" / "throughput_vs_forgetting.png").is_file()
+
+
+def test_ablation_sweep_composes_every_policy_with_train_yaml():
+    """sweeps/ablation_policies.yaml, as `--config-dir sweeps --config-name ablation_policies` loads it: the 5 x 3
+    grid, and each sweep point composes with conf/train.yaml (the search path order of that command is mirrored)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "sweeps"), version_base="1.3"):
+        base = ["hydra.searchpath=[file://" + str(REPO / "conf") + "]", "hydra.job.num=0",
+                "hydra.runtime.output_dir=/tmp/unused"]
+        cfg = compose(config_name="ablation_policies", overrides=base, return_hydra_config=True)
+        params = cfg.hydra.sweeper.params
+        assert tuple(params["sampler"].split(",")) == ABLATION_POLICIES
+        assert params["seed"] == "0,1,2"
+        for policy in ABLATION_POLICIES:
+            point = compose(config_name="ablation_policies", overrides=[*base, f"sampler={policy}", "seed=2"])
+            assert point.sampler.name == policy and point.seed == 2
+            assert point.experiment == "ablation_policies"
+            assert point.trainer.epochs == 2 and point.data.num_samples == 1000 and point.probes.every == 10

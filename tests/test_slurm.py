@@ -1,0 +1,259 @@
+"""End to end through a real Slurm: `hydra/launcher=slurm` submits, ranks train, preemption requeues and resumes.
+
+Needs the cluster started by ``scripts/slurm_up.sh`` (CI: `.ci/run` starts it); every test here is marked
+``slurm`` and skipped, with the reason, when ``sinfo`` cannot reach a controller (failed instead when
+``DFLASH_LAB_REQUIRE_SLURM=1``, so CI cannot pass without having run them). Jobs are tiny (a few optimizer
+steps of the tiny CPU model, 1 CPU per rank) because the test machine may have only 2 cores.
+
+What is checked:
+    * a named partition is validated against the live ``sinfo`` before submission (nothing is queued);
+    * a 2-task CPU DDP training job runs to the end: both ranks took part, metrics cover every step once;
+    * a 2-point boundary sweep (the sweep file, its grid replaced on the command line) gives two finished runs,
+      each in its own directory with its own boundaries;
+    * preemption: ``scancel --signal=USR2`` (submitit's checkpoint-and-requeue path) and ``scontrol requeue``
+      (SIGTERM, Slurm requeues) both end in a run that resumed in the same directory from its own checkpoint,
+      with the steps in metrics.jsonl contiguous and without duplicates, and the same W&B run id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from dflash_lab.launch import slurm_partitions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _slurm_unreachable() -> str | None:
+    """Why the Slurm tests cannot run here (None when `sinfo` answers)."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if out.returncode != 0 or not out.stdout.strip():
+        return f"sinfo failed: {(out.stderr.strip().splitlines() or ['no partition'])[-1]}"
+    return None
+
+
+_REASON = _slurm_unreachable()
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(autouse=True)
+def _need_slurm():
+    """Skip without a reachable Slurm, or fail when CI says Slurm must be there (DFLASH_LAB_REQUIRE_SLURM=1)."""
+    if _REASON is None:
+        return
+    message = f"no reachable Slurm controller ({_REASON}); start one with `sudo scripts/slurm_up.sh`"
+    if os.environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
+        pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
+    pytest.skip(message)
+
+# Two CPU ranks per job, sized for a 2-core machine.
+SLURM_CPU = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.tasks_per_node=2",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=4",
+    "hydra.launcher.timeout_min=20",
+]
+# The smallest real training: a few steps, no probes/tau, one thread per rank.
+TINY = [
+    "trainer.progress=false",
+    "trainer.measure_tau=false",
+    "trainer.num_threads=1",
+    "probes.every=0",
+    "probes.presentations=false",
+    "sampler.max_tokens=1024",
+]
+
+
+def _experiment() -> str:
+    """A unique Slurm job name suffix (hydra.launcher.name=dflash_<it>), to find this test's jobs in squeue."""
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def _run_cli(args, timeout, name):
+    """Run the real entry point; on a timeout cancel the test's jobs (the submitter would wait forever)."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dflash_lab.train", *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        _cancel(name)
+        raise AssertionError(f"timed out after {timeout}s:\n{(exc.stderr or b'')[-3000:]}") from exc
+
+
+def _jobs(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-n", f"dflash_{name}", "-o", "%A"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def _cancel(name: str) -> None:
+    for job in _jobs(name):
+        subprocess.run(["scancel", job], check=False)
+
+
+def _metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def _finished(run_dir: Path, steps: int, world_size: int) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished", summary
+    assert summary["steps"] == steps and summary["world_size"] == world_size
+    assert _metric_steps(run_dir) == list(range(1, steps + 1))
+    return summary
+
+
+def _submitit_logs(sweep_dir: Path) -> str:
+    texts = [p.read_text(errors="replace")[-4000:] for p in sorted((sweep_dir / ".submitit").rglob("*.*"))
+             if p.suffix in (".out", ".err")]
+    return "\n".join(texts)
+
+
+def test_slurm_up_is_idempotent_on_a_running_cluster():
+    # Running it again must not restart anything (CI may call it twice; jobs would be lost).
+    if os.geteuid() != 0:
+        pytest.skip("scripts/slurm_up.sh needs root")
+    pids = {p: Path(p).read_text().strip() for p in ("/run/slurmctld.pid", "/run/slurmd.pid") if Path(p).is_file()}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_up.sh")], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "slurmctld already running" in out.stdout and "srun works" in out.stdout
+    assert {p: Path(p).read_text().strip() for p in pids} == pids
+
+
+def test_partition_is_checked_against_the_live_cluster(tmp_path):
+    partitions = slurm_partitions()
+    assert partitions and all("*" not in p for p in partitions)
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    out = _run_cli(
+        ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}",
+         "hydra.launcher.partition=no_such_part", "trainer.max_steps=1", *TINY],
+        timeout=120, name=name,
+    )
+    assert out.returncode != 0
+    assert "hydra.launcher.partition='no_such_part'" in out.stderr
+    assert ", ".join(partitions) in out.stderr
+    assert not sweep_dir.exists() and _jobs(name) == []  # nothing was submitted
+
+
+def test_two_rank_cpu_ddp_training_job(tmp_path):
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    steps = 4
+    out = _run_cli(
+        ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}",
+         f"trainer.max_steps={steps}", *TINY],
+        timeout=600, name=name,
+    )
+    assert out.returncode == 0, out.stderr[-3000:] + _submitit_logs(sweep_dir)
+    (run_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    _finished(run_dir, steps, world_size=2)
+    # both ranks ran inside the Slurm job, as the job's two tasks
+    for rank in (0, 1):
+        text = (run_dir / f"train_rank{rank}.log").read_text()
+        assert f"rank {rank}/2 (submitit)" in text
+    task_logs = sorted(p.name for p in (sweep_dir / ".submitit").rglob("*_log.out"))
+    assert len(task_logs) == 2, task_logs
+
+
+def test_two_point_boundary_sweep(tmp_path):
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    grid = {"[0,96,152,216,304,412,1024]": [0, 96, 152, 216, 304, 412, 1024], "[0,216,1024]": [0, 216, 1024]}
+    steps = 3
+    out = _run_cli(
+        ["-m", "--config-dir", "sweeps", "--config-name", "boundaries_grid", *SLURM_CPU,
+         # one rank per job, so the two jobs run side by side on a 2-core node
+         "hydra.launcher.tasks_per_node=1", f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}",
+         "sampler.boundaries=" + ",".join(grid), f"trainer.max_steps={steps}", *TINY],
+        timeout=600, name=name,
+    )
+    assert out.returncode == 0, out.stderr[-3000:] + _submitit_logs(sweep_dir)
+    run_dirs = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name.split("_")[0] for p in run_dirs] == ["0", "1"]
+    seen = []
+    for run_dir in run_dirs:
+        _finished(run_dir, steps, world_size=1)
+        seen.append(list(OmegaConf.load(run_dir / ".hydra" / "config.yaml").sampler.boundaries))
+    assert seen == list(grid.values())
+
+
+def _wait_for(predicate, timeout, what, proc=None, poll_s=1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"submitter exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.mark.slow  # about 2-3 minutes each: two starts of the job and Slurm's requeue delay in between
+@pytest.mark.parametrize("how", ["usr2", "scontrol_requeue"])
+def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path, how):
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    steps = 100  # long enough that the signal lands mid-run even on a fast machine
+    args = ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}",
+            f"trainer.max_steps={steps}", "trainer.ckpt_every=2", "logger=wandb", "logger.mode=offline", *TINY]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_lab.train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: _jobs(name), 60, "the job to be queued", proc)
+        (job,) = _jobs(name)
+
+        def run_dirs() -> list[Path]:
+            if not sweep_dir.is_dir():
+                return []
+            return [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+        # a periodic checkpoint proves training is under way (and flushed metrics.jsonl)
+        _wait_for(lambda: run_dirs() and list((run_dirs()[0] / "checkpoints").glob("step_*.pt")), 300,
+                  "the first checkpoint", proc, poll_s=0.2)
+        (run_dir,) = run_dirs()
+        run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+        if how == "usr2":  # what Slurm sends before the time limit; submitit checkpoints and requeues
+            subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        else:  # SIGTERM to every task, then Slurm puts the job back in the queue itself
+            subprocess.run(["scontrol", "requeue", job], check=True)
+        output, _ = proc.communicate(timeout=600)
+    except BaseException:
+        _cancel(name)
+        proc.kill()
+        raise
+    assert proc.returncode == 0, output[-3000:] + _submitit_logs(sweep_dir)
+    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=1" in info, info
+
+    # the same run directory, resumed from its own checkpoint, every step exactly once
+    assert run_dirs() == [run_dir]
+    _finished(run_dir, steps, world_size=2)
+    log = (run_dir / "train_rank0.log").read_text()
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, log[-3000:]
+    resumed_at = int(resumed[0].split(" at step ")[1].split()[0])
+    assert 0 < resumed_at < steps
+    assert "checkpoint requested" in log
+    # W&B continues the same run
+    assert (run_dir / "wandb_run_id.txt").read_text().strip() == run_id
+    offline_runs = list((run_dir / "wandb").rglob("offline-run-*"))
+    assert offline_runs and all(p.name.endswith(run_id) for p in offline_runs), offline_runs

@@ -1,0 +1,80 @@
+"""conf/train.yaml composes with every sampler, trainer and logger through Hydra's compose API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dflash_lab.train import ProbeSettings, TrainerSettings, lr_multiplier
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=["run_dir=/tmp/unused", *overrides])
+
+
+def test_every_sampler_is_present():
+    assert {"sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed"} <= set(SAMPLERS)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_compose_every_sampler(sampler):
+    cfg = _compose([f"sampler={sampler}"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert plain["sampler"]["name"] == sampler
+    for key in ("seed", "resume", "experiment", "run_dir"):
+        assert key in plain
+    trainer = TrainerSettings.from_dict(plain["trainer"])
+    assert trainer.max_steps is None and trainer.epochs >= 1 and trainer.lr == 6e-4 and trainer.grad_clip == 1.0
+    assert trainer.warmup_frac == 0.04
+    ProbeSettings.from_dict(plain["probes"])
+    assert plain["logger"]["kind"] == "none"
+
+
+@pytest.mark.parametrize("sampler", ["bucketed", "packed"])
+def test_wandb_logger_resolves_group_and_job_type(sampler):
+    cfg = _compose([f"sampler={sampler}", "logger=wandb", "seed=3"])
+    logger = OmegaConf.to_container(cfg.logger, resolve=True)
+    assert logger == {"kind": "wandb", "mode": "offline", "project": "dflash_lab", "entity": None,
+                      "group": cfg.experiment, "job_type": sampler, "name": f"{sampler}_s3",
+                      "tags": [sampler, "seed3"]}
+
+
+def test_gpu_trainer_inherits_cpu_defaults():
+    plain = OmegaConf.to_container(_compose(["trainer=gpu"]), resolve=True)["trainer"]
+    assert plain["device"] == "cuda" and plain["precision"] == "bf16" and plain["grad_clip"] == 1.0
+
+
+def test_overrides_tools_rely_on():
+    cfg = _compose(["sampler=full_random", "seed=5", "trainer.epochs=3", "trainer.max_steps=7", "resume=true"])
+    assert (cfg.sampler.name, cfg.seed, cfg.trainer.epochs, cfg.trainer.max_steps, cfg.resume) == (
+        "full_random", 5, 3, 7, True)
+
+
+def test_unknown_trainer_key_is_refused():
+    with pytest.raises(ValueError, match="unknown trainer key"):
+        TrainerSettings.from_dict({"epochz": 2})
+
+
+@pytest.mark.parametrize("values, key", [({"epochs": 0}, "trainer.epochs"), ({"grad_accum": 0}, "trainer.grad_accum"),
+                                         ({"precision": "bf16"}, "trainer.precision"),
+                                         ({"warmup_frac": 1.5}, "trainer.warmup_frac")])
+def test_bad_trainer_values_name_the_key(values, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        TrainerSettings.from_dict(values)
+
+
+def test_schedule_warmup_then_cosine():
+    total = 200
+    lrs = [lr_multiplier(s, total, 0.04, 0.1) for s in range(total)]
+    warmup = 8
+    assert lrs[0] == pytest.approx(1 / warmup) and lrs[warmup - 1] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(lrs[: warmup - 1], lrs[1:warmup]))  # linear rise
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))  # monotone decay
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
