@@ -172,9 +172,14 @@ def lr_multiplier(step: int, total_steps: int, warmup_frac: float, min_lr_ratio:
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def anchor_seed(seed: int, rank: int, step: int, micro: int = 0) -> int:
-    """Seed of the anchor generator for one (seed, rank, step, micro-batch): resume redraws the same anchors."""
-    return int(np.random.SeedSequence([int(seed), int(rank), int(step), int(micro)]).generate_state(1)[0])
+def anchor_seed(seed: int, step: int, slot: int = 0) -> int:
+    """Seed of the anchor generator for one batch of a step: resume redraws the same anchors.
+
+    ``slot`` is the batch's position among the step's ``world_size x grad_accum`` batches
+    (``micro x world_size + rank``), not the rank alone, so a 2-rank run and a 1-rank run with ``grad_accum=2``
+    that see the same global batches also draw the same anchors.
+    """
+    return int(np.random.SeedSequence([int(seed), int(step), int(slot)]).generate_state(1)[0])
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -263,7 +268,11 @@ def _train(cfg: DictConfig | dict) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # Threads: the cores of this machine shared by its ranks (one process per rank).
-    torch.set_num_threads(trainer.num_threads or max(1, (os.cpu_count() or 1) // env.world_size))
+    # Threads per rank: Slurm's per-task CPU allocation when there is one, else the CPUs this process may use
+    # (taskset/cgroup aware) shared by the ranks of a single-node torchrun.
+    slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    default_threads = int(slurm_cpus) if slurm_cpus else len(os.sched_getaffinity(0)) // env.world_size
+    torch.set_num_threads(trainer.num_threads or max(1, default_threads))
     run_dir.mkdir(parents=True, exist_ok=True)
     log = setup_text_log(run_dir, env.rank)
     log.info(f"run dir {run_dir}; rank {env.rank}/{env.world_size} ({env.source}); device {device}")
@@ -449,7 +458,7 @@ def _train(cfg: DictConfig | dict) -> dict[str, Any]:
         micro_stats, doc_correct, doc_count = [], [], []  # detached, on the device: no host sync yet
         for micro, batch in enumerate(micro_batches):
             batch = _to_device(batch, device)
-            anchor_generator.manual_seed(anchor_seed(seed, env.rank, step, micro))
+            anchor_generator.manual_seed(anchor_seed(seed, step, micro * env.world_size + env.rank))
             # DDP all-reduces gradients on the last micro-batch only
             last_micro = micro == len(micro_batches) - 1
             sync = train_model.no_sync() if env.distributed and not last_micro else contextlib.nullcontext()
