@@ -86,6 +86,24 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
     else:
         raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
 
+    model = wrap_target(target, mask_token_id=mask_id, block_size=block_size, loss_gamma=loss_gamma,
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, draft_layers=draft_layers,
+                        target_layer_ids=target_layer_ids, draft_intermediate_size=draft_intermediate_size,
+                        draft_init_seed=draft_init_seed, draft_init_std=draft_init_std)
+    model.stop_token_ids = list(tokenizer.stop_token_ids)
+    return model, tokenizer
+
+
+def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: float | None = None,
+                anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
+                target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
+                draft_init_seed: int = 0, draft_init_std: float | None = None) -> DFlashModel:
+    """A DFlashModel around an already built (frozen) HF causal-LM target: a draft shaped like the target.
+
+    ``build_model`` uses it for both kinds; ``benchmarks/gpu_check.py`` uses it on a randomly initialised
+    real-size target. Arguments as in ``build_model``.
+    """
+    target.requires_grad_(False)
     config = target.config
     layers = config.num_hidden_layers
     layer_ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(layers, int(draft_layers))
@@ -105,11 +123,10 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
     draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std)
     weight = target.get_input_embeddings().weight
     draft.to(device=weight.device)  # draft master weights stay float32; autocast handles bf16 on GPU
-    model = DFlashModel(target, draft, mask_token_id=mask_id, block_size=int(block_size), loss_gamma=loss_gamma,
+    model = DFlashModel(target, draft, mask_token_id=mask_token_id, block_size=int(block_size), loss_gamma=loss_gamma,
                         anchors_per_doc=anchors_per_doc, anchor_density=anchor_density,
                         draft_init_seed=int(draft_init_seed))
-    model.stop_token_ids = list(tokenizer.stop_token_ids)
-    return model, tokenizer
+    return model
 
 
 def _rope_theta(config) -> float:
