@@ -104,7 +104,7 @@ def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None) -
         One message per problem, each naming the key and the fix.
 
     Example:
-        >>> check_launcher({"_target_": "x.SlurmLauncher", "gpus_per_node": 8, "tasks_per_node": 16, "nodes": 1})
+        >>> check_launcher({"_target_": "x.LocalLauncher", "gpus_per_node": 8, "tasks_per_node": 16, "nodes": 1})
         ... # doctest: +ELLIPSIS
         ['hydra.launcher.tasks_per_node=16 exceeds hydra.launcher.gpus_per_node=8: ...']
     """

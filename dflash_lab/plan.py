@@ -28,7 +28,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .metrics import diversity
 from .metrics.throughput import full_run_eta_seconds, ktok_per_s
 from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config, smallest_k_for_efficiency
 from .sampling.stats import plan_padding, plan_stats
@@ -134,13 +133,7 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks)."""
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
-    lengths = policy.lengths.astype(np.float64)
-    if policy.packed:
-        squared = diversity.batch_reduce(plan.batches, lengths * lengths)
-    else:
-        sizes = np.fromiter((b.size for b in plan.batches), dtype=np.float64, count=len(plan.batches))
-        squared = sizes * diversity.batch_reduce(plan.batches, lengths, np.maximum) ** 2
-    per_batch = cost.step_time(padding["per_batch_padded"], squared)
+    per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"])
     step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
     epoch_seconds = float(step_times.sum())
     return {

@@ -22,8 +22,8 @@ appends per step. Both are counted in the trainer's overhead figure.
 
 Example:
     >>> import numpy as np
-    >>> band_of_lengths(np.array([1, 96, 97, 2000]), [0, 96, 152, 216, 304, 412, 1024]).tolist()
-    [0, 0, 1, 5]
+    >>> validate_bands([0, 96, 152])
+    [0, 96, 152]
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+
+from dflash_lab.sampling.boundaries import bucket_ids
 
 DEFAULT_BANDS = (0, 96, 152, 216, 304, 412, 1024)
 
@@ -57,12 +59,6 @@ def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
             f"e.g. {list(DEFAULT_BANDS)}"
         )
     return values
-
-
-def band_of_lengths(lengths: np.ndarray, bands: list[int] | tuple[int, ...]) -> np.ndarray:
-    """Band id of each length: band b holds ``(bands[b], bands[b+1]]``; longer than the last boundary -> last band."""
-    ids = np.searchsorted(np.asarray(bands), np.asarray(lengths), side="left") - 1
-    return np.clip(ids, 0, len(bands) - 2).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -101,7 +97,7 @@ class ProbeSets:
         self.bands = validate_bands(bands)
         self.max_tokens = int(max_tokens)
         lengths = np.asarray(heldout_lengths, dtype=np.int64)
-        band_ids = band_of_lengths(lengths, self.bands)
+        band_ids = bucket_ids(lengths, self.bands)
         rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x70B3]))
         self.sets: list[ProbeSet] = []
         self.empty_bands: list[int] = []
@@ -217,7 +213,7 @@ class PresentationRecorder:
                 "epoch": np.full(int(scored.sum()), epoch, dtype=np.int64),
                 "step": np.full(int(scored.sum()), step, dtype=np.int64),
                 "length": lengths,
-                "band": band_of_lengths(lengths, self.bands),
+                "band": bucket_ids(lengths, self.bands),
                 "acc": (np.asarray(correct, dtype=np.float64)[scored] / count[scored]).astype(np.float32),
             }
         )

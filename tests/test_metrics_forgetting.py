@@ -174,11 +174,12 @@ def test_interference_is_nan_for_a_band_whose_share_never_changes():
 
 
 def test_step_band_tokens_from_lengths_uses_the_probe_band_convention():
-    # band b holds (lo, hi]: a mean length of exactly 96 belongs to band 0, 97 to band 1
+    # band b holds (lo, hi]: a mean length of exactly 96 belongs to band 0, 97 to band 1; beyond every band: none
     wide = fg.step_band_tokens_from_lengths(
         np.array([1, 2, 3]), np.array([10, 20, 30]), np.array([96.0, 97.0, 5000.0]), [(0, 96), (96, 152)]
     )
-    assert wide.to_numpy().tolist() == [[10, 0], [0, 20], [0, 30]]
+    assert wide.index.tolist() == [1, 2]
+    assert wide.to_numpy().tolist() == [[10, 0], [0, 20]]
 
 
 def test_cycle_lag_found_from_a_periodic_bucket_sequence_and_falls_back_to_epoch():

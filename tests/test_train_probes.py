@@ -10,14 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dflash_lab.sampling import bucket_ids
 from dflash_lab.probes import (
-    DEFAULT_BANDS, PRESENTATION_COLUMNS, PresentationRecorder, ProbeSets, band_of_lengths, validate_bands,
+    DEFAULT_BANDS, PRESENTATION_COLUMNS, PresentationRecorder, ProbeSets, validate_bands,
 )
 
 
-def test_band_convention_matches_bucket_of():
+def test_one_length_to_band_rule_outside_is_minus_one():
     bands = [0, 96, 152]
-    assert band_of_lengths(np.array([1, 96, 97, 152, 5000]), bands).tolist() == [0, 0, 1, 1, 1]
+    assert bucket_ids(np.array([1, 96, 97, 152, 5000]), bands).tolist() == [0, 0, 1, 1, -1]
 
 
 def test_bad_bands_name_the_key():
@@ -35,7 +36,7 @@ def test_probe_sets_fixed_by_probe_seed_not_run():
     assert [s.indices.tolist() for s in a.sets] != [s.indices.tolist() for s in c.sets]
     for probe in a.sets:
         assert probe.indices.size == 3
-        assert np.all(band_of_lengths(lengths[probe.indices], DEFAULT_BANDS) == probe.band)
+        assert np.all(bucket_ids(lengths[probe.indices], DEFAULT_BANDS) == probe.band)
 
 
 def test_empty_band_is_reported_and_small_band_takes_all():

@@ -188,7 +188,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
 
     Example:
         >>> ds = build_dataset("synthetic", num_samples=100)   # doctest: +SKIP
-        >>> ds.lengths.dtype
+        >>> ds.lengths.dtype                                   # doctest: +SKIP
         dtype('int64')
     """
     del unused

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_lab.metrics.jumpiness import autocorrelation, autocorrelation_function
+from dflash_lab.sampling.boundaries import bucket_ids
 
 LEARNED_THRESHOLD = 0.5
 
@@ -213,16 +214,18 @@ def step_band_tokens_from_lengths(
     band that holds its mean length. Exact for single-bucket steps whose buckets are the bands; blurs mixed steps.
 
     Args:
-        band_edges: (band_lo, band_hi) per band id 0..B-1; band b holds lengths in (lo, hi] (probes.band_of_lengths).
+        band_edges: (band_lo, band_hi) per band id 0..B-1; band b holds lengths in (lo, hi] (sampling.bucket_ids).
 
     Example:
         >>> step_band_tokens_from_lengths(np.array([1, 2]), np.array([100, 50]), np.array([20.0, 300.0]),
         ...                               [(0, 64), (64, 1024)]).to_numpy().tolist()
         [[100, 0], [0, 50]]
     """
-    upper = np.array([hi for _, hi in band_edges], dtype=np.float64)
-    band = np.minimum(np.searchsorted(upper, np.asarray(mean_len, dtype=np.float64), side="left"), len(upper) - 1)
-    frame = pd.DataFrame({"step": steps, "band": band, "length": real_tokens})
+    edges = [band_edges[0][0], *[hi for _, hi in band_edges]]
+    band = bucket_ids(np.asarray(mean_len, dtype=np.float64), edges)
+    inside = band >= 0
+    frame = pd.DataFrame({"step": np.asarray(steps)[inside], "band": band[inside],
+                          "length": np.asarray(real_tokens)[inside]})
     wide = step_band_tokens_from_presentations(frame)
     return wide.reindex(columns=range(len(band_edges)), fill_value=0)
 

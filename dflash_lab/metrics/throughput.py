@@ -3,8 +3,8 @@
 Formulas (every caller in training, planner and analysis uses these functions):
     real tokens of a batch    = sum of its samples' lengths
     padded tokens of a batch  = rows x padded row length   (a packed row counts its used length)
-    squared tokens of a batch = sum over attention spans of span^2: rows x padded length^2, or, for a packed row
-                                with per-document attention, the sum of squared document lengths (attention cost)
+    attention tokens of batch = the quadratic (attention) cost: rows x padded length^2, or, for a packed row with
+                                per-document attention, the sum of squared document lengths
     padding efficiency        = sum(real) / sum(padded)                      over a window or an epoch plan
     Ktok/s                    = real input tokens per second, summed over all ranks, / 1000
                                 live: EMA over steps; reported: median over the steady state (after warm-up)
@@ -16,34 +16,62 @@ Formulas (every caller in training, planner and analysis uses these functions):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 
-def padded_tokens(row_lengths: Sequence[int] | np.ndarray, *, packed: bool = False) -> int:
-    """Padded tokens of one batch: rows x longest row, or, for packed rows, the sum of the rows' used lengths.
+@dataclass(frozen=True)
+class TokenCounts:
+    """Per-batch token counts of a list of batches (arrays of equal length, one entry per batch)."""
+
+    real: np.ndarray       # sum of the documents' lengths
+    padded: np.ndarray     # rows x longest (padded) | sum of lengths (packed row)
+    attention: np.ndarray  # rows x longest^2 (padded) | sum of squared document lengths (packed row)
+
+
+def batch_token_counts(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool) -> TokenCounts:
+    """The one definition of a batch's real, padded and attention tokens (module docstring), vectorised.
+
+    Args:
+        batches: index arrays into ``lengths``, one per batch (a packed batch is ONE row of several documents).
+        lengths: effective length of every sample.
+        packed: True when each batch is one packed row with per-document attention.
 
     Example:
-        >>> padded_tokens([3, 5, 4])
-        15
+        >>> counts = batch_token_counts([np.array([0, 1, 2])], np.array([3, 5, 4]), packed=False)
+        >>> int(counts.real[0]), int(counts.padded[0]), int(counts.attention[0])
+        (12, 15, 75)
+        >>> int(batch_token_counts([np.array([0, 1, 2])], np.array([3, 5, 4]), packed=True).attention[0])
+        50
+    """
+    sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+    if sizes.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return TokenCounts(empty, empty, empty)
+    if np.any(sizes == 0):
+        raise ValueError("a batch holds no sample; every batch needs at least one document")
+    per_sample = np.asarray(lengths, dtype=np.int64)[np.concatenate(batches)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    real = np.add.reduceat(per_sample, starts)
+    if packed:
+        return TokenCounts(real, real.copy(), np.add.reduceat(per_sample * per_sample, starts))
+    longest = np.maximum.reduceat(per_sample, starts)
+    return TokenCounts(real, sizes * longest, sizes * longest * longest)
+
+
+def token_counts(row_lengths: Sequence[int] | np.ndarray, *, packed: bool) -> tuple[int, int, int]:
+    """(real, padded, attention) tokens of ONE batch from its documents' lengths (see batch_token_counts).
+
+    Example:
+        >>> token_counts([3, 5, 4], packed=False), token_counts([3, 5, 4], packed=True)
+        ((12, 15, 75), (12, 12, 50))
     """
     rows = np.asarray(row_lengths, dtype=np.int64)
     if rows.size == 0:
-        return 0
-    return int(rows.sum()) if packed else int(rows.size * rows.max())
-
-
-def squared_tokens(row_lengths: Sequence[int] | np.ndarray, *, packed: bool = False) -> int:
-    """Attention cost of one batch: rows x longest^2, or, for one packed row, the sum of squared document lengths.
-
-    Example:
-        >>> squared_tokens([3, 5, 4]), squared_tokens([3, 5, 4], packed=True)
-        (75, 50)
-    """
-    rows = np.asarray(row_lengths, dtype=np.int64)
-    if rows.size == 0:
-        return 0
-    return int((rows * rows).sum()) if packed else int(rows.size * rows.max() ** 2)
+        return 0, 0, 0
+    counts = batch_token_counts([np.arange(rows.size)], rows, packed=packed)
+    return int(counts.real[0]), int(counts.padded[0]), int(counts.attention[0])
 
 
 def padding_efficiency(real_tokens: float | np.ndarray, padded: float | np.ndarray) -> float:

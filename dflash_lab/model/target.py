@@ -3,7 +3,7 @@
 Tiny target: ``transformers.Qwen3Config`` / ``Qwen3ForCausalLM`` (the real HF classes) with a small shape,
 trained from scratch with AdamW (warm-up then cosine) on whole documents of the corpus's training split
 (padded batches of ``pretrain_tokens_per_step`` tokens, document-relative positions, loss on every real next
-token). The result is saved with ``save_pretrained`` under ``<cache>/targets/tiny-<hash>``; the hash covers the
+token). The result (config.json + model.safetensors) is saved under ``<cache>/targets/tiny-<hash>``; the hash covers the
 shape, the pretraining settings, the corpus config, the tokenizer and the source of the code involved, so a
 change to any of them trains a new target. The cache is built under a file lock and renamed into place
 (dflash_lab.data.cache.build_once): DDP ranks starting together train it once.
@@ -155,6 +155,21 @@ def pretrain_tiny_target(model, dataset, *, steps: int, tokens_per_step: int, lr
     return {"loss": ema, "steps": done, "seconds": time.perf_counter() - start, "tokens": tokens}
 
 
+def save_target(model, directory: Path) -> None:
+    """Write config.json + model.safetensors of a freshly trained target, on whichever rank builds the cache.
+
+    Not ``save_pretrained``: under an initialised process group, transformers writes weights only on global rank
+    0, and the cache builder is whichever rank takes the file lock first. A cache entry without weights would
+    break every later run, so this writes the files itself and checks them.
+    """
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(directory)
+    save_model(model, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    if not (Path(directory) / "model.safetensors").is_file() or not (Path(directory) / "config.json").is_file():
+        raise RuntimeError(f"the tiny target's files were not written to {directory}")
+
+
 def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: dict, cache_dir: str | None):
     """The pretrained tiny target from the cache, training it first when absent.
 
@@ -192,7 +207,7 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
                                      tokens_per_step=int(pretrain["tokens_per_step"]), lr=float(pretrain["lr"]),
                                      seed=int(pretrain["seed"]), window=int(pretrain["window"]),
                                      max_seconds=pretrain.get("max_seconds"))
-        model.save_pretrained(tmp)
+        save_target(model, tmp)
         (tmp / "meta.json").write_text(json.dumps({"key": key, "pretrain_stats": stats}, indent=1, default=str))
         log.info("tiny target pretrained: loss %.3f in %.1f s", stats["loss"], stats["seconds"])
 

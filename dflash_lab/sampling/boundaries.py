@@ -64,9 +64,21 @@ def validate_boundaries(boundaries: Sequence[Any], longest: int | None = None) -
     return as_ints
 
 
-def bucket_ids(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
-    """Bucket of each length: k with ``b_k < l <= b_(k+1)``."""
-    return (np.searchsorted(np.asarray(boundaries), lengths, side="left") - 1).astype(np.int64)
+def bucket_ids(lengths: np.ndarray | Sequence[int], boundaries: Sequence[int]) -> np.ndarray:
+    """The one length -> bucket (or probe band) mapping: k with ``b_k < l <= b_(k+1)``; -1 outside ``(b_0, b_K]``.
+
+    Policies validate that their boundaries cover every sample, so -1 never occurs there; probe bands are checked
+    against the data at start-up, so a length outside every band is an error reported there, never clipped.
+
+    Example:
+        >>> bucket_ids(np.array([1, 96, 97, 1024, 2000]), [0, 96, 152, 1024]).tolist()
+        [0, 0, 1, 2, -1]
+    """
+    edges = np.asarray(boundaries)
+    values = np.asarray(lengths)
+    ids = np.searchsorted(edges, values, side="left").astype(np.int64) - 1
+    ids[(values <= edges[0]) | (values > edges[-1])] = -1
+    return ids
 
 
 def fit_boundaries(

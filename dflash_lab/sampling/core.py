@@ -26,6 +26,8 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from .boundaries import bucket_ids
+
 STATE_VERSION = 1
 OVERLONG_MODES = ("error", "truncate", "drop")
 
@@ -318,8 +320,8 @@ class Policy:
         """Bucket id of a batch by its longest sample; -1 for policies without buckets."""
         if self.boundaries is None:
             return -1
-        longest = int(self.admission.lengths[np.asarray(indices, dtype=np.int64)].max())
-        return int(np.searchsorted(self.boundaries, longest, side="left") - 1)
+        longest = self.admission.lengths[np.asarray(indices, dtype=np.int64)].max()
+        return int(bucket_ids(np.array([longest]), self.boundaries)[0])
 
     # -- plans -------------------------------------------------------------------------------------------------
     def global_plan(self, epoch: int) -> StepPlan:

@@ -12,25 +12,21 @@ from typing import Any
 import numpy as np
 
 from ..metrics import diversity
-from ..metrics.throughput import padding_efficiency
+from ..metrics.throughput import batch_token_counts, padding_efficiency
 from .boundaries import bucket_ids
 from .core import Policy
 
 
 def plan_padding(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool) -> dict[str, Any]:
-    """Real and padded tokens of a list of batches (packed rows count their used length)."""
-    real = diversity.batch_reduce(batches, lengths.astype(np.int64))
-    if packed:
-        padded = real
-    else:
-        sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
-        padded = sizes * diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
+    """Real, padded and attention tokens of a list of batches (``metrics.throughput.batch_token_counts``)."""
+    counts = batch_token_counts(batches, lengths, packed=packed)
     return {
-        "real_tokens": int(real.sum()),
-        "padded_tokens": int(padded.sum()),
-        "pad_eff": padding_efficiency(real, padded),
-        "per_batch_real": real,
-        "per_batch_padded": padded,
+        "real_tokens": int(counts.real.sum()),
+        "padded_tokens": int(counts.padded.sum()),
+        "pad_eff": padding_efficiency(counts.real, counts.padded),
+        "per_batch_real": counts.real,
+        "per_batch_padded": counts.padded,
+        "per_batch_attention": counts.attention,
     }
 
 
