@@ -1,27 +1,27 @@
-"""All-state checkpoints, written atomically, and the preemption hook.
+"""All-state checkpoints: independent files, an atomic pointer, the newest intact one on resume, and preemption.
 
-A checkpoint is one ``torch.save`` dict holding everything needed to continue a run exactly (STYLE.md rule 7):
-``model`` (the trainable draft's state dict), ``optimizer``, ``scheduler``, ``sampler`` (the policy's tiny state:
-version, epoch, batches_consumed, fingerprint), ``rng`` (python, numpy, torch CPU, CUDA, anchor generator), ``step``,
-``epoch``, ``config`` (the resolved run config as a plain dict), ``wandb_run_id`` and ``extra`` (trainer bookkeeping).
+A checkpoint is one ``torch.save`` dict holding everything needed to continue a run exactly: ``model`` (the draft),
+``optimizer``, ``schedule`` (the LR schedule's parameters), ``sampler`` (the policy's tiny state), ``rng`` (python,
+numpy, torch CPU and CUDA, anchor generator), ``step``, ``epoch``, ``config`` (the resolved run config),
+``wandb_run_id`` and ``extra`` (run totals, last probed step).
 
 Files in ``<run_dir>/checkpoints/``:
-    ``step_<N>.pt``  one per save; the newest ``keep`` of them are kept (default 2: the last and the one before,
-                     so a checkpoint that turns out to precede a divergence still has a good predecessor).
-    ``last.pt``      a copy of the newest good checkpoint; resume reads it (falling back to the newest step file).
-A checkpoint is only ever written from a state whose step losses were finite, so ``last.pt`` is always the last
-good state. Each file is written to ``<name>.tmp`` and renamed into place, so a kill mid-write never leaves a
-truncated checkpoint behind.
+    ``step_<N>.pt``  one independent file per save, written to ``step_<N>.pt.tmp``, fsynced, renamed into place;
+                     the newest ``keep`` are kept.
+    ``last.json``    a small pointer ``{"file": "step_<N>.pt", "step": N}``, written atomically after the file it
+                     names. It is informational: resume picks the newest *intact* step file by step number, so
+                     a kill between the rename and the pointer update loses nothing, and a truncated newest
+                     file falls back to the one before, with a log line naming both.
+Stale ``*.tmp`` files of a killed save are removed when the manager starts.
 
-Preemption (used by the Slurm launcher; issue 5):
-    * :func:`install_preemption_handler` binds SIGUSR2 and SIGTERM (configurable) to :func:`request_checkpoint`,
-      which only sets a flag (signal-safe). The training loop polls :func:`checkpoint_requested` at every step
-      boundary (the flag is OR-reduced across ranks, so every rank stops at the same step), writes a checkpoint,
-      then calls the signal handlers that were installed before ours (e.g. submitit's requeue handler) and finally
-      raises :class:`Preempted`, a ``SystemExit`` with code :data:`PREEMPTED_EXIT_CODE` (75, EX_TEMPFAIL).
-    * Anything else (a watchdog, a test) may call :func:`request_checkpoint` directly.
-    * The requeued job re-runs in the same run directory; the trainer finds ``checkpoints/last.pt`` and continues
-      with no lost or repeated step.
+Resume and changed settings (:func:`check_resume_config`): a continuation may change what does not alter the
+computation (logging, checkpoint cadence, progress bar...), may change the schedule and optimizer settings
+(``trainer.lr``, ``trainer.max_steps``... take effect: the LR schedule is rebuilt from the new values), and is
+refused for everything else (data, sampler, model, seed...), with the keys and the fix in the message.
+
+Preemption: :func:`install_preemption_handler` binds SIGUSR2/SIGTERM to :func:`request_checkpoint`, which only sets a
+flag. The training loop reads it at every step boundary (OR-reduced across ranks), checkpoints, calls the handler
+ours replaced (submitit's requeue), and raises :class:`Preempted` (exit code 75). Tau measurement polls it too.
 
 Example:
     >>> import tempfile, pathlib
@@ -33,22 +33,28 @@ Example:
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import re
-import shutil
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-PREEMPTED_EXIT_CODE = 75
-"""Exit code after a preemption checkpoint (EX_TEMPFAIL: "try again"); Slurm scripts requeue on it."""
+from dflash_lab.record import CHECKPOINT_DIR
 
-CHECKPOINT_FORMAT_VERSION = 1
+PREEMPTED_EXIT_CODE = 75
+"""Exit code after a preemption checkpoint (EX_TEMPFAIL: "try again")."""
+
+CHECKPOINT_FORMAT_VERSION = 2
+POINTER_NAME = "last.json"
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+log = logging.getLogger("dflash_lab")
 
 
 class Preempted(SystemExit):
@@ -63,29 +69,27 @@ class Preempted(SystemExit):
         return f"preempted: checkpoint of step {self.step} written to {self.path}; exit code {PREEMPTED_EXIT_CODE}"
 
 
-def atomic_torch_save(obj: Any, path: Path) -> Path:
-    """``torch.save`` to ``path.tmp``, fsync, then rename onto ``path`` (atomic on POSIX file systems)."""
+class NoIntactCheckpoint(RuntimeError):
+    """Checkpoint files exist but none can be read: the run cannot continue from them."""
+
+
+def _atomic_write(path: Path, write) -> Path:
+    """``write(handle)`` into ``path.tmp``, fsync, rename onto ``path`` (atomic on POSIX file systems)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
+        write(handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     return path
 
 
-def _atomic_copy(src: Path, dst: Path) -> None:
-    """Copy `src` to `dst` through a temporary file and a rename (a hard link when possible: no bytes copied)."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    if tmp.exists():
-        tmp.unlink()
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load one checkpoint file (it holds numpy/python RNG state, so ``weights_only=False``: only load checkpoints
+    you wrote yourself)."""
+    return torch.load(Path(path), map_location=map_location, weights_only=False)
 
 
 class CheckpointManager:
@@ -93,79 +97,160 @@ class CheckpointManager:
 
     Args:
         directory: ``<run_dir>/checkpoints``.
-        keep: how many ``step_<N>.pt`` files to keep (>= 1); ``last.pt`` is kept in addition.
+        keep: how many ``step_<N>.pt`` files to keep (>= 1).
     """
 
     def __init__(self, directory: Path | str, keep: int = 2):
-        if keep < 1:
-            raise ValueError(f"trainer.keep_checkpoints={keep}: keep at least one checkpoint")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"trainer.keep_checkpoints={keep!r}: keep at least one checkpoint (an integer >= 1)")
         self.directory = Path(directory)
         self.keep = keep
+        if self.directory.is_dir():
+            stale = sorted(self.directory.glob("*.tmp"))
+            for path in stale:
+                path.unlink(missing_ok=True)
+            if stale:
+                log.info(f"checkpoints: removed {len(stale)} unfinished save(s) of a killed run: "
+                         f"{', '.join(p.name for p in stale)}")
 
     @property
-    def last_path(self) -> Path:
-        """``<dir>/last.pt``."""
-        return self.directory / "last.pt"
+    def pointer_path(self) -> Path:
+        return self.directory / POINTER_NAME
 
     def step_files(self) -> list[tuple[int, Path]]:
         """(step, path) of every ``step_<N>.pt``, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = []
-        for path in self.directory.iterdir():
-            match = _STEP_FILE.match(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_FILE.match(p.name))]
         return sorted(found)
 
+    def pointer(self) -> dict[str, Any] | None:
+        """The ``last.json`` pointer, or None when it is missing or unreadable."""
+        try:
+            value = json.loads(self.pointer_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``step_<step>.pt`` and ``last.pt`` atomically, then prune old step files.
-
-        Args:
-            state: the full checkpoint dict (see the module docstring).
-            step: optimizer steps completed; names the file.
-
-        Returns:
-            The path of the step file.
-        """
-        state = dict(state)
-        state.setdefault("format_version", CHECKPOINT_FORMAT_VERSION)
-        path = atomic_torch_save(state, self.directory / f"step_{step}.pt")
-        _atomic_copy(path, self.last_path)
+        """Write ``step_<step>.pt``, then the pointer, then prune old step files. Returns the step file's path."""
+        state = {**state, "format_version": CHECKPOINT_FORMAT_VERSION}
+        path = _atomic_write(self.directory / f"step_{step}.pt", lambda handle: torch.save(state, handle))
+        pointer = json.dumps({"file": path.name, "step": int(step)}).encode()
+        _atomic_write(self.pointer_path, lambda handle: handle.write(pointer))
         for _, old in self.step_files()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 
     def latest_path(self) -> Path | None:
-        """``last.pt`` if present, else the newest step file, else None."""
-        if self.last_path.is_file():
-            return self.last_path
+        """The newest step file by step number (not checked for integrity), or None."""
         files = self.step_files()
         return files[-1][1] if files else None
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
-        """Load the newest checkpoint (None when there is none). Falls back to older files if one is unreadable."""
-        candidates = ([self.last_path] if self.last_path.is_file() else []) + [p for _, p in reversed(self.step_files())]
-        errors = []
-        for path in candidates:
+        """The newest intact checkpoint (None when there is none); logs which file and why.
+
+        Raises:
+            NoIntactCheckpoint: files exist but none loads; the message says how to restart.
+        """
+        files = list(reversed(self.step_files()))
+        if not files:
+            return None
+        pointer = self.pointer() or {}
+        damaged = []
+        for step, path in files:
             try:
-                return load_checkpoint(path, map_location=map_location)
-            except Exception as exc:  # a damaged file must not hide an older good one
-                errors.append(f"{path.name}: {exc}")
-        if errors:
-            raise RuntimeError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
-        return None
+                state = load_checkpoint(path, map_location=map_location)
+            except Exception as exc:  # noqa: BLE001 - a truncated file must not hide an older good one
+                damaged.append(f"{path.name} ({type(exc).__name__}: {str(exc)[:120]})")
+                continue
+            reasons = []
+            if damaged:
+                reasons.append(f"newer file(s) unreadable: {'; '.join(damaged)}")
+            if pointer.get("file") not in (None, path.name):
+                reasons.append(f"the pointer {POINTER_NAME} names {pointer.get('file')}")
+            why = f" ({'; '.join(reasons)})" if reasons else ""
+            log.info(f"resuming from {path} at step {step}: the newest intact checkpoint{why}")
+            state["_path"] = str(path)
+            return state
+        raise NoIntactCheckpoint(
+            f"no intact checkpoint in {self.directory}: {'; '.join(damaged)}. The run cannot continue from these "
+            f"files: start a fresh run directory (hydra.run.dir=<new dir>), or move {self.directory} away to "
+            f"restart this run from step 0"
+        )
 
 
-def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load one checkpoint file written by :class:`CheckpointManager` (it holds numpy/python RNG state, so the
-    file is loaded with ``weights_only=False``: only load checkpoints you wrote yourself)."""
-    return torch.load(Path(path), map_location=map_location, weights_only=False)
+def load_run_checkpoint(run_dir: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+    """The newest intact checkpoint of a run directory (export, analysis, tests), or None."""
+    return CheckpointManager(Path(run_dir) / CHECKPOINT_DIR).load_latest(map_location)
 
 
-# ----------------------------------------------------------------------------------------------------------- RNG state
+# ---------------------------------------------------------------------------------------- changed settings
+# Keys whose change does not alter what is computed (dotted prefixes; "x_" matches every key starting with x_).
+RESUME_TOLERATED = (
+    "resume", "run_dir", "experiment", "logger", "analysis", "trainer.progress", "trainer.log_every",
+    "trainer.ckpt_every", "trainer.keep_checkpoints", "trainer.num_workers", "trainer.num_threads",
+    "trainer.preempt_signals", "trainer.tau_every", "trainer.measure_tau", "trainer.steady_warmup_steps",
+    "trainer.dist_backend", "model.decode_", "probes.every",
+)
+# Keys whose change takes effect on resume: the schedule is rebuilt, optimizer settings are re-applied.
+RESUME_TAKES_EFFECT = (
+    "trainer.lr", "trainer.min_lr_ratio", "trainer.warmup_frac", "trainer.max_steps", "trainer.epochs",
+    "trainer.weight_decay", "trainer.betas", "trainer.grad_clip", "trainer.skip_nonfinite",
+)
 
 
+def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") or (p.endswith("_") and key.startswith(p)) for p in prefixes)
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts.
+
+    Example:
+        >>> config_differences({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0})
+        ['a.c', 'd']
+    """
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_differences(a, b, name + ".")
+        elif a != b:
+            out.append(name)
+    return out
+
+
+def check_resume_config(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Classify what changed since the checkpoint: returns the keys that take effect; refuses the rest.
+
+    Example:
+        >>> check_resume_config({"trainer": {"lr": 1e-3, "progress": True}}, {"trainer": {"lr": 2e-3, "progress": False}})
+        ['trainer.lr']
+        >>> check_resume_config({"seed": 0}, {"seed": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: resume: seed (0 -> 1) changed since the checkpoint; a continuation must compute the same run. ...
+    """
+    changed = config_differences(old, new)
+    effective = [k for k in changed if _matches(k, RESUME_TAKES_EFFECT)]
+    refused = [k for k in changed if not _matches(k, RESUME_TAKES_EFFECT) and not _matches(k, RESUME_TOLERATED)]
+    if refused:
+        def value(config: Mapping[str, Any], key: str) -> Any:
+            for part in key.split("."):
+                config = config.get(part) if isinstance(config, Mapping) else None
+            return config
+
+        detail = ", ".join(f"{k} ({value(old, k)!r} -> {value(new, k)!r})" for k in refused)
+        raise ValueError(
+            f"resume: {detail} changed since the checkpoint; a continuation must compute the same run. Restore the "
+            f"original value(s), or start a fresh run directory (hydra.run.dir=<new dir>)"
+        )
+    return effective
+
+
+# ------------------------------------------------------------------------------------------------- RNG state
 def capture_rng_state(anchor_generator: torch.Generator | None = None) -> dict[str, Any]:
     """Python, numpy, torch (CPU and every CUDA device) RNG states, plus the anchor generator's state."""
     state: dict[str, Any] = {
@@ -190,18 +275,14 @@ def restore_rng_state(state: dict[str, Any], anchor_generator: torch.Generator |
         anchor_generator.set_state(state["anchor"])
 
 
-# ------------------------------------------------------------------------------------------------------- preemption
-
+# ------------------------------------------------------------------------------------------------ preemption
 _checkpoint_requested = False
 _request_reason = ""
 _previous_handlers: dict[int, Any] = {}
 
 
 def request_checkpoint(reason: str = "requested") -> None:
-    """Ask the training loop to checkpoint at the next step boundary and then exit with code 75.
-
-    Only sets a flag, so it is safe to call from a signal handler or another thread.
-    """
+    """Ask the training loop to checkpoint at the next step boundary and exit with code 75 (signal-safe)."""
     global _checkpoint_requested, _request_reason
     _checkpoint_requested = True
     _request_reason = reason
@@ -231,21 +312,14 @@ def _on_signal(signum, frame) -> None:  # noqa: ARG001 - signal handler signatur
 def install_preemption_handler(signal_names: list[str] | tuple[str, ...] = ("SIGUSR2", "SIGTERM")) -> list[str]:
     """Bind the given signals to :func:`request_checkpoint`, remembering the handlers they replace.
 
-    Only possible from the main thread; elsewhere (e.g. a thread-based launcher) nothing is installed and an empty
-    list is returned; :func:`request_checkpoint` still works.
-
-    Args:
-        signal_names: names such as ``"SIGUSR2"`` (``trainer.preempt_signals``).
-
-    Returns:
-        The names actually installed.
+    Only possible from the main thread; elsewhere nothing is installed and an empty list is returned.
 
     Raises:
         ValueError: for a name that is not a signal of this platform.
     """
     installed = []
     for name in signal_names:
-        signum = getattr(signal, name, None)
+        signum = getattr(signal, str(name), None)
         if not isinstance(signum, signal.Signals):
             raise ValueError(f"trainer.preempt_signals: {name!r} is not a signal name on this platform (e.g. SIGUSR2)")
         try:
@@ -259,9 +333,8 @@ def install_preemption_handler(signal_names: list[str] | tuple[str, ...] = ("SIG
 
 
 def run_previous_handler() -> None:
-    """After the preemption checkpoint: call the handler our hook replaced for the signal that fired (e.g.
-    submitit's checkpoint-and-requeue handler, which requeues the job and exits). Default/ignore handlers are
-    skipped; the caller then raises :class:`Preempted`."""
+    """After the preemption checkpoint: call the handler ours replaced for the signal that fired (e.g. submitit's
+    requeue handler, which may exit here). Default/ignore handlers are skipped."""
     signum = getattr(signal, _request_reason, None)
     previous = _previous_handlers.get(int(signum)) if isinstance(signum, signal.Signals) else None
     if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):

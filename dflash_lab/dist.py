@@ -1,14 +1,16 @@
-"""Distributed setup: who am I (rank, world size, local rank, master address) and the process group.
+"""Distributed setup: who am I (rank, world size, local rank, master address), the process group, threads, device.
 
 The environment is read, in order of precedence, from
 
 1. torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
-2. submitit (``submitit.JobEnvironment()``: the task's global rank, local rank and number of tasks; the master is the
-   first node of the job), which is how ``hydra/launcher=slurm`` and ``hydra/launcher=local`` start ranks,
-3. plain Slurm variables (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_JOB_NODELIST``) for ``srun``,
-4. otherwise a single process (rank 0 of 1).
+2. a submitit or Slurm job with more than one task, through ``submitit.helpers.TorchDistributedEnvironment`` (the
+   task's global and local rank, the number of tasks, the first host of the job as master and a port derived from
+   the job id); this is how ``hydra/launcher=slurm``, ``hydra/launcher=local`` and a plain ``srun`` start ranks,
+3. otherwise a single process (rank 0 of 1).
 
 Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU. One process per GPU; ``local_rank`` selects the GPU.
+:func:`setup` also sets the torch thread count per rank (a Slurm job's CPUs per task, else the CPUs this process may
+use shared by the ranks of the node) and selects the device.
 
 Example:
     >>> env = init_distributed()       # no-op for a single process
@@ -20,9 +22,7 @@ Example:
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -41,7 +41,8 @@ class DistEnv:
         local_rank: rank on this node; selects the GPU.
         master_addr: host of rank 0, used for the TCP rendezvous.
         master_port: port of that rendezvous.
-        source: where the values came from: ``torchrun``, ``submitit``, ``slurm`` or ``single``.
+        source: where the values came from: ``torchrun``, ``submitit`` or ``single``.
+        device: the torch device this rank computes on (set by :func:`setup`).
     """
 
     rank: int = 0
@@ -50,6 +51,7 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
     source: str = "single"
+    device: str = "cpu"
 
     @property
     def is_main(self) -> bool:
@@ -62,41 +64,38 @@ class DistEnv:
         return self.world_size > 1
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """First host name of a Slurm node list such as ``node[03-05,07]`` or ``a1,a2``."""
+def _job_env() -> DistEnv | None:
+    """Rank/world/master of a multi-task submitit or Slurm job (None outside one, or with a single task)."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        if "SLURM_JOB_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
+            return None
+        # a plain `srun` task: to submitit this is the environment of a Slurm job, which it only recognises
+        # through this variable (its executor sets it for the jobs it submits)
+        os.environ["SUBMITIT_EXECUTOR"] = "slurm"
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.SubprocessError):
-        pass  # scontrol is not on every machine that sets SLURM_* variables; parse the common forms ourselves
-    match = re.match(r"^([^\[,]+)(?:\[(\d+))?", nodelist)
-    if not match:
-        return "127.0.0.1"
-    return match.group(1) + (match.group(2) or "")
+        from submitit.helpers import TorchDistributedEnvironment
+
+        job = TorchDistributedEnvironment()
+        hostnames = list(job._job_env.hostnames)
+    except Exception:  # not inside a job after all (e.g. a variable leaked into a child shell)
+        return None
+    if job.world_size <= 1:
+        return None
+    master_addr = os.environ.get("MASTER_ADDR") or job.master_addr
+    if len(set(hostnames)) <= 1 and "MASTER_ADDR" not in os.environ:
+        master_addr = "127.0.0.1"  # one node: loopback always resolves (a local job's hostname may not)
+    return DistEnv(rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, master_addr=master_addr,
+                   master_port=int(job.master_port), source="submitit")
 
 
-def _port_from_job_id(job_id: str | None) -> int:
-    """A job-specific port, so two jobs sharing a node do not collide on the rendezvous port."""
-    if job_id and job_id.split("_")[0].isdigit():
-        return 20000 + int(job_id.split("_")[0]) % 20000
-    return DEFAULT_MASTER_PORT
-
-
-def detect_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """Read rank, world size, local rank and master address from torchrun, submitit or Slurm.
-
-    Args:
-        environ: environment mapping to read (default ``os.environ``); tests pass their own.
-
-    Returns:
-        The :class:`DistEnv` of this process; a single process when no launcher variables are set.
+def detect_env() -> DistEnv:
+    """Rank, world size, local rank and master address of this process (see the module docstring).
 
     Example:
-        >>> detect_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
-        DistEnv(rank=1, world_size=2, local_rank=1, master_addr='h', master_port=1234, source='torchrun')
+        >>> detect_env().source in ("single", "torchrun", "submitit")
+        True
     """
-    env = os.environ if environ is None else environ
+    env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
             rank=int(env["RANK"]),
@@ -106,44 +105,7 @@ def detect_env(environ: dict[str, str] | None = None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
             source="torchrun",
         )
-    if "SUBMITIT_EXECUTOR" in env or "SUBMITIT_FOLDER" in env:
-        submitit_env = _submitit_env(env)
-        if submitit_env is not None:
-            return submitit_env
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT") or _port_from_job_id(env.get("SLURM_JOB_ID"))),
-            source="slurm",
-        )
-    return DistEnv()
-
-
-def _submitit_env(env) -> DistEnv | None:
-    """Rank and world from ``submitit.JobEnvironment()`` (works for both submitit_slurm and submitit_local)."""
-    try:
-        import submitit
-
-        job_env = submitit.JobEnvironment()
-        rank, world_size, local_rank = job_env.global_rank, job_env.num_tasks, job_env.local_rank
-        hostnames = list(getattr(job_env, "hostnames", []) or [])
-        job_id = str(job_env.job_id)
-    except Exception:  # not inside a submitit job after all (e.g. the variable leaked into a child shell)
-        return None
-    master_addr = env.get("MASTER_ADDR") or (hostnames[0] if hostnames else "127.0.0.1")
-    if len(hostnames) <= 1 and "MASTER_ADDR" not in env:
-        master_addr = "127.0.0.1"  # single node (submitit_local reports the local hostname): loopback always works
-    return DistEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        master_addr=master_addr,
-        master_port=int(env.get("MASTER_PORT") or _port_from_job_id(job_id)),
-        source="submitit",
-    )
+    return _job_env() or DistEnv()
 
 
 _ENV: DistEnv = DistEnv()
@@ -181,6 +143,41 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         timeout=timedelta(seconds=timeout_s),
     )
     return env
+
+
+def setup(device: str = "cpu", num_threads: int | None = None, backend: str | None = None) -> DistEnv:
+    """Join the job (:func:`init_distributed`), select this rank's device and its torch thread count.
+
+    Args:
+        device: ``cpu`` or ``cuda`` (each rank takes GPU ``local_rank``).
+        num_threads: torch threads per rank; None: the Slurm task's CPUs, else this process's CPUs / ranks on it.
+        backend: process-group backend (None: nccl on GPU, gloo on CPU).
+    """
+    global _ENV
+    env = init_distributed(backend)
+    if device.startswith("cuda"):
+        device = f"cuda:{env.local_rank}"
+        torch.cuda.set_device(device)
+    slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    default = int(slurm_cpus) if slurm_cpus else len(os.sched_getaffinity(0)) // max(1, env.world_size)
+    torch.set_num_threads(num_threads or max(1, default))
+    _ENV = replace(env, device=device)
+    return _ENV
+
+
+def wrap_ddp(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+    """DistributedDataParallel over the trainable parameters when several ranks take part; the model otherwise.
+
+    The frozen target is identical on every rank (same weights from the same cache or path), so its parameters
+    are left out of DDP's initial broadcast and gradient buckets.
+    """
+    if not env.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.startswith("cuda") else None)
 
 
 def current_env() -> DistEnv:

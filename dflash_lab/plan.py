@@ -10,12 +10,13 @@ and ``plan.md`` to its output directory; ``sweep_k=[lo,hi]`` adds a bucket-count
 
 Cost model (explicit, per rank and step; a step lasts as long as its slowest rank):
 
-    step time = c0 + c1 x padded tokens + c2 x squared tokens
+    step time = c0 + c1 x padded tokens + c2 x attention tokens
 
-with padded/squared tokens as defined in ``metrics.throughput``. Coefficients come from config (``conf/cost/``),
-are fitted by least squares on a finished run's ``metrics.jsonl`` (``cost.from_run=RUN_DIR``), or are calibrated
-by a short micro-benchmark of the configured model (``cost.calibrate=true``).
-Predicted Ktok/s = real tokens of the epoch (all ranks) / sum of step times / 1000; ETA = epochs x epoch time.
+with the token counts of ``metrics.throughput.batch_token_counts`` (the trainer logs the same numbers). Coefficients
+come from config (``conf/cost/``), are fitted by non-negative least squares on a run's ``metrics.jsonl``
+(``cost.from_run=RUN_DIR``), or are calibrated by a short micro-benchmark of the configured model
+(``cost.calibrate=true``). Predicted Ktok/s uses the trainer's definition (median over steps of real tokens / step
+time); ETA = epochs x steps per epoch x mean step time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .metrics.throughput import full_run_eta_seconds, ktok_per_s
+from .metrics.throughput import full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
+from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
 from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config, smallest_k_for_efficiency
 from .sampling.stats import plan_padding, plan_stats
 
@@ -40,53 +42,56 @@ BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-rank step time = c0 + c1 x padded tokens + c2 x squared tokens (seconds)."""
+    """Per-rank step time = c0 + c1 x padded tokens + c2 x attention tokens (seconds).
+
+    Token counts are those of ``metrics.throughput.batch_token_counts`` (attention tokens: rows x longest^2 for
+    padded batches, the sum of squared document lengths for a packed row), the same numbers the trainer logs.
+    """
 
     c0: float
     c1: float
     c2: float = 0.0
 
-    def step_time(self, padded: np.ndarray, squared: np.ndarray) -> np.ndarray:
-        return self.c0 + self.c1 * np.asarray(padded, dtype=np.float64) + self.c2 * np.asarray(squared, np.float64)
+    def step_time(self, padded: np.ndarray, attention: np.ndarray) -> np.ndarray:
+        return self.c0 + self.c1 * np.asarray(padded, dtype=np.float64) + self.c2 * np.asarray(attention, np.float64)
 
     @classmethod
-    def fit(cls, padded: np.ndarray, squared: np.ndarray, step_time: np.ndarray) -> "CostModel":
-        """Non-negative least squares on (1, padded, squared) -> step time; a term that would go negative is dropped."""
-        x = np.stack([np.ones_like(padded, dtype=np.float64), padded, squared], axis=1).astype(np.float64)
+    def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray) -> "CostModel":
+        """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention).
+
+        Columns are scaled to unit maximum first, so the solver sees comparable magnitudes.
+        """
+        from scipy.optimize import nnls
+
         y = np.asarray(step_time, dtype=np.float64)
         if y.size < 3:
             raise ValueError(f"need at least 3 logged steps to fit the cost model, got {y.size}")
-        active = [0, 1, 2]
-        while True:
-            scale = np.abs(x[:, active]).max(axis=0)
-            scale[scale == 0] = 1.0
-            coef, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
-            coef = coef / scale
-            if np.all(coef >= 0) or len(active) == 1:
-                break
-            active.pop(int(np.argmin(coef)))
-        full = np.zeros(3)
-        full[active] = np.maximum(coef, 0)
-        return cls(*map(float, full))
+        x = np.stack([np.ones_like(y), np.asarray(padded, np.float64), np.asarray(attention, np.float64)], axis=1)
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls(x / scale, y)
+        return cls(*map(float, coef / scale))
 
     @classmethod
     def from_run(cls, run_dir: str | Path, warmup_steps: int = 10) -> "CostModel":
-        """Fit from a finished run: its metrics.jsonl step times against its per-rank padded/squared tokens."""
+        """Fit from a run's metrics.jsonl: per-rank step times against per-rank padded and attention tokens."""
         run_dir = Path(run_dir)
-        path = run_dir / "metrics.jsonl"
-        if not path.is_file():
-            raise ValueError(f"cost.from_run={str(run_dir)!r}: no metrics.jsonl there; point it at a run directory")
-        rows = pd.read_json(path, lines=True)
-        missing = {"padded_tokens", "sq_tokens", "step_time_s"} - set(rows.columns)
+        rows, bad = read_jsonl(run_dir / METRICS_FILE)
+        if not rows:
+            raise ValueError(f"cost.from_run={str(run_dir)!r}: no usable {METRICS_FILE} rows there ({bad} unusable "
+                             f"lines); point it at a run directory")
+        missing = sorted({"padded_tokens", "attn_tokens", "step_time_s"} - set(rows[0]))
         if missing:
-            raise ValueError(f"{path}: missing fields {sorted(missing)} needed to fit the cost model")
-        world = 1
-        summary = run_dir / "summary.json"
-        if summary.is_file():
-            world = int(json.loads(summary.read_text()).get("world_size", 1) or 1)
-        rows = rows.iloc[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
+            raise ValueError(f"cost.from_run={str(run_dir)!r}: {METRICS_FILE} lacks {missing} (written by an older "
+                             f"version of the trainer); fit from a run of this version")
+        try:
+            world = int(json.loads((run_dir / SUMMARY_FILE).read_text()).get("world_size") or 1)
+        except (OSError, ValueError):
+            world = 1
+        rows = rows[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
+        column = lambda name: np.asarray([r[name] for r in rows], dtype=np.float64)  # noqa: E731
         # Logged token counts are summed over ranks; the model is per rank.
-        return cls.fit(rows["padded_tokens"] / world, rows["sq_tokens"] / world, rows["step_time_s"])
+        return cls.fit(column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"))
 
 
 def calibrate_cost(
@@ -95,7 +100,7 @@ def calibrate_cost(
     """Fit the cost model from a short micro-benchmark of the configured model (forward + backward + AdamW step).
 
     Times full-budget padded batches at several row lengths (``max_tokens // length`` rows each) and half-budget
-    ones (so the constant term is identifiable), then fits ``CostModel.fit`` on (padded, squared, seconds).
+    ones (so the constant term is identifiable), then fits ``CostModel.fit`` on (padded, attention, seconds).
     """
     import time
 
@@ -109,7 +114,7 @@ def calibrate_cost(
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(seed)
     lengths = list(row_lengths) or [n for n in (32, 64, 128, 256, 512, 1024, 2048) if n <= max_tokens]
-    padded, squared, seconds = [], [], []
+    padded, attention, seconds = [], [], []
     for length in lengths:
         for share in (1.0, 0.5):
             rows = max(1, int(max_tokens * share) // length)
@@ -123,27 +128,35 @@ def calibrate_cost(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if attempt:  # the first pass warms up allocators and kernels
-                    padded.append(rows * length)
-                    squared.append(rows * length * length)
+                    _, batch_padded, batch_attention = token_counts([length] * rows, packed=False)
+                    padded.append(batch_padded)
+                    attention.append(batch_attention)
                     seconds.append(time.perf_counter() - start)
-    return CostModel.fit(np.asarray(padded, float), np.asarray(squared, float), np.asarray(seconds))
+    return CostModel.fit(np.asarray(padded, float), np.asarray(attention, float), np.asarray(seconds))
 
 
 def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0) -> dict[str, float]:
-    """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks)."""
+    """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks).
+
+    Ktok/s is predicted with the trainer's definition (``throughput.steady_state_ktok_s``: the median over steps of
+    a step's real tokens / its time), so prediction and measurement compare like with like; ETA sums step times.
+    """
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
     per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"])
     step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
-    epoch_seconds = float(step_times.sum())
+    step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
+    if not step_times.size:
+        return {"step_time_s": float("nan"), "ktok_s": float("nan"), "epoch_hours": float("nan"),
+                "eta_s": float("nan"), "eta_days": float("nan")}
+    mean_step = float(step_times.mean())
+    eta = full_run_eta_seconds(epochs, plan.steps, mean_step)
     return {
-        "step_time_s": float(step_times.mean()) if step_times.size else float("nan"),
-        "ktok_s": ktok_per_s(padding["real_tokens"], epoch_seconds),
-        "epoch_hours": epoch_seconds / 3600.0,
-        "eta_s": full_run_eta_seconds(epochs, plan.steps, float(step_times.mean()) if step_times.size else 0.0),
-        "eta_days": full_run_eta_seconds(epochs, plan.steps, float(step_times.mean())) / 86400.0
-        if step_times.size
-        else float("nan"),
+        "step_time_s": mean_step,
+        "ktok_s": steady_state_ktok_s([ktok_per_s(r, t) for r, t in zip(step_real, step_times)], warmup_steps=0),
+        "epoch_hours": float(step_times.sum()) / 3600.0,
+        "eta_s": eta,
+        "eta_days": eta / 86400.0,
     }
 
 
@@ -313,7 +326,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     )
     markdown = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {cfg['world_size']}, "
-        f"{cfg['epochs']} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x squared\n\n"
+        f"{cfg['epochs']} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n\n"
         + to_markdown(table, SUMMARY_COLUMNS)
     )
     (out_dir / "plan.md").write_text(markdown + "\n")

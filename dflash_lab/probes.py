@@ -5,17 +5,18 @@ module only records):
 
 * **Probe bands** (:class:`ProbeSets`): a fixed held-out probe set per length band. Bands are a fixed list of
   boundaries (default the CPU-scale ``[0, 96, 152, 216, 304, 412, 1024]``, ``probes.bands``), the same for every
-  policy so runs compare; band b holds lengths in ``(bands[b], bands[b+1]]`` (the bucket convention of
-  ``Policy.bucket_of``). ``probes.per_band`` samples per band are drawn from the held-out split with a seed of their
+  policy so runs compare; band b holds lengths in ``(bands[b], bands[b+1]]`` (the one length -> bucket rule,
+  ``sampling.bucket_ids``). ``probes.per_band`` samples per band are drawn from the held-out split with a seed of their
   own (``probes.seed``), so every run of a sweep evaluates the very same examples. Every ``probes.every`` steps each
   band is evaluated with the model's ``evaluate`` (no grad) under a fixed anchor generator, so a change in a band's
   loss is a change of the model, not of anchor sampling. Rows go to ``probes.jsonl``:
-  ``{step, band, band_lo, band_hi, loss, acc, tokens}`` (tokens = supervised block positions scored).
+  ``record.PROBE_FIELDS`` (tokens = supervised block positions scored).
 * **Presentations** (:class:`PresentationRecorder`): for every training example each time it is presented, its
   block accuracy from the SAME forward pass that trains on it (before the update): ``sample_index, epoch, step,
   length, band, acc`` from ``StepOutput.doc_correct / doc_count``. Examples with no scored block in that step
   (``doc_count == 0``: too short or no anchor drawn) have no accuracy and are not recorded. Rows are buffered and
-  written to ``presentations.parquet`` at checkpoints and at the end (a resumed run reloads and truncates it).
+  written to ``presentations.parquet`` at checkpoints and at the end; a resumed run keeps the rows of steps up to
+  its checkpoint (the step rule of ``dflash_lab.record``).
 
 Cost: one forward per band (a few short sequences) every ``probes.every`` steps; the records are a few numpy
 appends per step. Both are counted in the trainer's overhead figure.
@@ -39,11 +40,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from dflash_lab.config_check import as_int
+from dflash_lab.record import PRESENTATION_COLUMNS
 from dflash_lab.sampling.boundaries import bucket_ids
 
 DEFAULT_BANDS = (0, 96, 152, 216, 304, 412, 1024)
-
-PRESENTATION_COLUMNS = ("sample_index", "epoch", "step", "length", "band", "acc")
 
 
 def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
@@ -52,7 +53,9 @@ def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
     Raises:
         ValueError: naming ``probes.bands`` and the fix.
     """
-    values = [int(b) for b in bands]
+    if isinstance(bands, (str, bytes)) or not hasattr(bands, "__iter__"):
+        raise ValueError(f"probes.bands={bands!r}: give a list of boundaries, e.g. {list(DEFAULT_BANDS)}")
+    values = [as_int("probes.bands", b, minimum=0) for b in bands]
     if len(values) < 2 or values[0] != 0 or any(b <= a for a, b in zip(values, values[1:])):
         raise ValueError(
             f"probes.bands={list(bands)}: give strictly increasing boundaries starting at 0, "
@@ -168,6 +171,29 @@ class ProbeSets:
         return rows
 
 
+def heldout_evaluator(model, heldout_ds, pad_id: int, device: torch.device, autocast) -> Callable:
+    """The ``evaluate_batch`` of :meth:`ProbeSets.evaluate`: collate held-out examples (padded) and evaluate them.
+
+    Args:
+        model: the DFlashModel (``model.evaluate(batch, generator)``, no gradients).
+        heldout_ds: the held-out dataset view the probe indices point into.
+        pad_id: the tokenizer's padding id.
+        device: where the model runs.
+        autocast: the training step's autocast context (bf16 on GPU), so probes see the same numerics.
+    """
+    from dflash_lab.data import collate_padded
+
+    def evaluate_batch(indices: np.ndarray, generator: torch.Generator):
+        lengths = heldout_ds.lengths[indices]
+        batch = collate_padded([heldout_ds[int(i)] for i in indices], indices, lengths, pad_id)
+        if device.type != "cpu":
+            batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        with autocast:
+            return model.evaluate(batch, generator)
+
+    return evaluate_batch
+
+
 class PresentationRecorder:
     """Buffers one row per (training example, presentation) and writes ``presentations.parquet``.
 
@@ -222,13 +248,26 @@ class PresentationRecorder:
         previous = 0 if self._previous is None else self._previous.num_rows
         return previous + sum(c["step"].size for c in self._chunks)
 
-    def resume(self, max_step: int) -> None:
-        """Load the rows written so far, dropping those of steps > `max_step` (run again after the resume)."""
+    def resume(self, last_step: int | None) -> int:
+        """Apply the record's resume rule: keep the rows of steps <= ``last_step`` (None: a fresh start keeps none).
+
+        Returns the number of rows dropped (they are run again). An unreadable file (torn by a kill before its
+        rename, which cannot happen with the atomic write, or damaged by hand) is replaced, not trusted.
+        """
         self._chunks.clear()
         self._previous = None
-        if self.path.is_file():
+        if not self.path.is_file():
+            return 0
+        if last_step is None:
+            self.path.unlink()
+            return 0
+        try:
             table = pq.read_table(self.path)
-            self._previous = table.filter(pc.less_equal(table["step"], max_step))
+        except Exception:  # noqa: BLE001 - a damaged file holds nothing we can trust
+            self.path.unlink()
+            return 0
+        self._previous = table.filter(pc.less_equal(table["step"], int(last_step)))
+        return table.num_rows - self._previous.num_rows
 
     def gather(self, gather_objects: Callable[[Any], list[Any]]) -> None:
         """Collect every rank's buffered rows onto each rank (``dist.all_gather_objects``); collective."""

@@ -1,25 +1,25 @@
-"""Run-directory logging: ``metrics.jsonl``, ``probes.jsonl``, ``summary.json``, per-rank text logs, and W&B.
+"""Writing a run directory: the append-only files, summary.json, per-rank text logs, and W&B.
 
-Rules (ARCHITECTURE.md "Rules of the house"):
-    * only rank 0 writes run files and talks to W&B (at the end it also attaches :data:`RUN_FILES` to the W&B run) (:class:`RunLogger` is a no-op sink on other ranks);
-    * every rank writes its own text log ``train_rank{r}.log`` (:func:`setup_text_log`);
-    * the field names of ``metrics.jsonl`` are :data:`METRIC_FIELDS`, exactly as docs/CONTRACTS.md lists them, and
-      W&B receives the same names.
+Rules:
+    * only rank 0 writes run files and talks to W&B (:class:`RunLogger` is a no-op sink on other ranks);
+    * every rank writes its own text log ``train_rank<r>.log`` (:func:`setup_text_log`);
+    * names and columns of every file come from :mod:`dflash_lab.record`; W&B receives the same names.
 
-Cost: rows are buffered in memory and appended to disk only at :meth:`RunLogger.flush` (called at checkpoints and
-at the end), so no per-step file flush slows training. Because a resumed run continues from its last checkpoint,
-:func:`truncate_jsonl` removes rows a killed run logged after that checkpoint, so no step appears twice.
+Exact under faults: on start, :class:`RunLogger` applies the record's one resume rule to metrics.jsonl and
+probes.jsonl (keep rows with ``step <=`` the checkpoint's step; a fresh start keeps none), dropping unusable lines
+with a count in the log. After that every row is appended and flushed as it is produced (a kill loses nothing
+that a later resume would keep), so no step ever appears twice.
 
-W&B never stops training: :class:`WandbSink` catches every exception from ``wandb.init``/``wandb.log``/``finish``,
-warns once, and from then on the run continues with local files only. The run id is kept in
-``<run_dir>/wandb_run_id.txt`` (and in checkpoints) so a resumed run continues the same W&B run
-(``resume="allow"``); ``WANDB_DIR`` is set inside the run directory.
+W&B never stops training: :class:`WandbSink` catches every exception from ``wandb.init``/``log``/``finish``, warns
+once, and from then on the run continues with local files only. The run id lives in ``wandb_run_id.txt`` (and in
+checkpoints) so a continuation reuses it (``resume="allow"``).
 
 Example:
     >>> import tempfile, pathlib
+    >>> from dflash_lab.record import STEP_FIELDS
     >>> run_dir = pathlib.Path(tempfile.mkdtemp())
-    >>> logger = RunLogger(run_dir, is_main=True)
-    >>> logger.log_step({name: 0 for name in METRIC_FIELDS})
+    >>> logger = RunLogger(run_dir, is_main=True, resume_step=None)
+    >>> logger.log_step({name: 1 for name in STEP_FIELDS})
     >>> logger.close()
     >>> (run_dir / "metrics.jsonl").read_text().count("\\n")
     1
@@ -29,84 +29,29 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import warnings
 from pathlib import Path
 from typing import Any
 
-METRIC_FIELDS = (
-    "step",
-    "epoch",
-    "loss",
-    "acc",
-    "lr",
-    "grad_norm",
-    "real_tokens",
-    "padded_tokens",
-    "pad_eff",
-    "batch_size",
-    "max_len",
-    "mean_len",
-    "bucket",
-    "sq_tokens",
-    "step_time_s",
-    "compute_time_s",
-    "ktok_s",
-    "eta_s",
+from dflash_lab.record import (
+    METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, WANDB_ID_FILE,
+    json_safe, rank_log_name, read_jsonl, rows_through,
 )
-"""Fields of one ``metrics.jsonl`` row, in order (docs/CONTRACTS.md)."""
 
-PROBE_FIELDS = ("step", "band", "band_lo", "band_hi", "loss", "acc", "tokens")
-"""Fields of one ``probes.jsonl`` row (docs/CONTRACTS.md)."""
-
-SUMMARY_FIELDS = (
-    "sampler",
-    "seed",
-    "steps",
-    "epochs",
-    "ktok_s",
-    "pad_eff",
-    "eta_s",
-    "full_run_eta_s",
-    "final_loss",
-    "final_acc",
-    "tau",
-    "tau_baseline",
-    "overhead_frac",
-    "world_size",
-    "status",
-)
-"""Fields of ``summary.json`` (docs/CONTRACTS.md)."""
-
-STATUSES = ("finished", "failed", "running")
-
-RUN_FILES = ("metrics.jsonl", "probes.jsonl", "presentations.parquet", "summary.json")
-"""Run files attached to the W&B run at the end (analysis prefers them to the W&B history)."""
+LOGGER_NAME = "dflash_lab"
 
 
-def json_safe(value: Any) -> Any:
-    """A value JSON can hold strictly: non-finite floats become null, numpy/torch scalars become Python numbers."""
-    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def setup_text_log(run_dir: Path | str, rank: int, name: str = "dflash_lab") -> logging.Logger:
-    """Attach ``<run_dir>/train_rank{rank}.log`` to the ``dflash_lab`` logger (once per file) and return it.
-
-    Messages also propagate to the root logger, which Hydra sends to the console and ``train.log``.
-    """
-    logger = logging.getLogger(name)
+def setup_text_log(run_dir: Path | str, rank: int) -> logging.Logger:
+    """Attach ``<run_dir>/train_rank<r>.log`` to the ``dflash_lab`` logger (once per file) and return it."""
+    logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(logging.INFO)
-    path = Path(run_dir) / f"train_rank{rank}.log"
+    path = (Path(run_dir) / rank_log_name(rank)).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     for handler in list(logger.handlers):
-        if isinstance(handler, logging.FileHandler) and getattr(handler, "_dflash_rank_log", False):
-            if Path(handler.baseFilename) == path.resolve():
+        if getattr(handler, "_dflash_rank_log", False):
+            if Path(handler.baseFilename) == path:
                 return logger
             logger.removeHandler(handler)  # a previous run in the same process: log to the new run dir
             handler.close()
@@ -117,38 +62,13 @@ def setup_text_log(run_dir: Path | str, rank: int, name: str = "dflash_lab") -> 
     return logger
 
 
-def close_text_log(name: str = "dflash_lab") -> None:
+def close_text_log() -> None:
     """Detach and close the per-rank log file handler (end of a run; lets tests delete the directory)."""
-    logger = logging.getLogger(name)
+    logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         if getattr(handler, "_dflash_rank_log", False):
             logger.removeHandler(handler)
             handler.close()
-
-
-def truncate_jsonl(path: Path, max_step: int) -> int:
-    """Keep only rows with ``step <= max_step`` (and drop a torn last line); returns the number of rows removed.
-
-    Used on resume: rows logged after the checkpoint being resumed belong to steps that will be run again.
-    """
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept, removed = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            removed += 1  # a line cut by the kill
-            continue
-        if int(row.get("step", -1)) <= max_step:
-            kept.append(line)
-        else:
-            removed += 1
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return removed
 
 
 def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
@@ -159,35 +79,39 @@ def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def trim_jsonl(path: Path, last_step: int | None) -> tuple[list[dict[str, Any]], int, int]:
+    """Apply the resume rule to one JSON-lines file in place; returns (kept rows, removed rows, unusable lines)."""
+    rows, bad = read_jsonl(path)
+    kept = rows_through(rows, last_step)
+    removed = len(rows) - len(kept)
+    if path.is_file() and (removed or bad or last_step is None):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, path)
+    return list(kept), removed, bad
+
+
 class WandbSink:
     """Weights & Biases behind a guard: any exception warns once and disables W&B; training goes on.
 
     Args:
-        run_dir: the run directory; W&B files go to ``<run_dir>/wandb`` (``WANDB_DIR``).
-        settings: the ``logger`` config group as a dict: ``mode`` (offline | online | disabled), ``project``,
-            ``entity``, ``group``, ``job_type``, ``name``, ``tags``.
+        run_dir: the run directory; W&B files go to ``<run_dir>/wandb``.
+        settings: the ``logger`` section: ``mode`` (offline | online | disabled), ``project``, ``entity``,
+            ``group``, ``job_type``, ``name``, ``tags``.
         config: the full resolved run config (a plain dict).
         run_id: the W&B run id to create or continue.
         log: text logger for the one warning.
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        settings: dict[str, Any],
-        config: dict[str, Any],
-        run_id: str,
-        log: logging.Logger,
-    ):
+    def __init__(self, run_dir: Path, settings: dict[str, Any], config: dict[str, Any], run_id: str,
+                 log: logging.Logger):
         self.log = log
         self.run = None
         self.failed = False
-        self.run_id = run_id
         try:
             os.environ["WANDB_DIR"] = str(run_dir)
             import wandb
 
-            self._wandb = wandb
             self.run = wandb.init(
                 project=settings.get("project") or "dflash_lab",
                 entity=settings.get("entity"),
@@ -202,8 +126,7 @@ class WandbSink:
                 dir=str(run_dir),
                 reinit="finish_previous",
             )
-            # metrics are indexed by our own "step" field, so a resumed run may re-log a step without W&B
-            # rejecting it for going backwards
+            # metrics are indexed by our own "step" field, so a resumed run may re-log a step
             self.run.define_metric("step")
             self.run.define_metric("*", step_metric="step")
         except Exception as exc:  # noqa: BLE001 - any W&B problem must leave training running
@@ -219,53 +142,39 @@ class WandbSink:
 
     @property
     def active(self) -> bool:
-        """True while W&B is up and has not failed."""
         return self.run is not None and not self.failed
 
-    def log_row(self, row: dict[str, Any]) -> None:
-        """``run.log(row)``; a failure disables W&B for the rest of the run."""
+    def call(self, where: str, fn, *args, **kwargs) -> None:
+        """Run one W&B call; a failure disables W&B for the rest of the run."""
         if not self.active:
             return
         try:
-            self.run.log(row)
+            fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
-            self._fail("log", exc)
+            self._fail(where, exc)
+
+    def log_row(self, row: dict[str, Any]) -> None:
+        self.call("log", lambda: self.run.log(row))
 
     def update_summary(self, summary: dict[str, Any]) -> None:
-        """Copy the final figures into the W&B run summary."""
-        if not self.active:
-            return
-        try:
-            self.run.summary.update({k: v for k, v in summary.items() if v is not None})
-        except Exception as exc:  # noqa: BLE001
-            self._fail("summary", exc)
+        self.call("summary", lambda: self.run.summary.update({k: v for k, v in summary.items() if v is not None}))
 
     def save_files(self, paths: list[Path], base_path: Path) -> None:
-        """Attach run files (metrics.jsonl, probes.jsonl, presentations.parquet, summary.json) to the W&B run, so
-        analysis can read the exact tables from W&B (offline: they are copied into the run's ``files/``)."""
-        if not self.active:
-            return
-        try:
+        """Attach run files to the W&B run, so analysis can read the exact tables from W&B."""
+        def save() -> None:
             for path in paths:
                 if Path(path).is_file():
                     self.run.save(str(path), base_path=str(base_path), policy="now")
-        except Exception as exc:  # noqa: BLE001
-            self._fail("save", exc)
+        self.call("save", save)
 
     def finish(self, exit_code: int = 0) -> None:
-        """Close the W&B run (offline: its files stay under ``<run_dir>/wandb``)."""
-        if not self.active:
-            return
-        try:
-            self.run.finish(exit_code=exit_code)
-        except Exception as exc:  # noqa: BLE001
-            self._fail("finish", exc)
+        self.call("finish", lambda: self.run.finish(exit_code=exit_code))
         self.run = None
 
 
 def load_or_create_run_id(run_dir: Path, from_checkpoint: str | None = None) -> str:
     """The W&B run id of this run directory: the checkpoint's, else ``wandb_run_id.txt``, else a new one (saved)."""
-    path = Path(run_dir) / "wandb_run_id.txt"
+    path = Path(run_dir) / WANDB_ID_FILE
     run_id = from_checkpoint or (path.read_text().strip() if path.is_file() else "")
     if not run_id:
         run_id = secrets.token_hex(4)
@@ -274,111 +183,106 @@ def load_or_create_run_id(run_dir: Path, from_checkpoint: str | None = None) -> 
 
 
 class RunLogger:
-    """Rank 0's writer of ``metrics.jsonl`` / ``probes.jsonl`` / ``summary.json`` and its W&B sink.
+    """Rank 0's writer of metrics.jsonl, probes.jsonl and summary.json, with its W&B sink.
 
     Args:
         run_dir: the run directory.
         is_main: False on ranks > 0: every method is then a no-op.
-        wandb_settings: the ``logger`` group as a dict, or None for ``logger=none``.
+        resume_step: the step of the checkpoint being resumed (None: a fresh start). Files are trimmed to it.
+        wandb_settings: the ``logger`` section for W&B, or None (no W&B).
         config: the full resolved config (for W&B).
         run_id: W&B run id (see :func:`load_or_create_run_id`).
-        log: text logger for warnings.
+        log: text logger.
+
+    Attributes:
+        history: metrics rows of the whole run so far (all segments), for the summary.
+        probed_steps: steps at which probe rows exist (a step is never probed twice).
     """
 
-    def __init__(
-        self,
-        run_dir: Path | str,
-        *,
-        is_main: bool,
-        wandb_settings: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None,
-        run_id: str | None = None,
-        log: logging.Logger | None = None,
-    ):
+    def __init__(self, run_dir: Path | str, *, is_main: bool, resume_step: int | None,
+                 wandb_settings: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                 run_id: str | None = None, log: logging.Logger | None = None):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.log = log or logging.getLogger("dflash_lab")
-        self._metric_rows: list[str] = []
-        self._probe_rows: list[str] = []
+        self.log = log or logging.getLogger(LOGGER_NAME)
+        self.history: list[dict[str, Any]] = []
+        self.probed_steps: set[int] = set()
         self.wandb: WandbSink | None = None
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
+        probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
+        self.probed_steps = {int(row["step"]) for row in probes}
+        if removed + removed_probes:
+            self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
+                          f"{resume_step} (they are run again)")
+        if bad + bad_probes:
+            self.log.warning(f"skipped {bad} unusable line(s) in {METRICS_FILE} and {bad_probes} in {PROBES_FILE}")
         if wandb_settings is not None and wandb_settings.get("mode", "offline") != "disabled":
-            self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4), self.log)
+            self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4),
+                                   self.log)
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / METRICS_FILE
 
     @property
     def probes_path(self) -> Path:
-        return self.run_dir / "probes.jsonl"
+        return self.run_dir / PROBES_FILE
 
     @property
     def summary_path(self) -> Path:
-        return self.run_dir / "summary.json"
+        return self.run_dir / SUMMARY_FILE
 
-    def truncate_after(self, step: int) -> None:
-        """Resume: drop rows of steps > `step` that an interrupted run logged after its last checkpoint."""
-        if not self.is_main:
-            return
-        removed = truncate_jsonl(self.metrics_path, step) + truncate_jsonl(self.probes_path, step)
-        if removed:
-            self.log.info(f"resume: removed {removed} metric/probe rows logged after step {step}")
+    @staticmethod
+    def _append(path: Path, rows: list[dict[str, Any]]) -> None:
+        with open(path, "a") as handle:
+            handle.write("".join(json.dumps(row) + "\n" for row in rows))
+            handle.flush()
 
     def log_step(self, row: dict[str, Any]) -> None:
-        """Buffer one ``metrics.jsonl`` row (exactly :data:`METRIC_FIELDS`) and send it to W&B."""
+        """Append one metrics.jsonl row (exactly STEP_FIELDS) and send it to W&B."""
         if not self.is_main:
             return
-        missing = [name for name in METRIC_FIELDS if name not in row]
+        missing = [name for name in STEP_FIELDS if name not in row]
         if missing:
-            raise KeyError(f"metrics row lacks {missing}; every row must carry exactly {METRIC_FIELDS}")
-        clean = {name: json_safe(row[name]) for name in METRIC_FIELDS}
-        self._metric_rows.append(json.dumps(clean))
+            raise KeyError(f"metrics row lacks {missing}; every row carries exactly {STEP_FIELDS}")
+        clean = {name: json_safe(row[name]) for name in STEP_FIELDS}
+        self._append(self.metrics_path, [clean])
+        self.history.append(clean)
         if self.wandb is not None:
             self.wandb.log_row(clean)
 
     def log_probes(self, rows: list[dict[str, Any]]) -> None:
-        """Buffer ``probes.jsonl`` rows; W&B gets them as ``probe/<band>/loss`` and ``probe/<band>/acc``."""
+        """Append probes.jsonl rows of one evaluation; W&B gets ``probe/<band>/loss`` and ``probe/<band>/acc``."""
         if not self.is_main or not rows:
             return
-        for row in rows:
-            self._probe_rows.append(json.dumps({name: json_safe(row[name]) for name in PROBE_FIELDS}))
+        clean = [{name: json_safe(row[name]) for name in PROBE_FIELDS} for row in rows]
+        self._append(self.probes_path, clean)
+        self.probed_steps.add(int(clean[0]["step"]))
         if self.wandb is not None:
-            flat: dict[str, Any] = {"step": rows[0]["step"]}
-            for row in rows:
-                flat[f"probe/{row['band']}/loss"] = json_safe(row["loss"])
-                flat[f"probe/{row['band']}/acc"] = json_safe(row["acc"])
+            flat: dict[str, Any] = {"step": clean[0]["step"]}
+            for row in clean:
+                flat[f"probe/{row['band']}/loss"] = row["loss"]
+                flat[f"probe/{row['band']}/acc"] = row["acc"]
             self.wandb.log_row(flat)
 
-    def flush(self) -> None:
-        """Append buffered rows to disk (at checkpoints and at the end: no per-step file I/O)."""
-        if not self.is_main:
-            return
-        for path, rows in ((self.metrics_path, self._metric_rows), (self.probes_path, self._probe_rows)):
-            if rows:
-                with open(path, "a") as handle:
-                    handle.write("\n".join(rows) + "\n")
-                rows.clear()
-
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write ``summary.json`` atomically (contract fields first) and mirror it to the W&B run summary."""
+        """Write summary.json atomically and mirror it to the W&B run summary."""
         if not self.is_main:
             return
-        if summary.get("status") not in STATUSES:
-            raise ValueError(f"summary status {summary.get('status')!r} is not one of {STATUSES}")
-        ordered = {name: summary.get(name) for name in SUMMARY_FIELDS}
-        ordered.update({k: v for k, v in summary.items() if k not in ordered})
-        write_json_atomic(self.summary_path, ordered)
+        write_json_atomic(self.summary_path, summary)
         if self.wandb is not None:
-            self.wandb.update_summary({k: json_safe(v) for k, v in ordered.items()})
+            self.wandb.update_summary({k: json_safe(v) for k, v in summary.items()})
 
     def close(self, exit_code: int = 0) -> None:
-        """Flush files and finish W&B."""
-        if not self.is_main:
+        """Attach the run files to W&B and finish it."""
+        if not self.is_main or self.wandb is None:
             return
-        self.flush()
-        if self.wandb is not None:
-            self.wandb.save_files([self.run_dir / name for name in RUN_FILES], self.run_dir)
-            self.wandb.finish(exit_code)
+        self.wandb.save_files([self.run_dir / name for name in RUN_FILES], self.run_dir)
+        self.wandb.finish(exit_code)
+
+
+__all__ = ["RunLogger", "WandbSink", "close_text_log", "load_or_create_run_id", "setup_text_log", "trim_jsonl",
+           "write_json_atomic"]

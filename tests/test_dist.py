@@ -12,30 +12,51 @@ import torch.multiprocessing as mp
 from dflash_lab import dist
 
 
-def test_single_process_defaults():
-    env = dist.detect_env({})
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
+                    "SUBMITIT_FOLDER", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                    "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NODEID")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in LAUNCH_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_single_process_defaults(clean_env):
+    env = dist.detect_env()
     assert (env.rank, env.world_size, env.local_rank, env.source) == (0, 1, 0, "single")
     assert env.is_main and not env.distributed
 
 
-def test_torchrun_variables_win():
-    env = dist.detect_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
-                           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"})
+def test_torchrun_variables_win(clean_env):
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
+                       "MASTER_PORT": "1234", "SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}.items():
+        clean_env.setenv(key, value)
+    env = dist.detect_env()
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.source) == (
         3, 4, 1, "node7", 1234, "torchrun")
     assert not env.is_main and env.distributed
 
 
-def test_plain_slurm_variables():
-    env = dist.detect_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                           "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "123456"})
-    assert (env.rank, env.world_size, env.local_rank, env.source) == (5, 8, 1, "slurm")
+def test_slurm_job_through_submitit_environment(clean_env):
+    import random
+
+    for key, value in {"SLURM_JOB_ID": "123456", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+                       "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1"}.items():
+        clean_env.setenv(key, value)
+    env = dist.detect_env()
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (5, 8, 1, "submitit")
     assert env.master_addr == "gpu03"
-    assert env.master_port == 20000 + 123456 % 20000
+    assert env.master_port == random.Random("123456").randint(20000, 60000)  # submitit's port rule
 
 
-def test_single_task_slurm_job_is_a_single_process():
-    assert dist.detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
+def test_single_task_slurm_job_is_a_single_process(clean_env):
+    clean_env.setenv("SLURM_JOB_ID", "7")
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "1")
+    assert dist.detect_env().world_size == 1
 
 
 def test_init_without_launcher_is_a_noop(monkeypatch):

@@ -35,14 +35,18 @@ def test_cost_model_from_run(tmp_path):
     rng = np.random.default_rng(1)
     padded = rng.integers(2000, 8192, 60) * 2  # two ranks' tokens
     sq = padded * rng.integers(64, 1024, 60)  # not collinear with padded
-    rows = [{"step": i, "padded_tokens": int(p), "sq_tokens": int(s), "step_time_s": 0.01 + 1e-5 * p / 2}
+    rows = [{"step": i, "padded_tokens": int(p), "attn_tokens": int(s), "step_time_s": 0.01 + 1e-5 * p / 2}
             for i, (p, s) in enumerate(zip(padded, sq))]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2}))
     fitted = CostModel.from_run(tmp_path)
     assert fitted.c1 == pytest.approx(1e-5, rel=0.02)
-    with pytest.raises(ValueError, match="no metrics.jsonl"):
+    with pytest.raises(ValueError, match="no usable metrics.jsonl rows"):
         CostModel.from_run(tmp_path / "nowhere")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "padded_tokens": 5, "sq_tokens": 5,
+                                                        "step_time_s": 0.1}))
+    with pytest.raises(ValueError, match="lacks.*attn_tokens"):
+        CostModel.from_run(tmp_path)
 
 
 def test_prediction_by_hand():
@@ -50,14 +54,16 @@ def test_prediction_by_hand():
     policy = build_policy("sorted_static", lengths, max_tokens=160, world_size=2)
     cost = CostModel(1.0, 0.01, 0.0)
     plan = policy.global_plan(0)
-    step_times = []
+    step_times, step_real = [], []
     for s in range(plan.steps):
         pair = plan.batches[2 * s : 2 * s + 2]
         step_times.append(max(1.0 + 0.01 * b.size * lengths[b].max() for b in pair))
+        step_real.append(sum(int(lengths[b].sum()) for b in pair))
     got = predict_throughput(policy, cost, epochs=3)
-    processed = sum(int(lengths[b].sum()) for b in plan.batches)  # repeats of the remainder rule count too
-    assert processed > lengths.sum()
-    assert got["ktok_s"] == pytest.approx(processed / sum(step_times) / 1000)
+    assert sum(step_real) > lengths.sum()  # repeats of the remainder rule count too
+    # the trainer's Ktok/s definition: median over steps of real tokens / step time
+    assert got["ktok_s"] == pytest.approx(float(np.median(np.array(step_real) / np.array(step_times))) / 1000)
+    assert got["eta_s"] == pytest.approx(3 * sum(step_times))
     assert got["eta_s"] == pytest.approx(3 * sum(step_times))
 
 

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash_lab.train import ProbeSettings, TrainerSettings, lr_multiplier
+from dflash_lab.train import LRSchedule, ProbeSettings, TrainerSettings, format_eta
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))
@@ -64,7 +64,11 @@ def test_unknown_trainer_key_is_refused():
 
 @pytest.mark.parametrize("values, key", [({"epochs": 0}, "trainer.epochs"), ({"grad_accum": 0}, "trainer.grad_accum"),
                                          ({"precision": "bf16"}, "trainer.precision"),
-                                         ({"warmup_frac": 1.5}, "trainer.warmup_frac")])
+                                         ({"warmup_frac": 1.5}, "trainer.warmup_frac"),
+                                         ({"lr": "fast"}, "trainer.lr"), ({"max_steps": 4.5}, "trainer.max_steps"),
+                                         ({"progress": "false"}, "trainer.progress"),
+                                         ({"epochs": True}, "trainer.epochs"),
+                                         ({"betas": [0.9]}, "trainer.betas")])
 def test_bad_trainer_values_name_the_key(values, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         TrainerSettings.from_dict(values)
@@ -72,9 +76,21 @@ def test_bad_trainer_values_name_the_key(values, key):
 
 def test_schedule_warmup_then_cosine():
     total = 200
-    lrs = [lr_multiplier(s, total, 0.04, 0.1) for s in range(total)]
+    schedule = LRSchedule(peak_lr=1.0, total_steps=total, warmup_frac=0.04, min_lr_ratio=0.1)
+    lrs = [schedule.lr(s) for s in range(total)]
     warmup = 8
     assert lrs[0] == pytest.approx(1 / warmup) and lrs[warmup - 1] == pytest.approx(1.0)
     assert all(a < b for a, b in zip(lrs[: warmup - 1], lrs[1:warmup]))  # linear rise
     assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))  # monotone decay
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_probe_settings_refuse_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match="unknown probes key"):
+        ProbeSettings.from_dict({"per_bands": 3})
+    with pytest.raises(ValueError, match=r"probes\.per_band"):
+        ProbeSettings.from_dict({"per_band": 0})
+
+
+def test_human_eta():
+    assert [format_eta(s) for s in (403200, 3725, 125, 4.4, float("nan"))] == ["4d 16h", "1h 02m", "2m 05s", "4s", "?"]

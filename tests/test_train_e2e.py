@@ -1,5 +1,5 @@
 """End-to-end training on CPU with a tiny target: learning, run-directory files, exact resume, preemption,
-non-finite losses, W&B offline and broken W&B, and the Hydra command line.
+non-finite losses, W&B offline and broken W&B, re-runs of finished directories, and the Hydra command line.
 
 All runs share one small configuration (a 2-layer target pretrained for a few steps, cached in the default cache,
 300 synthetic samples, a 1024-token budget) so each training takes seconds.
@@ -20,8 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dflash_lab import checkpoint as ckpt
-from dflash_lab.run_logger import METRIC_FIELDS, PROBE_FIELDS, SUMMARY_FIELDS
-from dflash_lab.train import train
+from dflash_lab import record
+from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
+from dflash_lab.train import TrainHooks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -55,7 +56,7 @@ def test_tiny_run_learns_and_writes_the_run_directory(tmp_path):
     assert summary["status"] == "finished" and summary["steps"] == 30
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
-    assert all(list(r) == list(METRIC_FIELDS) for r in rows)
+    assert all(list(r) == list(STEP_FIELDS) for r in rows)
     # learning: the last steps' loss is clearly below the first steps'
     first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-5:]) / 5
     assert last < 0.8 * first, (first, last)
@@ -68,7 +69,7 @@ def test_tiny_run_learns_and_writes_the_run_directory(tmp_path):
     assert list(saved)[: len(SUMMARY_FIELDS)] == list(SUMMARY_FIELDS)
     assert saved["sampler"] == "bucketed" and saved["world_size"] == 1 and saved["epochs"] == 2
     assert 0 <= saved["overhead_frac"] < 1 and saved["ktok_s"] > 0 and 0 < saved["pad_eff"] <= 1
-    assert saved["full_run_eta_s"] > saved["eta_s"] > 0  # a capped run: the configured run is longer
+    assert saved["full_run_eta_s"] > 0 and saved["eta_s"] == 0  # ETA to the end step; full run: every epoch
     assert saved["tau"] >= 1 and saved["tau_baseline"] >= 1
     assert saved["final_loss"] == pytest.approx(rows[-1]["loss"])
 
@@ -78,13 +79,15 @@ def test_tiny_run_learns_and_writes_the_run_directory(tmp_path):
     assert {p["band"] for p in probes} <= set(range(6)) and len({p["band"] for p in probes}) >= 4
 
     table = pq.read_table(run_dir / "presentations.parquet").to_pandas()
-    assert list(table.columns) == ["sample_index", "epoch", "step", "length", "band", "acc"]
-    assert table["step"].between(0, 29).all() and table["acc"].between(0, 1).all()
+    assert list(table.columns) == list(PRESENTATION_COLUMNS)
+    assert table["step"].between(1, 30).all() and table["acc"].between(0, 1).all()  # the record's step rule
     assert table["step"].nunique() == 30
+    assert saved["steps_per_epoch"] == [saved["total_steps"] // 2 + d for d in (0, saved["total_steps"] % 2)] or (
+        sum(saved["steps_per_epoch"]) == saved["total_steps"])
 
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == ["last.pt", "step_20.pt", "step_30.pt"]
-    state = ckpt.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert names == ["last.json", "step_20.pt", "step_30.pt"]
+    state = ckpt.load_run_checkpoint(run_dir)
     assert state["step"] == 30 and state["config"]["sampler"]["name"] == "bucketed"
     assert {"python", "numpy", "torch", "anchor"} <= set(state["rng"])
     assert (run_dir / "train_rank0.log").is_file()
@@ -100,18 +103,45 @@ def test_every_sampler_trains(tmp_path, sampler):
     assert all((r["bucket"] == -1) if unbucketed else (r["bucket"] >= 0) for r in rows)
 
 
+def stop_at(step: int) -> TrainHooks:
+    """Hooks that request a checkpoint-and-exit during update `step` (what SIGUSR2 does on a cluster)."""
+    def after_forward(at_step, micro, out):
+        if at_step == step:
+            ckpt.request_checkpoint("test")
+        return out
+    return TrainHooks(after_forward=after_forward)
+
+
+def train_in_parts(run_dir: Path, stops: list[int], *overrides: str) -> dict:
+    """Train `run_dir` to the end, preempted at each step in `stops` and continued each time."""
+    for step in stops:
+        with pytest.raises(ckpt.Preempted) as info:
+            train(compose_cfg(run_dir, *overrides), stop_at(step))
+        assert info.value.code == ckpt.PREEMPTED_EXIT_CODE and info.value.step == step
+    return train(compose_cfg(run_dir, *overrides))
+
+
+def assert_no_duplicate_rows(run_dir: Path) -> None:
+    """Every file of the run directory holds each (step, key) once (the acceptance of exact side files)."""
+    steps = [r["step"] for r in record.read_jsonl(run_dir / "metrics.jsonl")[0]]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    probe_keys = [(r["step"], r["band"]) for r in record.read_jsonl(run_dir / "probes.jsonl")[0]]
+    assert len(probe_keys) == len(set(probe_keys))
+    if (run_dir / "presentations.parquet").is_file():
+        table = pq.read_table(run_dir / "presentations.parquet").to_pandas()
+        assert not table.duplicated(["step", "sample_index"]).any()
+
+
 @pytest.mark.parametrize("sampler", ["bucketed", "packed"])
 def test_resume_equals_uninterrupted_run(tmp_path, sampler):
     # 300 samples / 1024-token steps: ~60 steps per epoch, so the runs below cross no epoch; the epoch test
     # below shrinks the data to cross one.
+    common = [f"sampler={sampler}", "trainer.max_steps=12", "trainer.measure_tau=false"]
     straight = tmp_path / "straight"
-    train(compose_cfg(straight, f"sampler={sampler}", "trainer.max_steps=12", "trainer.measure_tau=false"))
-
+    train(compose_cfg(straight, *common))
     split = tmp_path / "split"
-    train(compose_cfg(split, f"sampler={sampler}", "trainer.max_steps=5", "trainer.measure_tau=false"))
-    resumed = train(compose_cfg(split, f"sampler={sampler}", "trainer.max_steps=12", "trainer.measure_tau=false",
-                                "resume=true"))
-    assert resumed["steps"] == 12
+    resumed = train_in_parts(split, [5], *common)
+    assert resumed["steps"] == 12 and resumed["segments"] == 2
     assert losses(split) == losses(straight)  # bitwise: same anchors, batches, weights and optimizer state
     rows = read_jsonl(split / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -119,7 +149,8 @@ def test_resume_equals_uninterrupted_run(tmp_path, sampler):
         assert all(r["pad_eff"] == 1.0 and r["real_tokens"] == r["padded_tokens"] for r in rows)
         assert max(r["batch_size"] for r in rows) > 1
     table = pq.read_table(split / "presentations.parquet").to_pandas()
-    assert sorted(table["step"].unique()) == list(range(12))
+    assert sorted(table["step"].unique()) == list(range(1, 13))
+    assert_no_duplicate_rows(split)
 
 
 def test_loader_workers_do_not_change_the_batches(tmp_path):
@@ -134,115 +165,165 @@ def test_resume_across_an_epoch_boundary_with_grad_accum(tmp_path):
              "sampler=full_random"]
     straight = tmp_path / "straight"
     full = train(compose_cfg(straight, *extra))
-    per_epoch = full["total_steps"] // 2
+    per_epoch = full["steps_per_epoch"][0]
     assert full["steps"] == full["total_steps"] >= 4
 
     split = tmp_path / "split"
-    train(compose_cfg(split, *extra, f"trainer.max_steps={per_epoch + 1}"))
-    train(compose_cfg(split, *extra))
+    train_in_parts(split, [per_epoch + 1], *extra)
     assert losses(split) == losses(straight)
     epochs = [r["epoch"] for r in read_jsonl(split / "metrics.jsonl")]
     assert epochs[0] == 0 and epochs[-1] == 1
 
 
-def test_preemption_request_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
-    from dflash_lab.model import DFlashModel
+def test_signal_during_training_checkpoints_and_the_requeued_job_resumes_exactly(tmp_path):
+    import signal
 
     straight = tmp_path / "straight"
     train(compose_cfg(straight, "trainer.max_steps=8", "trainer.measure_tau=false"))
 
-    original = DFlashModel.forward
-    calls = {"n": 0}
+    def signal_during_step_4(step, micro, out):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return out
 
-    def forward_then_signal(self, batch, generator=None):
-        calls["n"] += torch.is_grad_enabled()  # count training forwards, not probe evaluations
-        if calls["n"] == 4 and torch.is_grad_enabled():  # during step 4 a SIGUSR2 arrives
-            os.kill(os.getpid(), __import__("signal").SIGUSR2)
-        return original(self, batch, generator)
-
-    monkeypatch.setattr(DFlashModel, "forward", forward_then_signal)
     run_dir = tmp_path / "preempted"
     with pytest.raises(ckpt.Preempted) as info:
-        train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))
+        train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"),
+              TrainHooks(after_forward=signal_during_step_4))
     assert info.value.code == ckpt.PREEMPTED_EXIT_CODE and info.value.step == 4
-    assert ckpt.load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 4
+    assert ckpt.load_run_checkpoint(run_dir)["step"] == 4
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
-
-    monkeypatch.setattr(DFlashModel, "forward", original)
     train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))  # the requeued job
     assert losses(run_dir) == losses(straight)
 
 
-def _poison_forward(monkeypatch, at_call: int):
-    from dflash_lab.model import DFlashModel
+def test_sigterm_during_tau_records_a_partial_tau_and_the_requeued_job_measures_again(tmp_path):
+    import signal
+    import threading
 
-    original = DFlashModel.forward
-    calls = {"n": 0}
+    run_dir = tmp_path / "tau"
+    overrides = ["trainer.max_steps=3", "model.decode_num_prompts=6", "model.decode_max_new_tokens=64",
+                 "probes.every=0"]
+    real_measure = __import__("dflash_lab.train", fromlist=["measure_acceptance"]).measure_acceptance
+    started = threading.Event()
 
-    def forward(self, batch, generator=None):
-        out = original(self, batch, generator)
-        calls["n"] += torch.is_grad_enabled()  # count training forwards, not probe evaluations
-        if calls["n"] == at_call and torch.is_grad_enabled():
+    def after_step(row):
+        if row["step"] == 3:  # the loop is done: SIGTERM arrives while tau is being measured
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+            started.set()
+
+    with pytest.raises(ckpt.Preempted):
+        train(compose_cfg(run_dir, *overrides), TrainHooks(after_step=after_step))
+    assert started.is_set() and callable(real_measure)
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["status"] == "preempted" and saved["steps"] == 3
+    summary = train(compose_cfg(run_dir, *overrides))  # requeued: training is done, tau is measured again
+    assert summary["status"] == "finished" and summary["tau"] >= 1 and summary["tau_baseline"] >= 1
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def poison_step(step: int) -> TrainHooks:
+    def after_forward(at_step, micro, out):
+        if at_step == step:
             out.weighted_ce_sum = out.weighted_ce_sum * float("nan")
             out.loss = out.loss * float("nan")
         return out
+    return TrainHooks(after_forward=after_forward)
 
-    monkeypatch.setattr(DFlashModel, "forward", forward)
 
-
-def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    _poison_forward(monkeypatch, at_call=7)
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "nan"
-    summary = train(compose_cfg(run_dir, "trainer.max_steps=10", "trainer.ckpt_every=3"))
+    summary = train(compose_cfg(run_dir, "trainer.max_steps=10", "trainer.ckpt_every=3"), poison_step(7))
     assert summary["status"] == "failed" and summary["steps"] == 6
-    assert "non-finite loss at step 6" in summary["error"]
+    assert "non-finite loss at step 7" in summary["error"]
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["status"] == "failed" and saved["tau"] is None
-    state = ckpt.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    state = ckpt.load_run_checkpoint(run_dir)
     assert state["step"] == 6
     assert all(torch.isfinite(v).all() for v in state["model"].values())
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 7))
 
 
-def test_nan_loss_is_skipped_when_configured(tmp_path, monkeypatch):
-    _poison_forward(monkeypatch, at_call=3)
+def test_nan_loss_is_skipped_when_configured(tmp_path):
     run_dir = tmp_path / "skip"
     summary = train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.skip_nonfinite=true",
-                                "trainer.measure_tau=false"))
+                                "trainer.measure_tau=false"), poison_step(3))
     assert summary["status"] == "finished" and summary["skipped_steps"] == 1 and summary["steps"] == 6
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[2]["loss"] is None and all(r["loss"] is not None for i, r in enumerate(rows) if i != 2)
-    state = ckpt.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    state = ckpt.load_run_checkpoint(run_dir)
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-def test_a_crash_marks_the_summary_failed_and_releases_the_signal_handler(tmp_path, monkeypatch):
+def test_a_crash_marks_the_summary_failed_and_releases_the_signal_handler(tmp_path):
     import signal
 
-    from dflash_lab.model import DFlashModel
-
-    def crash(self, batch, generator=None):
+    def crash(step, micro, out):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(DFlashModel, "forward", crash)
     run_dir = tmp_path / "crash"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(compose_cfg(run_dir, "trainer.max_steps=3", "probes.every=0"))
+        train(compose_cfg(run_dir, "trainer.max_steps=3", "probes.every=0"), TrainHooks(after_forward=crash))
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["status"] == "failed" and "simulated crash" in saved["error"]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+def test_rerunning_a_finished_directory_changes_nothing_but_a_log_line(tmp_path):
+    run_dir = tmp_path / "done"
+    overrides = ["trainer.max_steps=6", "probes.every=3", "model.decode_num_prompts=1"]
+    first = train(compose_cfg(run_dir, *overrides))
+
+    def snapshot() -> dict[str, bytes]:
+        return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+                if p.is_file() and p.name != "train_rank0.log"}
+
+    before, log_before = snapshot(), (run_dir / "train_rank0.log").read_text()
+    again = train(compose_cfg(run_dir, *overrides))
+    assert snapshot() == before and again == json.loads(before["summary.json"]) and again["tau"] == first["tau"]
+    added = (run_dir / "train_rank0.log").read_text()[len(log_before):]
+    assert "already finished" in added
+
+
+def test_max_steps_zero_and_a_kill_before_the_first_checkpoint_leave_no_duplicate_rows(tmp_path):
+    run_dir = tmp_path / "zero"
+    train(compose_cfg(run_dir, "trainer.max_steps=0", "trainer.measure_tau=false"))
+    assert {r["step"] for r in read_jsonl(run_dir / "probes.jsonl")} == {0}
+    assert_no_duplicate_rows(run_dir)
+    # an earlier attempt killed before its first checkpoint left rows behind: a fresh start drops them
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (fresh / "probes.jsonl").write_text('{"step": 0, "band": 0}\n')
+    train(compose_cfg(fresh, "trainer.max_steps=3", "trainer.measure_tau=false", "probes.every=3"))
+    assert [r["step"] for r in read_jsonl(fresh / "metrics.jsonl")] == [1, 2, 3]
+    assert_no_duplicate_rows(fresh)
+
+
+def test_changed_lr_on_resume_takes_effect_and_other_changes_are_refused(tmp_path):
+    run_dir = tmp_path / "lr"
+    common = ["trainer.max_steps=8", "trainer.measure_tau=false", "probes.every=0"]
+    with pytest.raises(ckpt.Preempted):
+        train(compose_cfg(run_dir, *common), stop_at(4))
+    train(compose_cfg(run_dir, *common, "trainer.lr=3e-3"))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[4]["lr"] > rows[3]["lr"] * 3  # the new peak drives the rebuilt schedule from step 5 on
+    with pytest.raises(ValueError, match=r"sampler\.max_tokens.*fresh run directory"):
+        train(compose_cfg(run_dir, *common, "trainer.max_steps=10", "sampler.max_tokens=2048"))
 
 
 def test_wandb_offline_run_and_resume_keeps_the_run_id(tmp_path):
     import warnings
 
     run_dir = tmp_path / "wb"
+    common = ["logger=wandb", "trainer.max_steps=5", "trainer.measure_tau=false"]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="W&B")  # W&B must work here, not fall back silently
-        train(compose_cfg(run_dir, "logger=wandb", "trainer.max_steps=3", "trainer.measure_tau=false"))
+        with pytest.raises(ckpt.Preempted):
+            train(compose_cfg(run_dir, *common), stop_at(3))
         run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
-        assert ckpt.load_checkpoint(run_dir / "checkpoints" / "last.pt")["wandb_run_id"] == run_id
-        train(compose_cfg(run_dir, "logger=wandb", "trainer.max_steps=5", "trainer.measure_tau=false"))
+        assert ckpt.load_run_checkpoint(run_dir)["wandb_run_id"] == run_id
+        train(compose_cfg(run_dir, *common))
     runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert runs and all(list(r.glob(f"run-{run_id}.wandb")) for r in runs)
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 5
@@ -254,7 +335,7 @@ def test_broken_wandb_never_stops_training(tmp_path, monkeypatch):
     def broken_init(**kwargs):
         raise ConnectionError("wandb is down")
 
-    monkeypatch.setattr(wandb, "init", broken_init)
+    monkeypatch.setattr(wandb, "init", broken_init)  # the third-party service, not our code
     run_dir = tmp_path / "broken"
     with pytest.warns(RuntimeWarning, match="W&B init failed"):
         summary = train(compose_cfg(run_dir, "logger=wandb", "trainer.max_steps=3", "trainer.measure_tau=false"))
@@ -262,16 +343,72 @@ def test_broken_wandb_never_stops_training(tmp_path, monkeypatch):
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3
 
 
+def _cli(run_dir: Path, *overrides: str, **popen) -> list[str]:
+    return [sys.executable, "-m", "dflash_lab.train", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+
+
 @pytest.mark.slow
 def test_command_line_run_and_rerun_in_the_same_directory(tmp_path):
     run_dir = tmp_path / "cli"
-    args = [sys.executable, "-m", "dflash_lab.train", f"hydra.run.dir={run_dir}", *SMALL, "trainer.measure_tau=false"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    first = subprocess.run([*args, "trainer.max_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = _cli(run_dir, "trainer.measure_tau=false")
+    first = subprocess.run([*args, "trainer.max_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and not (run_dir / "train.log").exists()
     second = subprocess.run([*args, "trainer.max_steps=5"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+    assert "step 5/5" in (run_dir / "train_rank0.log").read_text()  # no terminal: periodic log lines
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
+    """Kill -9 at random points (mid-step, mid-checkpoint), damage the newest checkpoint, stale the pointer:
+    the final weights equal an uninterrupted run's and no file holds a duplicate (step, key) row."""
+    import random
+    import signal
+    import time
+
+    common = ["trainer.max_steps=40", "trainer.ckpt_every=3", "trainer.measure_tau=false", "probes.every=4",
+              "trainer.log_every=1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    straight = tmp_path / "straight"
+    done = subprocess.run(_cli(straight, *common), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    rng = random.Random(0)
+    checkpoints = run_dir / "checkpoints"
+    for attempt in range(5):
+        rows_now = len(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
+        target = rows_now + rng.randint(2, 7)
+        proc = subprocess.Popen(_cli(run_dir, *common), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            lines = (run_dir / "metrics.jsonl").read_text().count("\n") if (run_dir / "metrics.jsonl").exists() else 0
+            if lines >= target:
+                time.sleep(rng.uniform(0.0, 0.15))  # land anywhere inside the next step or checkpoint
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        proc.wait(timeout=60)
+        if attempt == 2 and checkpoints.is_dir():  # the newest checkpoint is found truncated on disk
+            newest = max(checkpoints.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+            newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
+        if attempt == 3 and (checkpoints / "last.json").is_file():  # killed between the save and the pointer
+            steps = sorted(int(p.stem.split("_")[1]) for p in checkpoints.glob("step_*.pt"))
+            (checkpoints / "last.json").write_text(json.dumps({"file": f"step_{steps[0]}.pt", "step": steps[0]}))
+    final = subprocess.run(_cli(run_dir, *common), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    ours, theirs = ckpt.load_run_checkpoint(run_dir), ckpt.load_run_checkpoint(straight)
+    assert ours["step"] == theirs["step"] == 40
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in theirs["model"])
+    assert losses(run_dir) == losses(straight)
+    assert_no_duplicate_rows(run_dir)
+    assert not list(checkpoints.glob("*.tmp"))
+    assert json.loads((run_dir / "summary.json").read_text())["segments"] >= 2

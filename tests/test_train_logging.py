@@ -1,4 +1,4 @@
-"""dflash_lab.run_logger: metrics.jsonl fields, buffered writes, resume truncation, summary, W&B guard."""
+"""dflash_lab.run_logger + dflash_lab.record: row fields, immediate appends, the one resume rule, summary, W&B guard."""
 
 from __future__ import annotations
 
@@ -7,26 +7,25 @@ import math
 
 import pytest
 
+from dflash_lab import record
 from dflash_lab import run_logger as rl
 
 
 def _row(step: int, **over):
-    row = {name: 1.0 for name in rl.METRIC_FIELDS}
+    row = {name: 1.0 for name in record.STEP_FIELDS}
     row.update(step=step, **over)
     return row
 
 
-def test_metrics_rows_have_exactly_the_contract_fields(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True)
+def test_metrics_rows_have_exactly_the_contract_fields_and_reach_disk_at_once(tmp_path):
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
     logger.log_step({**_row(1), "extra_field": 3})
-    assert not logger.metrics_path.exists()  # buffered: no per-step file I/O
-    logger.flush()
-    rows = [json.loads(line) for line in logger.metrics_path.read_text().splitlines()]
-    assert list(rows[0]) == list(rl.METRIC_FIELDS)
+    rows = [json.loads(line) for line in logger.metrics_path.read_text().splitlines()]  # no close: already there
+    assert list(rows[0]) == list(record.STEP_FIELDS)
 
 
 def test_missing_field_is_an_error(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True)
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
     row = _row(1)
     del row["pad_eff"]
     with pytest.raises(KeyError, match="pad_eff"):
@@ -34,7 +33,7 @@ def test_missing_field_is_an_error(tmp_path):
 
 
 def test_non_finite_values_become_null(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True)
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
     logger.log_step(_row(1, loss=math.nan, grad_norm=math.inf))
     logger.close()
     row = json.loads(logger.metrics_path.read_text())
@@ -42,36 +41,72 @@ def test_non_finite_values_become_null(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    logger = rl.RunLogger(tmp_path / "r1", is_main=False)
+    logger = rl.RunLogger(tmp_path / "r1", is_main=False, resume_step=None)
     logger.log_step(_row(1))
     logger.write_summary({"status": "finished"})
     logger.close()
     assert not (tmp_path / "r1").exists()
 
 
-def test_truncate_after_resume_point(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True)
+def test_resume_keeps_rows_through_the_checkpoint_step_and_skips_bad_lines(tmp_path, caplog):
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
     for step in range(1, 6):
         logger.log_step(_row(step))
     logger.log_probes([{"step": s, "band": 0, "band_lo": 0, "band_hi": 96, "loss": 1.0, "acc": 0.5, "tokens": 3}
                        for s in (0, 5)])
     logger.close()
     with open(logger.metrics_path, "a") as handle:
-        handle.write('{"step": 6, "lo')  # a line torn by a kill
-    logger.truncate_after(3)
-    steps = [json.loads(line)["step"] for line in logger.metrics_path.read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    assert [json.loads(line)["step"] for line in logger.probes_path.read_text().splitlines()] == [0]
+        handle.write('123\n{"step": "abc"}\n{"step": 1e308}\n{"step": 6, "lo')  # junk and a line torn by a kill
+    with caplog.at_level("INFO", logger="dflash_lab"):
+        resumed = rl.RunLogger(tmp_path, is_main=True, resume_step=3)
+    assert [json.loads(line)["step"] for line in resumed.metrics_path.read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in resumed.probes_path.read_text().splitlines()] == [0]
+    assert [r["step"] for r in resumed.history] == [1, 2, 3] and resumed.probed_steps == {0}
+    assert "skipped 4 unusable line(s)" in caplog.text
 
 
-def test_summary_orders_contract_fields_and_checks_status(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True)
-    logger.write_summary({"status": "finished", "tau": 1.5, "extra": 1, "final_loss": math.nan})
-    data = json.loads(logger.summary_path.read_text())
-    assert list(data)[: len(rl.SUMMARY_FIELDS)] == list(rl.SUMMARY_FIELDS)
-    assert data["tau"] == 1.5 and data["final_loss"] is None and data["extra"] == 1
+def test_fresh_start_keeps_no_rows_of_an_earlier_attempt(tmp_path):
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
+    logger.log_step(_row(1))
+    again = rl.RunLogger(tmp_path, is_main=True, resume_step=None)  # e.g. killed before its first checkpoint
+    assert again.metrics_path.read_text() == "" and again.history == []
+
+
+def _stats(**over):
+    values = {name: 1.0 for name in record.STEP_STAT_RULES}
+    values.update(over)
+    return record.StepStats(**values)
+
+
+def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
+    plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
+    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, bucket=0, step_time_s=0.1,
+                            compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
+    totals = record.RunTotals(compute_time_s=0.3, loop_time_s=0.6, segments=2)
+    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 1}
+    summary = record.build_summary(rows, plan, totals, identity=identity, status="finished")
+    assert list(summary)[: len(record.SUMMARY_FIELDS)] == list(record.SUMMARY_FIELDS)
+    assert summary["steps"] == 6 and summary["steps_per_epoch"] == [3, 3] and summary["segments"] == 2
+    assert summary["overhead_frac"] == pytest.approx(0.5) and summary["full_run_eta_s"] == pytest.approx(0.6)
     with pytest.raises(ValueError, match="status"):
-        logger.write_summary({"status": "done"})
+        record.build_summary(rows, plan, totals, identity=identity, status="done")
+
+
+def test_step_stats_reduce_by_their_rules():
+    import numpy as np
+
+    names = list(record.STEP_STAT_RULES)
+    per_rank = np.array([[float(i + 1)] * len(names) for i in range(3)])
+    stats = record.reduce_step_stats(per_rank)
+    assert stats.real_tokens == 6.0 and stats.max_len == 3.0 and stats.grad_norm == 1.0
+    assert stats.stop_requested == 3.0 and stats.loss == pytest.approx(1.0)
+
+
+def test_write_summary_is_atomic_json_with_nulls(tmp_path):
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
+    logger.write_summary({"status": "finished", "tau": 1.5, "final_loss": math.nan})
+    data = json.loads(logger.summary_path.read_text())
+    assert data["tau"] == 1.5 and data["final_loss"] is None and not list(tmp_path.glob("*.tmp"))
 
 
 def test_run_id_persists(tmp_path):
@@ -86,7 +121,8 @@ WANDB_SETTINGS = {"kind": "wandb", "mode": "offline", "project": "dflash_lab_tes
 
 
 def test_wandb_offline_writes_files_and_same_metric_names(tmp_path):
-    logger = rl.RunLogger(tmp_path, is_main=True, wandb_settings=WANDB_SETTINGS, config={"seed": 0}, run_id="unit01")
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None, wandb_settings=WANDB_SETTINGS, config={"seed": 0},
+                          run_id="unit01")
     assert logger.wandb is not None and logger.wandb.active, "W&B offline init failed"
     logger.log_step(_row(1))
     logger.write_summary({"status": "finished"})
@@ -106,7 +142,8 @@ def test_broken_wandb_init_warns_once_and_keeps_local_files(tmp_path, monkeypatc
 
     monkeypatch.setattr(wandb, "init", boom)
     with pytest.warns(RuntimeWarning, match="W&B init failed"):
-        logger = rl.RunLogger(tmp_path, is_main=True, wandb_settings=WANDB_SETTINGS, config={}, run_id="x")
+        logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None, wandb_settings=WANDB_SETTINGS, config={},
+                              run_id="x")
     logger.log_step(_row(1))
     logger.close()
     assert len(logger.metrics_path.read_text().splitlines()) == 1
@@ -121,9 +158,9 @@ def test_broken_wandb_log_disables_wandb(tmp_path):
             self.calls += 1
             raise OSError("disk full")
 
-    logger = rl.RunLogger(tmp_path, is_main=True)
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
     sink = rl.WandbSink.__new__(rl.WandbSink)
-    sink.log, sink.failed, sink.run_id, sink.run = logger.log, False, "x", FailingRun()
+    sink.log, sink.failed, sink.run = logger.log, False, FailingRun()
     failing = sink.run
     logger.wandb = sink
     with pytest.warns(RuntimeWarning, match="W&B log failed"):

@@ -144,11 +144,16 @@ def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int = 64,
 
 @torch.no_grad()
 def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int = 64,
-                       stop_token_ids: list[int] | None = None, block_size: int | None = None) -> dict:
+                       stop_token_ids: list[int] | None = None, block_size: int | None = None,
+                       should_stop=None) -> dict:
     """Real acceptance length tau over held-out prompts.
 
+    Args:
+        should_stop: optional ``() -> bool`` polled before each prompt (a preemption request): when it turns
+            True the measurement ends early and reports the prompts done so far (``complete`` False).
+
     Returns:
-        {"tau", "verify_steps", "new_tokens", "prompts"}; tau is NaN when no verify step ran.
+        {"tau", "verify_steps", "new_tokens", "prompts", "complete"}; tau is NaN when no verify step ran.
 
     Example:
         >>> res = measure_acceptance(model, heldout_prompts(heldout, 8), max_new_tokens=32)   # doctest: +SKIP
@@ -157,12 +162,16 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
     model.draft.eval()
     accepted: list[int] = []
     new_tokens = 0
+    done = 0
     try:
         for prompt in prompts:
+            if should_stop is not None and should_stop():
+                break
+            done += 1
             tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
             accepted.extend(steps)
             new_tokens += len(tokens)
     finally:
         model.draft.train(was_training)
     return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
-            "prompts": len(prompts)}
+            "prompts": done, "complete": done == len(prompts)}

@@ -1,0 +1,419 @@
+"""The run record: one home for what a training run writes and how each fact in it is computed.
+
+Everything that reads or writes a run directory imports its names from here: the trainer, the run logger, the
+probes, the planner's cost fit and the analysis. Nothing here touches a Hydra config.
+
+Run directory (names below are the only spelling of each file):
+
+    metrics.jsonl           one row per optimizer step: STEP_FIELDS
+    probes.jsonl            one row per (probe evaluation, length band): PROBE_FIELDS
+    presentations.parquet   one row per presentation of a training example: PRESENTATION_COLUMNS
+    summary.json            final (or current) figures: SUMMARY_FIELDS first, then details
+    .hydra/config.yaml      the resolved config (written by Hydra)
+    checkpoints/            step_<N>.pt files and the `last.json` pointer (dflash_lab.checkpoint)
+    train_rank<r>.log       one text log per rank
+    wandb_run_id.txt        the W&B run id a continuation reuses
+
+Step numbering (one rule for every file): a row carries ``step`` = the number of optimizer updates that had been
+completed when the work it describes was finished. The metrics row of the s-th update has ``step = s`` (1, 2, ...);
+the presentations scored in that update's forward pass (before the update is applied) carry the same ``s``; a
+probe evaluation made after s updates carries ``s`` (0 = before training). A checkpoint taken after S updates
+therefore covers exactly the rows with ``step <= S`` in every append-only file, and resuming from it keeps those
+rows and nothing else (:func:`rows_through`).
+
+Per-step statistics (:class:`StepStats`): named fields, one reduction rule each (sum over ranks, max over ranks,
+or rank 0's value), gathered in ONE host sync per step. Token counts come from the single definitions in
+``dflash_lab.metrics.throughput`` (real, padded and attention tokens per layout).
+
+Example:
+    >>> rows = [{"step": 1}, {"step": 2}, {"step": 3}]
+    >>> [r["step"] for r in rows_through(rows, 2)]
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_lab.metrics import throughput
+
+# ------------------------------------------------------------------------------------------------ file names
+METRICS_FILE = "metrics.jsonl"
+PROBES_FILE = "probes.jsonl"
+PRESENTATIONS_FILE = "presentations.parquet"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = ".hydra/config.yaml"
+OVERRIDES_FILE = ".hydra/overrides.yaml"
+CHECKPOINT_DIR = "checkpoints"
+WANDB_ID_FILE = "wandb_run_id.txt"
+WANDB_DIR = "wandb"
+RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE)
+"""The files analysis reads (and that are attached to the W&B run at the end)."""
+
+
+def rank_log_name(rank: int) -> str:
+    """``train_rank<r>.log``: the text log of one rank."""
+    return f"train_rank{int(rank)}.log"
+
+
+# --------------------------------------------------------------------------------------------------- columns
+STEP_FIELDS = (
+    "step",           # optimizer updates completed (1-based: this row's update)
+    "epoch",          # epoch the step's batches came from
+    "loss",           # sum(w CE) / sum(w) over all ranks and micro-batches (None when non-finite)
+    "acc",            # argmax-correct share of supervised block slots
+    "lr",             # learning rate used by this update
+    "grad_norm",      # global gradient norm before clipping
+    "real_tokens",    # real (non-pad) tokens, all ranks
+    "padded_tokens",  # padded tokens, all ranks (packed rows: their used length)
+    "attn_tokens",    # attention cost, all ranks: rows x longest^2 padded, sum of squared documents packed
+    "pad_eff",        # real / padded
+    "batch_size",     # documents, all ranks
+    "max_len",        # longest document of the step
+    "mean_len",       # mean document length of the step
+    "bucket",         # bucket of rank 0's batch by its longest document (-1: policy without buckets)
+    "step_time_s",    # wall time of the step, loading and bookkeeping included
+    "compute_time_s", # forward, backward, sync and optimizer time of the step
+    "ktok_s",         # real tokens / step time / 1000
+    "eta_s",          # remaining steps x EMA(step time)
+)
+PROBE_FIELDS = ("step", "band", "band_lo", "band_hi", "loss", "acc", "tokens")
+PRESENTATION_COLUMNS = ("sample_index", "epoch", "step", "length", "band", "acc")
+SUMMARY_FIELDS = (
+    "sampler", "seed", "steps", "epochs", "ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "final_loss",
+    "final_acc", "tau", "tau_baseline", "overhead_frac", "world_size", "status",
+)
+STATUSES = ("running", "finished", "failed", "preempted")
+
+
+# ------------------------------------------------------------------------------------------------ JSON rows
+def json_safe(value: Any) -> Any:
+    """A value strict JSON can hold: non-finite floats become null, numpy/torch scalars become Python numbers.
+
+    Example:
+        >>> json_safe(float("nan")), json_safe(np.float32(0.5))
+        (None, 0.5)
+    """
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def valid_step(value: Any) -> bool:
+    """True for a usable step number: a non-negative integer (an integral float from JSON counts), nothing else.
+
+    Example:
+        >>> [valid_step(v) for v in (3, 3.0, -1, "3", 1e308, True, None)]
+        [True, True, False, False, False, False, False]
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    number = float(value)
+    return math.isfinite(number) and number >= 0 and number == math.floor(number) and number < 2**53
+
+
+def read_jsonl(path: Path | str, *, key: str = "step") -> tuple[list[dict[str, Any]], int]:
+    """Rows of a run's JSON-lines file and the count of lines skipped as unusable.
+
+    A line is skipped (and counted) when it is not JSON (a line torn by a kill), not an object (``123``), or its
+    ``key`` is not a valid step number (``"abc"``, ``1e308``, negative). Missing file: ``([], 0)``.
+
+    Example:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "m.jsonl"
+        >>> _ = file.write_text('{"step": 1}\\n123\\n{"step": "abc"}\\n{"step": 2')
+        >>> read_jsonl(file)
+        ([{'step': 1}], 3)
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [], 0
+    rows, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if not isinstance(row, dict) or not valid_step(row.get(key)):
+                bad += 1
+                continue
+            rows.append(row)
+    return rows, bad
+
+
+def rows_through(rows: Iterable[Mapping[str, Any]], last_step: int | None) -> list[Mapping[str, Any]]:
+    """The one resume rule: keep rows with ``step <= last_step``; ``None`` (a fresh start) keeps nothing."""
+    if last_step is None:
+        return []
+    return [row for row in rows if row["step"] <= last_step]
+
+
+# ------------------------------------------------------------------------------------------------ step stats
+_SUM, _MAX, _FIRST = "sum", "max", "first"
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Everything one optimizer step reports, reduced over ranks (each field names its rule).
+
+    Built by :func:`gather_step_stats` from every rank's local values in one host sync.
+    """
+
+    ce_sum: float          # sum: weighted cross-entropy sum
+    weight_sum: float      # sum: slot weights (the loss normaliser)
+    correct: float         # sum: argmax-correct supervised slots
+    count: float           # sum: supervised slots
+    real_tokens: float     # sum
+    padded_tokens: float   # sum
+    attn_tokens: float     # sum
+    documents: float       # sum
+    max_len: float         # max
+    grad_norm: float       # first: the clipped-gradient norm is the same on every rank after DDP's all-reduce
+    stop_requested: float  # max: any rank asked for a checkpoint (preemption signal)
+
+    @property
+    def loss(self) -> float:
+        return self.ce_sum / self.weight_sum if self.weight_sum > 0 else math.nan
+
+    @property
+    def acc(self) -> float:
+        return self.correct / self.count if self.count > 0 else math.nan
+
+    @property
+    def finite(self) -> bool:
+        """The update may be applied: finite loss and gradient norm, and something was supervised."""
+        return math.isfinite(self.ce_sum) and math.isfinite(self.grad_norm) and self.weight_sum > 0
+
+
+STEP_STAT_RULES = {
+    f.name: (_MAX if f.name in ("max_len", "stop_requested") else _FIRST if f.name == "grad_norm" else _SUM)
+    for f in fields(StepStats)
+}
+
+
+def local_batch_stats(doc_lengths: Sequence[np.ndarray], *, packed: bool) -> dict[str, float]:
+    """Host-side token statistics of one rank's micro-batches (effective document lengths per micro-batch).
+
+    Example:
+        >>> stats = local_batch_stats([np.array([3, 5]), np.array([4])], packed=False)
+        >>> stats["real_tokens"], stats["padded_tokens"], stats["attn_tokens"], stats["max_len"]
+        (12.0, 14.0, 66.0, 5.0)
+    """
+    real = padded = attention = 0
+    for lengths in doc_lengths:
+        r, p, a = throughput.token_counts(lengths, packed=packed)
+        real, padded, attention = real + r, padded + p, attention + a
+    every = np.concatenate([np.asarray(x, dtype=np.int64) for x in doc_lengths]) if doc_lengths else np.zeros(0)
+    return {
+        "real_tokens": float(real),
+        "padded_tokens": float(padded),
+        "attn_tokens": float(attention),
+        "documents": float(every.size),
+        "max_len": float(every.max()) if every.size else 0.0,
+    }
+
+
+def reduce_step_stats(per_rank: np.ndarray) -> StepStats:
+    """Apply each field's rule to a [world_size, n_fields] array (field order = StepStats fields).
+
+    Example:
+        >>> names = [f.name for f in fields(StepStats)]
+        >>> a = np.array([[1.0] * len(names), [2.0] * len(names)])
+        >>> s = reduce_step_stats(a)
+        >>> s.real_tokens, s.max_len, s.grad_norm
+        (3.0, 2.0, 1.0)
+    """
+    values = {}
+    for column, (name, rule) in enumerate(STEP_STAT_RULES.items()):
+        series = per_rank[:, column]
+        values[name] = float(series.sum() if rule == _SUM else series.max() if rule == _MAX else series[0])
+    return StepStats(**values)
+
+
+def gather_step_stats(local: Mapping[str, Any], all_gather_rows, device) -> StepStats:
+    """One host sync per step: every rank's named statistics stacked, gathered and reduced.
+
+    Args:
+        local: this rank's value for every StepStats field; device tensors (no sync yet) or host numbers.
+        all_gather_rows: ``dist.all_gather_rows`` (a [1, n] stack for one process).
+        device: where to build the vector (the device of the model's outputs).
+
+    Returns:
+        The reduced StepStats (plain floats).
+    """
+    import torch
+
+    missing = set(STEP_STAT_RULES) - set(local)
+    if missing:
+        raise KeyError(f"step statistics lack {sorted(missing)}")
+    parts = [torch.as_tensor(local[name], dtype=torch.float64, device=device).reshape(()) for name in STEP_STAT_RULES]
+    gathered = all_gather_rows(torch.stack(parts))
+    return reduce_step_stats(gathered.cpu().numpy())  # <- the CPU-GPU sync point of the step
+
+
+def step_row(
+    *, step: int, epoch: int, stats: StepStats, lr: float, bucket: int, step_time_s: float, compute_time_s: float,
+    eta_s: float,
+) -> dict[str, Any]:
+    """The metrics.jsonl row of one step, exactly STEP_FIELDS in order.
+
+    Example:
+        >>> names = [f.name for f in fields(StepStats)]
+        >>> s = StepStats(**{n: 1.0 for n in names})
+        >>> row = step_row(step=1, epoch=0, stats=s, lr=1e-3, bucket=2, step_time_s=0.5, compute_time_s=0.4,
+        ...                eta_s=10.0)
+        >>> tuple(row) == STEP_FIELDS, row["ktok_s"]
+        (True, 0.002)
+    """
+    row = {
+        "step": int(step),
+        "epoch": int(epoch),
+        "loss": stats.loss,
+        "acc": stats.acc,
+        "lr": float(lr),
+        "grad_norm": stats.grad_norm,
+        "real_tokens": int(stats.real_tokens),
+        "padded_tokens": int(stats.padded_tokens),
+        "attn_tokens": int(stats.attn_tokens),
+        "pad_eff": throughput.padding_efficiency(stats.real_tokens, stats.padded_tokens),
+        "batch_size": int(stats.documents),
+        "max_len": int(stats.max_len),
+        "mean_len": stats.real_tokens / max(stats.documents, 1.0),
+        "bucket": int(bucket),
+        "step_time_s": float(step_time_s),
+        "compute_time_s": float(compute_time_s),
+        "ktok_s": throughput.ktok_per_s(stats.real_tokens, step_time_s),
+        "eta_s": float(eta_s),
+    }
+    return {name: json_safe(row[name]) for name in STEP_FIELDS}
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+@dataclass
+class RunTotals:
+    """Cumulative bookkeeping of a run across all its segments (saved in every checkpoint, restored on resume)."""
+
+    compute_time_s: float = 0.0   # forward/backward/optimizer time of completed steps
+    loop_time_s: float = 0.0      # wall time of the training loops (compute + overhead)
+    probe_time_s: float = 0.0     # probe evaluations (part of the overhead)
+    skipped_steps: int = 0        # updates skipped (non-finite or nothing supervised)
+    segments: int = 0             # how many times the run was started or continued
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None) -> RunTotals:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (state or {}).items() if k in known})
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What the trainer knows exactly from the policy's plan (never guessed from logs).
+
+    Attributes:
+        steps_per_epoch: optimizer steps of each configured epoch.
+        batches_per_epoch: batches one rank consumes in each epoch (steps x grad_accum, the last step may be short).
+        end_step: the step this run stops at (all epochs, or trainer.max_steps).
+        dropped_overlong, truncated: samples the overlong rule removed / cut (once, for the dataset).
+        repeated_remainder, dropped_remainder: samples repeated / dropped by the DDP remainder rule, summed over
+            the configured epochs.
+    """
+
+    steps_per_epoch: tuple[int, ...]
+    batches_per_epoch: tuple[int, ...]
+    end_step: int
+    dropped_overlong: int = 0
+    truncated: int = 0
+    repeated_remainder: int = 0
+    dropped_remainder: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return int(sum(self.steps_per_epoch))
+
+
+def last_finite(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+    """The last finite value of ``key`` in rows (NaN when there is none): "final loss" of a run.
+
+    Example:
+        >>> last_finite([{"loss": 2.0}, {"loss": None}], "loss")
+        2.0
+    """
+    for row in reversed(rows):
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return math.nan
+
+
+def build_summary(
+    history: Sequence[Mapping[str, Any]], plan: PlanFacts, totals: RunTotals, *, identity: Mapping[str, Any],
+    status: str, steady_warmup_steps: int = 10, extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """summary.json from the whole metrics history (every segment), the plan facts and the run totals.
+
+    Args:
+        history: metrics.jsonl rows of the whole run, step order.
+        plan: exact plan facts (steps per epoch, end step, sample counts).
+        totals: cumulative times and counts over all segments.
+        identity: sampler, seed, epochs, world_size.
+        status: one of STATUSES.
+        steady_warmup_steps: steps left out of the steady-state Ktok/s and step time.
+        extra: more fields (tau, tau_baseline, error, timings of this segment, data_skipped ...).
+
+    Returns:
+        SUMMARY_FIELDS first, then the details.
+    """
+    if status not in STATUSES:
+        raise ValueError(f"summary status {status!r} is not one of {STATUSES}")
+    steps = int(history[-1]["step"]) if history else 0
+    step_times = np.asarray([r["step_time_s"] for r in history], dtype=np.float64)
+    steady = step_times[steady_warmup_steps:] if step_times.size > steady_warmup_steps else step_times
+    step_time = float(np.median(steady)) if steady.size else math.nan
+    mean_steps_per_epoch = plan.total_steps / max(len(plan.steps_per_epoch), 1)
+    summary = {
+        **identity,
+        "steps": steps,
+        "ktok_s": throughput.steady_state_ktok_s([r["ktok_s"] for r in history], steady_warmup_steps),
+        "pad_eff": throughput.padding_efficiency([r["real_tokens"] for r in history],
+                                                 [r["padded_tokens"] for r in history]),
+        "eta_s": throughput.eta_seconds(plan.end_step - steps, step_time),
+        "full_run_eta_s": throughput.full_run_eta_seconds(len(plan.steps_per_epoch), mean_steps_per_epoch, step_time),
+        "final_loss": last_finite(history, "loss"),
+        "final_acc": last_finite(history, "acc"),
+        "tau": math.nan,
+        "tau_baseline": math.nan,
+        "overhead_frac": throughput.overhead_fraction(totals.compute_time_s, totals.loop_time_s),
+        "status": status,
+        "total_steps": plan.total_steps,
+        "end_step": plan.end_step,
+        "steps_per_epoch": list(plan.steps_per_epoch),
+        "step_time_s": step_time,
+        "tokens_seen": int(sum(r["real_tokens"] for r in history)),
+        "wall_time_s": totals.loop_time_s,
+        "compute_time_s": totals.compute_time_s,
+        "probe_time_s": totals.probe_time_s,
+        "skipped_steps": totals.skipped_steps,
+        "segments": totals.segments,
+        "samples": {"dropped_overlong": plan.dropped_overlong, "truncated": plan.truncated,
+                    "repeated_remainder": plan.repeated_remainder, "dropped_remainder": plan.dropped_remainder},
+    }
+    summary.update(extra or {})
+    ordered = {name: summary.get(name) for name in SUMMARY_FIELDS}
+    ordered.update({k: v for k, v in summary.items() if k not in ordered})
+    return ordered
