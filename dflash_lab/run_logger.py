@@ -10,6 +10,11 @@ probes.jsonl (keep rows with ``step <=`` the checkpoint's step; a fresh start ke
 with a count in the log. After that every row is appended and flushed as it is produced (a kill loses nothing
 that a later resume would keep), so no step ever appears twice.
 
+W&B names (what a sweep's runs look like side by side): per-step values as ``train/<field>`` with ``step`` and a
+cumulative ``tokens_seen`` as axes, probe values as ``probe/<lo>-<hi>/<loss|acc>`` (the band's length range), the
+final figures as ``final/<field>`` summary keys; the run config carries the resolved boundaries and bucket count
+as scalars under ``resolved``. Run name, group and tags are set by the trainer's Hydra entry point.
+
 W&B never stops training: :class:`WandbSink` catches every exception from ``wandb.init``/``log``/``finish``, warns
 once, and from then on the run continues with local files only. The run id lives in ``wandb_run_id.txt`` (and in
 checkpoints) so a continuation reuses it (``resume="allow"``).
@@ -128,7 +133,9 @@ class WandbSink:
             )
             # metrics are indexed by our own "step" field, so a resumed run may re-log a step
             self.run.define_metric("step")
-            self.run.define_metric("*", step_metric="step")
+            self.run.define_metric("tokens_seen")
+            self.run.define_metric("train/*", step_metric="step")
+            self.run.define_metric("probe/*", step_metric="step")
         except Exception as exc:  # noqa: BLE001 - any W&B problem must leave training running
             self._fail("init", exc)
 
@@ -207,6 +214,7 @@ class RunLogger:
         self.log = log or logging.getLogger(LOGGER_NAME)
         self.history: list[dict[str, Any]] = []
         self.probed_steps: set[int] = set()
+        self.tokens_seen = 0
         self.wandb: WandbSink | None = None
         if not is_main:
             return
@@ -214,6 +222,7 @@ class RunLogger:
         self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
         probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
         self.probed_steps = {int(row["step"]) for row in probes}
+        self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
         if removed + removed_probes:
             self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
                           f"{resume_step} (they are run again)")
@@ -251,30 +260,33 @@ class RunLogger:
         clean = {name: json_safe(row[name]) for name in STEP_FIELDS}
         self._append(self.metrics_path, [clean])
         self.history.append(clean)
+        self.tokens_seen += int(clean["real_tokens"] or 0)
         if self.wandb is not None:
-            self.wandb.log_row(clean)
+            self.wandb.log_row({"step": clean["step"], "tokens_seen": self.tokens_seen,
+                                **{f"train/{k}": v for k, v in clean.items() if k != "step"}})
 
     def log_probes(self, rows: list[dict[str, Any]]) -> None:
-        """Append probes.jsonl rows of one evaluation; W&B gets ``probe/<band>/loss`` and ``probe/<band>/acc``."""
+        """Append probes.jsonl rows of one evaluation; W&B gets ``probe/<lo>-<hi>/loss`` and ``.../acc``."""
         if not self.is_main or not rows:
             return
         clean = [{name: json_safe(row[name]) for name in PROBE_FIELDS} for row in rows]
         self._append(self.probes_path, clean)
         self.probed_steps.add(int(clean[0]["step"]))
         if self.wandb is not None:
-            flat: dict[str, Any] = {"step": clean[0]["step"]}
+            flat: dict[str, Any] = {"step": clean[0]["step"], "tokens_seen": self.tokens_seen}
             for row in clean:
-                flat[f"probe/{row['band']}/loss"] = row["loss"]
-                flat[f"probe/{row['band']}/acc"] = row["acc"]
+                flat[f"probe/{row['band_lo']}-{row['band_hi']}/loss"] = row["loss"]
+                flat[f"probe/{row['band_lo']}-{row['band_hi']}/acc"] = row["acc"]
             self.wandb.log_row(flat)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write summary.json atomically and mirror it to the W&B run summary."""
+        """Write summary.json atomically and mirror it to the W&B run summary as ``final/<key>``."""
         if not self.is_main:
             return
         write_json_atomic(self.summary_path, summary)
         if self.wandb is not None:
-            self.wandb.update_summary({k: json_safe(v) for k, v in summary.items()})
+            self.wandb.update_summary({f"final/{k}": json_safe(v) for k, v in summary.items()
+                                       if not isinstance(v, (dict, list))})
 
     def close(self, exit_code: int = 0) -> None:
         """Attach the run files to W&B and finish it."""

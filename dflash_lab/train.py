@@ -42,7 +42,7 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from dflash_lab import checkpoint as ckpt
@@ -205,6 +205,19 @@ class TrainHooks:
     after_step: Callable[[dict[str, Any]], None] | None = None
 
 
+LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "group", "job_type", "name", "tags")}
+
+
+def logger_settings(values: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``logger`` section checked (kind none | wandb, known keys only); the W&B settings, or None."""
+    kind = as_choice("logger.kind", values.get("kind", "none"), list(LOGGER_KEYS))
+    refuse_unknown_keys("logger", values, LOGGER_KEYS[kind])
+    if kind == "wandb":
+        as_choice("logger.mode", values.get("mode", "offline"), ["offline", "online", "disabled"])
+        return dict(values)
+    return None
+
+
 def anchor_seed(seed: int, step: int, slot: int = 0) -> int:
     """Seed of the anchor generator for one batch of a step: resume redraws the same anchors.
 
@@ -301,6 +314,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     refuse_unknown_keys("top-level config", config, CONFIG_SECTIONS)
     trainer = TrainerSettings.from_dict(config.get("trainer") or {})
     probe_cfg = ProbeSettings.from_dict(config.get("probes") or {})
+    wandb_settings = logger_settings(config.get("logger") or {})
     seed = as_int("seed", config.get("seed", 0), minimum=0)
     resume = as_bool("resume", config.get("resume", False))
     run_dir = Path(config["run_dir"])
@@ -334,6 +348,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         collate_fn=Collator(pad_id=tokenizer.pad_token_id, packed=policy.packed, effective_lengths=policy.lengths),
     )
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
+    if plan.dropped_overlong or plan.truncated:
+        log.warning(f"sampler.overlong={config['sampler'].get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
+                    f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
 
     # ---- 3. optimizer, schedule, DDP ---------------------------------------------------------------------------
     params = list(model.trainable_parameters())
@@ -371,9 +388,14 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     totals.segments += 1
 
     run_id = load_or_create_run_id(run_dir, (state or {}).get("wandb_run_id")) if env.is_main else None
-    logger_cfg = dict(config.get("logger") or {})
+    if wandb_settings is not None:  # what a sweep's runs differ by, readable in W&B tables
+        k = len(policy.boundaries) - 1 if policy.boundaries else None
+        wandb_settings["tags"] = list(dict.fromkeys([*(wandb_settings.get("tags") or []), policy.name,
+                                                     *([f"K{k}"] if k else []), f"seed{seed}"]))
+        wandb_config = {**config, "resolved": {"boundaries": str(policy.boundaries), "num_buckets": k,
+                                               "steps_per_epoch": plan.steps_per_epoch[0], "end_step": plan.end_step}}
     run_logger = RunLogger(run_dir, is_main=env.is_main, resume_step=loaded_step, log=log, run_id=run_id,
-                           wandb_settings=logger_cfg if logger_cfg.get("kind") == "wandb" else None, config=config)
+                           wandb_settings=wandb_settings, config=wandb_config if wandb_settings else config)
     presentations = PresentationRecorder(run_dir / record.PRESENTATIONS_FILE, probe_cfg.bands)
     if env.is_main:
         dropped = presentations.resume(loaded_step)
@@ -612,9 +634,29 @@ def _mark_failed(cfg: DictConfig | Mapping, exc: BaseException) -> None:
         logging.getLogger("dflash_lab").exception("could not mark summary.json as failed")
 
 
+def name_wandb_run(cfg: DictConfig) -> None:
+    """W&B run name and group from Hydra's runtime: the run's overrides (what a sweep varies) and its launch.
+
+    name: ``logger.name`` if set, else the job's overrides (``sampler.boundaries=[...],seed=1``), else the policy
+    and seed; group: ``logger.group`` if set, else ``<experiment>/<launch directory>`` (one group per launch, so a
+    re-run sweep never merges into an older one).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if cfg.get("logger", {}).get("kind") != "wandb" or not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    launch = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else hydra_cfg.run.dir
+    with open_dict(cfg):
+        cfg.logger.name = cfg.logger.name or hydra_cfg.job.override_dirname or f"{cfg.sampler.name}_s{cfg.seed}"
+        cfg.logger.group = cfg.logger.group or f"{cfg.experiment}/{Path(launch).name}"
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """``python -m dflash_lab.train [overrides]``: run :func:`train`; exit 1 when the run failed."""
+    name_wandb_run(cfg)
     summary = train(cfg)
     if summary["status"] == "failed":
         raise SystemExit(FAILED_EXIT_CODE)

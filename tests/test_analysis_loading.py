@@ -50,7 +50,7 @@ def write_run(
             + 0.05 * rng.standard_normal(), "acc": min(0.9, step / steps), "lr": 6e-4, "grad_norm": 1.0,
             "real_tokens": 3000, "padded_tokens": 4000, "pad_eff": 0.75, "batch_size": 8,
             "max_len": int(mean_len * 1.3), "mean_len": mean_len, "bucket": int(rng.integers(0, 3)),
-            "sq_tokens": 10, "step_time_s": 0.1, "compute_time_s": 0.09, "ktok_s": 30.0 + rng.uniform(-1, 1),
+            "attn_tokens": 10, "step_time_s": 0.1, "compute_time_s": 0.09, "ktok_s": 30.0 + rng.uniform(-1, 1),
             "eta_s": 0.1 * (steps - step),
         }
         rows.append({k: v for k, v in row.items() if k not in drop_fields})
@@ -119,7 +119,7 @@ def test_crashed_run_is_included_marked_partial_with_figures_from_metrics(multir
     record = load_local_run(find_run_dirs(multirun)[3])
     assert record.status == "no_summary" and record.partial
     assert any("no summary.json" in m for m in record.messages)
-    assert any("skipped 1 unreadable line" in m for m in record.messages)
+    assert any("skipped 1 unusable line" in m for m in record.messages)
     assert record.sampler == "full_random" and record.seed == 1  # from .hydra/config.yaml
     row = compare_records([record]).runs.iloc[0]
     assert bool(row["partial"])
@@ -275,11 +275,12 @@ def test_wandb_api_errors_become_problems():
 
 def _real_run_with_offline_wandb(run_dir: Path, steps: int = 40) -> Path:
     """Write a run with the trainer's own RunLogger and W&B in offline mode (local files and W&B side by side)."""
-    from dflash_lab.run_logger import METRIC_FIELDS, RunLogger
+    from dflash_lab.record import STEP_FIELDS as METRIC_FIELDS
+    from dflash_lab.run_logger import RunLogger
 
     config = {"sampler": {"name": "bucketed"}, "seed": 5, "experiment": "offline_test"}
     logger = RunLogger(
-        run_dir, is_main=True, config=config, run_id="offl1234",
+        run_dir, is_main=True, resume_step=None, config=config, run_id="offl1234",
         wandb_settings={"mode": "offline", "project": "dflash_lab_test", "group": "offline_test",
                         "job_type": "bucketed", "name": "bucketed_s5"},
     )

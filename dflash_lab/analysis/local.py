@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from dflash_lab import record
 from dflash_lab.analysis.schema import (
     PRESENTATION_COLUMNS,
     PROBE_COLUMNS,
@@ -75,31 +76,38 @@ def find_run_dirs(path: Path | str) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> tuple[pd.DataFrame, int]:
-    """Rows of a JSON-lines file; lines that do not parse (a line cut by a crash) are skipped and counted.
+    """Rows of a run's JSON-lines file as a DataFrame, and the count of lines skipped as unusable.
+
+    The rule is the record's (``dflash_lab.record.read_jsonl``): a line that is not JSON, not an object, or whose
+    ``step`` is not a valid step number (``"abc"``, ``1e308``, negative) is skipped and counted.
 
     Example:
         >>> import tempfile
         >>> file = Path(tempfile.mkdtemp()) / "m.jsonl"
-        >>> _ = file.write_text('{"step": 1}\\n{"step": 2')
+        >>> _ = file.write_text('{"step": 1}\\n{"step": "abc"}\\n{"step": 2')
         >>> frame, bad = read_jsonl(file)
         >>> len(frame), bad
-        (1, 1)
+        (1, 2)
     """
-    rows, bad = [], 0
-    with open(path) as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad += 1
+    rows, bad = record.read_jsonl(path)
     return pd.DataFrame(rows), bad
+
+
+def _numeric_problems(frame: pd.DataFrame, label: str) -> str | None:
+    """Count values of numeric contract columns that are not numbers (they are treated as missing)."""
+    bad = {}
+    for column in frame.columns:
+        if column in ("sampler",) or frame[column].dtype != object:
+            continue
+        values = frame[column]
+        coerced = pd.to_numeric(values, errors="coerce")
+        count = int((coerced.isna() & values.notna()).sum())
+        if count:
+            bad[column] = count
+            frame[column] = coerced
+    if not bad:
+        return None
+    return f"{label}: non-numeric values treated as missing ({', '.join(f'{k}: {v}' for k, v in bad.items())})"
 
 
 def read_config(run_dir: Path) -> tuple[dict, str | None]:
@@ -164,7 +172,10 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     if metrics_path.is_file():
         frame, bad = read_jsonl(metrics_path)
         if bad:
-            messages.append(f"metrics.jsonl: skipped {bad} unreadable line(s)")
+            messages.append(f"metrics.jsonl: skipped {bad} unusable line(s)")
+        problem = _numeric_problems(frame, "metrics.jsonl")
+        if problem:
+            messages.append(problem)
         record.steps = _steps_table(frame, messages, "metrics.jsonl")
     else:
         messages.append("no metrics.jsonl: no per-step figures")
@@ -175,7 +186,10 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     if probes_path.is_file():
         frame, bad = read_jsonl(probes_path)
         if bad:
-            messages.append(f"probes.jsonl: skipped {bad} unreadable line(s)")
+            messages.append(f"probes.jsonl: skipped {bad} unusable line(s)")
+        problem = _numeric_problems(frame, "probes.jsonl")
+        if problem:
+            messages.append(problem)
         record.probes, missing = conform(frame, PROBE_COLUMNS)
         if missing and len(frame):
             messages.append(f"probes.jsonl lacks {', '.join(missing)}")

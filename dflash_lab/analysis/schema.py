@@ -1,7 +1,7 @@
 """The one schema every run source (local run directory, W&B run, offline W&B run) is loaded into.
 
 A loaded run is a `RunRecord`: identity and status, the resolved config, the final summary, and three long tables
-whose columns are the run-directory contract (docs/CONTRACTS.md, `dflash_lab.run_logger`):
+whose columns are the run-directory contract (`dflash_lab.record`):
 
     steps          one row per logged training step   STEP_COLUMNS    (metrics.jsonl)
     probes         one row per (eval, band)           PROBE_COLUMNS   (probes.jsonl)
@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_lab.run_logger import METRIC_FIELDS, PROBE_FIELDS, SUMMARY_FIELDS
+from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 
-STEP_COLUMNS: tuple[str, ...] = METRIC_FIELDS
+STEP_COLUMNS: tuple[str, ...] = STEP_FIELDS
 PROBE_COLUMNS: tuple[str, ...] = PROBE_FIELDS
-PRESENTATION_COLUMNS: tuple[str, ...] = ("sample_index", "epoch", "step", "length", "band", "acc")
 SUMMARY_KEYS: tuple[str, ...] = SUMMARY_FIELDS
 
 # Status of a run whose summary.json is missing: it crashed or is still running; figures come from metrics.jsonl.

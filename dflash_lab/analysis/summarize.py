@@ -47,10 +47,13 @@ def _column(steps: pd.DataFrame, name: str) -> np.ndarray | None:
     return None if np.all(np.isnan(values)) else values
 
 
-def _steps_per_epoch(steps: pd.DataFrame) -> int | None:
-    """Median number of training steps in the run's complete epochs (None if epochs are not logged)."""
-    epoch = _column(steps, "epoch")
-    step = _column(steps, "step")
+def _steps_per_epoch(record: RunRecord) -> int | None:
+    """Steps per epoch: exact from summary.json (the trainer knows its plan), else estimated from the logged epochs
+    (runs written before the trainer recorded it, or W&B runs without the summary field)."""
+    exact = record.summary.get("steps_per_epoch")
+    if isinstance(exact, list) and exact and all(isinstance(n, int) for n in exact):
+        return int(np.median(exact))
+    epoch, step = _column(record.steps, "epoch"), _column(record.steps, "step")
     if epoch is None or step is None:
         return None
     spans = pd.DataFrame({"epoch": epoch, "step": step}).dropna().groupby("epoch")["step"].agg(["min", "max"])
@@ -64,11 +67,6 @@ def _step_band_tokens(record: RunRecord, notes: list[str]) -> pd.DataFrame | Non
     """Real tokens per (training step, probe band): exact from presentations, else approximated from mean_len."""
     presentations = record.presentations
     if not presentations.empty and presentations[["step", "band", "length"]].notna().all().all():
-        # the trainer tags a presentation with the step count *before* its update (0-based) while metrics.jsonl
-        # and probes.jsonl use the count after it; align presentations to the metrics convention
-        first_metric_step = _column(record.steps, "step")
-        if presentations["step"].min() == 0 and first_metric_step is not None and np.nanmin(first_metric_step) >= 1:
-            presentations = presentations.assign(step=presentations["step"] + 1)
         return forgetting.step_band_tokens_from_presentations(presentations)
     probes = record.probes
     edges = probes[["band", "band_lo", "band_hi"]].dropna().drop_duplicates("band").sort_values("band")
@@ -170,7 +168,7 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD) 
         composition = composition if composition is not None else _column(steps, "max_len")
         cycle = forgetting.estimate_cycle_lag(
             np.log(np.maximum(composition, 1.0)) if composition is not None else np.array([]),
-            _steps_per_epoch(steps),
+            _steps_per_epoch(record),
         )
         stride = float(np.median(np.diff(step))) if step is not None and step.size > 1 else 1.0
         if cycle.source == "composition" and stride > 1:

@@ -1,6 +1,6 @@
 """W&B runs -> `RunRecord`: the online public API (`wandb.Api`) and offline run directories, one mapping for both.
 
-Mapping (what `dflash_lab.run_logger` sends to W&B):
+Mapping (what `dflash_lab.run_logger` sends to W&B, with the names of `dflash_lab.record`):
     run.config                         -> RunRecord.config (nested dict; W&B's {"value": ...} wrappers removed)
     run.summary                        -> RunRecord.summary (contract summary keys; "_"-prefixed keys dropped)
     history rows with "loss"           -> steps (metrics.jsonl field names; "step" else "_step")
@@ -27,9 +27,9 @@ import pandas as pd
 
 from dflash_lab.analysis.local import LoadReport, read_jsonl
 from dflash_lab.analysis.schema import PRESENTATION_COLUMNS, PROBE_COLUMNS, STEP_COLUMNS, RunRecord, conform
+from dflash_lab.record import RUN_FILES
 
 PROBE_KEY = re.compile(r"^probe/(?P<band>[^/]+)/(?P<field>loss|acc)$")
-RUN_FILES = ("metrics.jsonl", "probes.jsonl", "presentations.parquet", "summary.json")
 
 
 # ---------------------------------------------------------------------------------------------------- mapping
