@@ -204,7 +204,7 @@ def plan_table(
 
 def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """Inputs of the memory/FLOP columns from the plan config: the model's shape from its config alone (no
-    weights), ``precision``, ``activation_checkpointing``, ``world_size`` and ``gpu_mem_gb``. None (columns left
+    weights), ``precision``, ``activation_checkpointing``, ``attention``, ``world_size`` and ``gpu_mem_gb``. None (columns left
     out) when the model config gives no target shape (``model=hf`` without ``target_config`` or ``target_path``)."""
     from .model.footprint import Settings, StepModel
 
@@ -213,7 +213,7 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     settings = Settings(precision=str(cfg.get("precision", "bf16")),
                         activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                        world_size=int(cfg["world_size"]))
+                        attention=str(cfg.get("attention", "flex")), world_size=int(cfg["world_size"]))
     return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
             "gpu_mem_gb": float(cfg.get("gpu_mem_gb", 80))}
 
