@@ -325,7 +325,7 @@ def main(argv=None) -> None:
         DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
         train_model = DDP(model, device_ids=[env.local_rank] if on_gpu else None)
     model.train()
-    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4, fused=on_gpu)
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4)   # as training builds it
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
 
     def static_tensors():

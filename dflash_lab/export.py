@@ -58,7 +58,14 @@ def reference_state_dict(draft_state: Mapping[str, torch.Tensor], dtype: torch.d
 
 def reference_config(draft_cfg: DraftConfig, target_config: Any, *, block_size: int, mask_token_id: int,
                      dtype: str = "bfloat16") -> dict:
-    """config.json of the draft for the reference's ``DFlashDraftModel`` (module docstring)."""
+    """config.json of the draft for the reference's ``DFlashDraftModel`` (module docstring).
+
+    Example:
+        >>> from transformers import Qwen3Config
+        >>> draft = DraftConfig(64, 1, 4, 2, 16, 128, target_layer_ids=[2])
+        >>> reference_config(draft, Qwen3Config(hidden_size=64), block_size=16, mask_token_id=3)["dflash_config"]
+        {'mask_token_id': 3, 'target_layer_ids': [2]}
+    """
     from transformers import Qwen3Config
 
     target_hidden = draft_cfg.target_hidden_size or draft_cfg.hidden_size
@@ -100,7 +107,12 @@ def run_model_config(run_dir: Path, checkpoint: Mapping[str, Any]) -> dict:
 
 
 def run_mask_token_id(model_cfg: Mapping[str, Any], target_config: Any) -> int:
-    """The MASK id the run trained with (``dflash_lab.model.build``'s rule), from the tokenizer files alone."""
+    """The MASK id the run trained with (``dflash_lab.model.build``'s rule), from the tokenizer files alone.
+
+    Example:
+        >>> run_mask_token_id({"kind": "tiny"}, None)   # the byte tokenizer's <mask>
+        3
+    """
     from dflash_lab.data.tokenizer import ByteTokenizer
     from dflash_lab.model.build import resolve_mask_token_id
 

@@ -204,8 +204,14 @@ def plan_table(
 
 def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """Inputs of the memory/FLOP columns from the plan config: the model's shape from its config alone (no
-    weights), ``precision``, ``activation_checkpointing``, ``attention``, ``world_size`` and ``gpu_mem_gb``. None (columns left
-    out) when the model config gives no target shape (``model=hf`` without ``target_config`` or ``target_path``)."""
+    weights), ``precision``, ``activation_checkpointing``, ``attention``, ``world_size`` and ``gpu_mem_gb``.
+    None (columns left out) when the model config gives no target shape (``model=hf`` without ``target_config``
+    or ``target_path``).
+
+    Example:
+        >>> memory_inputs({"model": {"kind": "tiny"}, "world_size": 8})["settings"].world_size
+        8
+    """
     from .model.footprint import Settings, StepModel
 
     model_cfg = dict(cfg["model"])

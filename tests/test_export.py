@@ -80,8 +80,10 @@ class ReferenceDraft(nn.Module):
         for layer in self.layers:
             attn, h = layer.self_attn, layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(rows, q_len, -1, d)).transpose(1, 2)
-            k = attn.k_norm(torch.cat([attn.k_proj(context), attn.k_proj(h)], 1).view(rows, -1, attn.k_proj.out_features // d, d)).transpose(1, 2)
-            v = torch.cat([attn.v_proj(context), attn.v_proj(h)], 1).view(rows, -1, attn.v_proj.out_features // d, d).transpose(1, 2)
+            kv_heads = attn.k_proj.out_features // d
+            k = torch.cat([attn.k_proj(context), attn.k_proj(h)], 1).view(rows, -1, kv_heads, d)
+            k = attn.k_norm(k).transpose(1, 2)
+            v = torch.cat([attn.v_proj(context), attn.v_proj(h)], 1).view(rows, -1, kv_heads, d).transpose(1, 2)
             q = q * cos[:, None, -q_len:] + rotate_half(q) * sin[:, None, -q_len:]
             k = k * cos[:, None] + rotate_half(k) * sin[:, None]
             out = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)

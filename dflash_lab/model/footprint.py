@@ -25,6 +25,7 @@ shared float32 input), else 1.
               + R T n Ht c                                   features (saved by fc)
               + R T (Ht (f + c) + f)                         context norm
               + 2 R (Q + K) d c                              rotary tables
+              + 29 R Q + 25 R T                              block ids/positions/labels/weights; the batch
               + R [Q (2(f+c) + c + k c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
                    + k c K H + (f + c) K g d + f K g + attention] x L - R Q H f      saved, per draft layer
                 attention: flex 2 c K g d; dense 2 c K h d + c Q K
@@ -83,7 +84,13 @@ class TargetDims:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "TargetDims":
-        """From a ``transformers`` config object or a config.json dict."""
+        """From a ``transformers`` config object or a config.json dict.
+
+        Example:
+            >>> TargetDims.from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            ...                            "intermediate_size": 128, "vocab_size": 100}).head_dim
+            16
+        """
         get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
         heads = int(get("num_attention_heads"))
         return cls(hidden=int(get("hidden_size")), layers=int(get("num_hidden_layers")), heads=heads,
@@ -380,6 +387,13 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
         draft activation checkpointing), ``pred_tflop_per_step`` (mean model TFLOPs per rank and step) and
         ``fits``: ``yes`` (fits without checkpointing), ``ckpt`` (only with it) or ``no``, against
         ``USABLE_FRACTION x gpu_mem_gb`` GiB.
+
+    Example:
+        >>> from dflash_lab.sampling import build_policy
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> plan_footprint(build_policy("packed", np.full(64, 100), max_tokens=1024), m, Settings(),
+        ...                gpu_mem_gb=80)["fits"]
+        'yes'
     """
     plan = policy.global_plan(epoch)
     shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model)
@@ -394,7 +408,15 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
 
 def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel, settings: Settings, *,
                     seed: int, world_size: int, epoch: int = 0) -> float:
-    """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``."""
+    """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> peak = plan_peak_bytes(np.full(64, 100), {"name": "packed", "max_tokens": 1024}, m, Settings(), seed=0,
+        ...                        world_size=1)
+        >>> 0 < peak / GIB < 1
+        True
+    """
     from dflash_lab.sampling import policy_from_config
 
     policy = policy_from_config(dict(sampler_cfg), lengths, seed=seed, world_size=world_size, rank=0)
