@@ -6,7 +6,10 @@ efficiency, batches and steps per epoch, samples per batch, the diversity diagno
 predicted Ktok/s and ETA for the configured run (``epochs``, ``world_size``). It writes ``plan.csv``, ``plan.json``
 and ``plan.md`` to its output directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
 ``k_sweep.png``: padding efficiency against within-batch diversity, the trade-off the boundaries choose), and
-``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency.
+``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency. When the model config
+gives the target's shape (``model=tiny``, ``model=qwen3_8b``, or ``model.target_config=config.json``), each row also
+has the predicted peak GPU memory per rank with and without draft activation checkpointing, model TFLOPs per step,
+a ``fits`` verdict against ``gpu_mem_gb`` and the largest ``max_tokens`` that fits (``dflash_lab.model.footprint``).
 
 Cost model (explicit, per rank and step; a step lasts as long as its slowest rank):
 
