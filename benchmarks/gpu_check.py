@@ -1,6 +1,6 @@
 """GPU check of the training step, built from the training config: Ktok/s, MFU and peak memory per policy.
 
-    torchrun --nproc_per_node=gpu benchmarks/gpu_check.py          # every local GPU, Qwen3-8B shape (~3 min)
+    torchrun --nproc_per_node=gpu benchmarks/gpu_check.py          # every local GPU, Qwen3-8B shape
     python benchmarks/gpu_check.py --device cpu --shape tiny        # the same path on a CPU, tiny target
 
 What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
@@ -281,9 +281,8 @@ def run_policy(name, model, train_model, optimizer, autocast, env, device, args,
     total_real, total_padded = gathered[:, -3].sum(), gathered[:, -2].sum()
     measured = float(gathered[:, -4].max())
     loss = float(gathered[0, -1])
-    return {**out, "ktok_s": ktok_per_s(total_real, elapsed), "mfu": float(flops.sum()) / (elapsed * env.world_size
-                                                                                         * peak_flops),
-            "peak_mem_gb": measured / footprint.GIB, "step_time_s": elapsed / args.steps,
+    mfu = float(flops.sum()) / (elapsed * env.world_size * peak_flops)
+    return {**out, "ktok_s": ktok_per_s(total_real, elapsed), "mfu": mfu, "peak_mem_gb": measured / footprint.GIB, "step_time_s": elapsed / args.steps,
             "pad_eff": padding_efficiency(total_real, total_padded),
             "mem_ratio": pred[settings.activation_checkpointing] / measured,
             "tflop_per_step": float(flops.sum()) / args.steps / env.world_size / 1e12, "loss": loss,
