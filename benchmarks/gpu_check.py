@@ -1,107 +1,362 @@
-"""GPU check of the training path: bf16 DFlash steps on a real-size target with random weights, Ktok/s per policy.
+"""GPU check of the training step, built from the training config: Ktok/s, MFU and peak memory per policy.
 
-    python benchmarks/gpu_check.py                         # Qwen3-8B shape, 32,768-token budget, 12 steps/policy
-    python benchmarks/gpu_check.py --shape tiny --device cpu --steps 2 --budget 2048   # the same path on a CPU
+    torchrun --nproc_per_node=gpu benchmarks/gpu_check.py          # every local GPU, Qwen3-8B shape
+    python benchmarks/gpu_check.py --device cpu --shape tiny        # the same path on a CPU, tiny target
 
-For a machine with a GPU (not CI). Builds a Qwen3 target from a ``transformers.Qwen3Config`` with random weights
-(no download), wraps it with the project's DFlash draft (``dflash_lab.model.build.wrap_target``), draws batches
-from the project's policies over the seed-scale length distribution, and times forward + backward + AdamW under
-bf16 autocast. Prints one JSON line per policy (padding efficiency, step time, Ktok/s of real tokens, peak memory).
-The tokens are random: the check measures speed and memory of the real shapes, not learning.
+What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
+``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides), so the draft and objective
+are training's: 5 draft layers, block 16, the anchor rule of conf/model, the seed's bucket boundaries. The target
+is the model config's shape (``--shape tiny``: a small Qwen3 shape) with random weights: no download, speed
+and memory only. Documents: the seed workload (WORKLOADS.md; ``tiny``: lengths and boundaries divided by 32).
+Each step is training's: bf16 autocast on GPU (fp32 on CPU), DDP over the ranks with the frozen target left out,
+global loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight),
+gradient clipping and AdamW. Budget: ``--budget auto`` (GPU default) takes the largest ``max_tokens`` <= 32,768
+whose predicted peak fits every policy; a policy predicted not to fit is skipped unless ``--force``.
+
+Output: one JSON line ``setup`` (device, world size, peak FLOP/s and its source, attention path, budget), then one
+line per policy: ``policy, ktok_s, mfu, peak_mem_gb, pred_peak_mem_gb, step_time_s, pad_eff`` and
+``pred_peak_mem_gb_ckpt, mem_ratio, tflop_per_step, loss, finite, steps``.
+
+FLOPs used for MFU: ``dflash_lab.model.footprint.step_flops`` on each timed batch (model FLOPs, padding and
+recomputation excluded): target forward 2 P_layer per token + causal attention 4 h d l(l+1)/2 per document, over
+the layers up to the deepest one read; draft 3 x forward (forward + backward) with 2 P_layer per valid block token,
+k/v projections of the context, attention 4 h d per visible (query, key) pair; fc 2 x (forward + weight grad);
+LM head 2 x 2 H V per supervised slot (forward + input grad). MFU = sum over ranks of the timed steps' FLOPs /
+(timed seconds x world size x peak FLOP/s per device). Peak: the device's dense bf16 datasheet figure
+(H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s), else the measured matmul peak (``matmul_tflops``, always
+reported: bf16 8192^3 on GPU, fp32 1024^3 on CPU with the process's threads).
+
+Memory: GPU: ``torch.cuda.max_memory_allocated`` over each timed step, max over steps and ranks. CPU: the process
+re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64 KiB or more is its own mapping,
+returned to the system when freed, so resident memory follows live tensors); before each timed step it resets the
+kernel's peak-RSS mark (``/proc/self/clear_refs``), and peak = bytes of the tensors alive before the step (weights,
+optimizer state) + (peak RSS during the step - RSS before it). ``pred_peak_mem_gb`` is the footprint model's
+peak of the same batches, for the attention path the step actually runs (``dense`` while the draft builds a dense
+mask tensor, else ``flex``); ``mem_ratio`` = predicted / measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from dflash_lab.data import collate_packed, collate_padded
-from dflash_lab.data.lengths import reference_lengths
-from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency
-from dflash_lab.model.build import wrap_target
-from dflash_lab.sampling import build_policy
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-SHAPES = {
-    # Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 key-value heads of 128, MLP 12288, vocabulary 151,936.
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960),
-    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=192, vocab_size=264, max_position_embeddings=8192),
-}
+from dflash_lab import dist  # noqa: E402
+from dflash_lab.data import collate_packed, collate_padded  # noqa: E402
+from dflash_lab.data.lengths import reference_lengths  # noqa: E402
+from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency  # noqa: E402
+from dflash_lab.model import footprint  # noqa: E402
+from dflash_lab.model.build import target_config_only, wrap_target  # noqa: E402
+from dflash_lab.sampling import SEED_BOUNDARIES, policy_from_config  # noqa: E402
+
+POLICIES = ("sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed")
+# The only shape not read from conf/model: a Qwen3 small enough for a CPU, deep enough for 5 evenly spaced reads.
+TINY_TARGET = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 192, "vocab_size": 264,
+               "max_position_embeddings": 4096, "tie_word_embeddings": True}
+SHAPES = {"qwen3-8b": {"length_scale": 1, "budget": 32768, "granule": 1024},
+          "tiny": {"length_scale": 32, "budget": 4096, "granule": 64}}
+TINY_MEM_GB = 0.1   # CPU: budget the tiny step to ~100 MiB, large enough for RSS to track its tensors
+DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
-def main() -> None:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--budget", type=int, default=32768, help="padded tokens per step (packed: row length)")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per policy (after 2 warm-up steps)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--policies", default="bucketed,full_random,sorted_static,packed")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--model", default="qwen3_8b", help="conf/model/<name>.yaml (draft and objective settings)")
+    parser.add_argument("--budget", default="auto", help="tokens per rank and step, or auto (the largest that "
+                        "fits: <= 32768 on GPU; ~100 MiB for --shape tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default 6 GPU, 2 CPU)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--num-samples", type=int, default=20000, help="documents drawn from the seed workload")
+    parser.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per device for the predictions "
+                        "(default: the device's; 80 on CPU)")
+    parser.add_argument("--force", action="store_true", help="also run policies predicted not to fit")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training config, e.g. "
+                        "model.anchor_density=null")
+    args = parser.parse_args(argv)
+    unknown = [p for p in args.policies.split(",") if p not in POLICIES]
+    if unknown:
+        parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
+    return args
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
-    shape = SHAPES[args.shape]
+def compose_config(model: str, overrides: list[str]):
+    """The training config (conf/train.yaml) with ``model=<model>`` and the overrides, as Hydra composes it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[f"model={model}", *overrides])
+
+
+def sampler_config(policy: str, model: str, overrides: list[str], budget: int, length_scale: int) -> dict:
+    """conf/sampler/<policy>.yaml as training composes it, with the benchmark's budget and the seed boundaries."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(compose_config(model, [f"sampler={policy}", *overrides]).sampler, resolve=True)
+    cfg["max_tokens"] = int(budget)
+    cfg["overlong"] = "truncate"   # a budget below the longest document cuts it, as training's truncate option
+    if "boundaries" in cfg:
+        cfg["boundaries"] = sorted({int(round(b / length_scale)) for b in SEED_BOUNDARIES})
+    return cfg
+
+
+def build_benchmark_model(model_cfg: dict, shape: str, device: torch.device, on_gpu: bool):
+    """Random-weight target of the configured (or tiny) shape wrapped with the configured draft."""
+    from transformers import AutoModelForCausalLM
+
+    if shape == "tiny":
+        config = target_config_only("hf", target_config=TINY_TARGET)
+    else:
+        config = target_config_only(**model_cfg)
+    config._attn_implementation = model_cfg.get("attn_implementation") or "sdpa"
     torch.manual_seed(0)
-    config = Qwen3Config(**shape, attn_implementation="sdpa")
     with torch.device(device):
-        target = Qwen3ForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
+        target = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else torch.float32)
     target.eval()
-    model = wrap_target(target, mask_token_id=shape["vocab_size"] - 1, block_size=args.block_size)
-    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4, fused=on_gpu)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
-    generator = torch.Generator().manual_seed(0)
-    scale = 1 if args.shape != "tiny" else 8
-    lengths = reference_lengths("seed", 20000, seed=0, scale=scale)
-    lengths = np.minimum(lengths, args.budget)
-    print(json.dumps({"shape": args.shape, "device": str(device), "budget": args.budget,
-                      "target_params_b": sum(p.numel() for p in target.parameters()) / 1e9,
-                      "draft_params_m": sum(p.numel() for p in model.trainable_parameters()) / 1e6}))
+    mask_id = model_cfg.get("mask_token_id")
+    mask_id = config.vocab_size - 1 if mask_id is None else int(mask_id)  # a row past any tokenizer's vocabulary
+    keys = ("block_size", "loss_gamma", "anchors_per_doc", "anchor_density", "draft_layers", "target_layer_ids",
+            "draft_intermediate_size", "draft_init_std")
+    return wrap_target(target, mask_token_id=mask_id, draft_init_seed=0, **{k: model_cfg[k] for k in keys
+                                                                            if k in model_cfg})
+
+
+def attention_path(model, batch: dict) -> str:
+    """``dense`` when the draft's blocks carry a dense boolean mask tensor, else ``flex`` (block masks)."""
+    with torch.no_grad():
+        blocks, _ = model.block_hidden(batch, torch.Generator().manual_seed(0))
+    mask = getattr(blocks, "attn_mask", None)
+    return "dense" if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else "flex"
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """Measured dense matmul peak: bf16 8192^3 on GPU, fp32 1024^3 on CPU; best of several runs."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12
+
+
+def datasheet_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _proc_status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+class PeakMemory:
+    """Peak memory of one step: the CUDA allocator's peak on GPU; on CPU, live tensor bytes + the RSS growth."""
+
+    def __init__(self, device: torch.device, static_tensors):
+        self.device = device
+        self.static_tensors = static_tensors
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.static = sum(t.numel() * t.element_size() for t in self.static_tensors())
+            Path("/proc/self/clear_refs").write_text("5")   # resets VmHWM to the current RSS
+            self.rss_before = _proc_status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = self.static + 1024 * (_proc_status_kib("VmHWM") - self.rss_before)
+        return False
+
+
+def random_batch(indices: np.ndarray, lengths: np.ndarray, packed: bool, vocab: int, generator: torch.Generator):
+    samples = [{"input_ids": torch.randint(4, vocab - 1, (int(lengths[j]),), generator=generator),
+                "loss_mask": torch.ones(int(lengths[j]), dtype=torch.bool)} for j in indices]
+    collate = collate_packed if packed else collate_padded
+    return collate(samples, indices.tolist(), lengths[indices].tolist(), 0)
+
+
+def choose_budget(args, lengths, step_model, settings, gpu_mem_gb, world_size) -> int:
+    """Tokens per rank and step: ``--budget`` when a number, else the largest multiple of the shape's granule up
+    to its default whose predicted peak fits every policy: 90% of the GPU, or TINY_MEM_GB on a CPU."""
+    if args.budget not in (None, "auto"):
+        return int(args.budget)
+    shape = SHAPES[args.shape]
+    budget_gb = TINY_MEM_GB if args.shape == "tiny" else footprint.USABLE_FRACTION * gpu_mem_gb
+    best = shape["budget"]
     for name in args.policies.split(","):
-        params = {"boundaries": [0, 770, 1216, 1728, 2432, 3296, 8192] if scale == 1 else "cpu"} \
-            if name.startswith("bucketed") else {}
-        policy = build_policy(name, lengths, max_tokens=args.budget, seed=0, overlong="truncate", **params)
-        batches = policy.batches(0)[: args.steps + 2]
-        collate = collate_packed if policy.packed else collate_padded
-        times, real, padded = [], 0, 0
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        for i, idx in enumerate(batches):
-            samples = [
-                {"input_ids": torch.randint(0, shape["vocab_size"] - 1, (int(policy.lengths[j]),), generator=generator),
-                 "loss_mask": torch.ones(int(policy.lengths[j]), dtype=torch.bool)}
-                for j in idx
-            ]
-            batch = collate(samples, idx.tolist(), policy.lengths[idx].tolist(), 0)
-            batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-            if on_gpu:
-                torch.cuda.synchronize()
+        cfg = sampler_config(name, args.model, args.overrides, best, shape["length_scale"])
+        fit = footprint.largest_fitting_max_tokens(lengths, cfg, step_model, settings, budget_gb=budget_gb, seed=0,
+                                                   world_size=world_size, granularity=shape["granule"])
+        best = min(best, fit) if fit is not None else shape["granule"]
+    return best
+
+
+def run_policy(name, model, train_model, optimizer, autocast, env, device, args, budget, lengths, step_model,
+               settings, gpu_mem_gb, peak_flops, static_tensors) -> dict:
+    scale = SHAPES[args.shape]["length_scale"]
+    cfg = sampler_config(name, args.model, args.overrides, budget, scale)
+    policy = policy_from_config(cfg, lengths, seed=0, world_size=env.world_size, rank=env.rank)
+    plan = policy.global_plan(0)
+    total = args.warmup + args.steps
+    if plan.steps < total:
+        raise ValueError(f"{name}: the plan has {plan.steps} steps, fewer than --warmup + --steps = {total}; "
+                         f"raise --num-samples")
+    global_batches = plan.batches[: total * env.world_size]
+    shapes_all = footprint.batch_shapes(global_batches, policy.lengths, packed=policy.packed, model=step_model)
+    timed = slice(args.warmup * env.world_size, total * env.world_size)
+    pred = {ckpt: float(footprint.step_memory(step_model, {k: v[timed] for k, v in shapes_all.items()},
+                                              replace(settings, activation_checkpointing=ckpt))["peak"].max())
+            for ckpt in (False, True)}
+    out = {"policy": name, "pred_peak_mem_gb": pred[settings.activation_checkpointing] / footprint.GIB,
+           "pred_peak_mem_gb_ckpt": pred[True] / footprint.GIB}
+    if pred[settings.activation_checkpointing] > footprint.USABLE_FRACTION * gpu_mem_gb * footprint.GIB \
+            and not args.force:
+        return {**out, "skipped": f"predicted peak over {footprint.USABLE_FRACTION:.0%} of {gpu_mem_gb:g} GiB; "
+                                  f"lower --budget or pass --force"}
+    flops = footprint.step_flops(step_model, {k: v[timed] for k, v in shapes_all.items()})["total"]
+    generator = torch.Generator().manual_seed(1)
+    params = model.trainable_parameters()
+    times, peaks, real, padded = [], [], 0, 0
+    for step in range(total):
+        batch = random_batch(global_batches[step * env.world_size + env.rank], policy.lengths, policy.packed,
+                             step_model.target.vocab, generator)
+        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        anchors = torch.Generator().manual_seed(1000 * step + env.rank)
+        _sync(device)
+        with PeakMemory(device, static_tensors) as memory:
             start = time.perf_counter()
             with autocast:
-                out = model(batch, generator)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 1.0)
+                result = train_model(batch, anchors)
+            result.weighted_ce_sum.backward()
+            # Global loss normalisation, as training does: d(global CE sum / global weight) on every rank.
+            global_weight = dist.all_reduce_sum(result.weight_sum.detach().clone().double())
+            scale_grads = (env.world_size / global_weight.clamp_min(1e-12)).float()
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale_grads)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if on_gpu:
-                torch.cuda.synchronize()  # a sync point on purpose: the step time must include the GPU work
-            if i >= 2:  # the first steps warm up kernels and the allocator
-                times.append(time.perf_counter() - start)
-                real += int(batch["real_tokens"])
-                padded += int(batch["padded_tokens"])
-        print(json.dumps({
-            "policy": name, "steps": len(times), "pad_eff": padding_efficiency(real, padded),
-            "step_time_s": float(np.mean(times)), "ktok_s_per_gpu": ktok_per_s(real, float(np.sum(times))),
-            "loss": float(out.loss.detach()), "finite": bool(torch.isfinite(out.loss.detach())),
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-        }), flush=True)
+            _sync(device)   # a sync point on purpose: the step time must include the device's work
+            seconds = time.perf_counter() - start
+        if step >= args.warmup:
+            times.append(seconds)
+            peaks.append(memory.peak)
+            real += int(batch["real_tokens"])
+            padded += int(batch["padded_tokens"])
+    local = torch.tensor([*times, max(peaks), real, padded, float(result.loss.detach())], dtype=torch.float64,
+                         device=device)
+    gathered = dist.all_gather_rows(local).cpu().numpy()
+    step_times = gathered[:, : args.steps].max(axis=0)           # the slowest rank sets each step's time
+    elapsed = float(step_times.sum())
+    total_real, total_padded = gathered[:, -3].sum(), gathered[:, -2].sum()
+    measured = float(gathered[:, -4].max())
+    loss = float(gathered[0, -1])
+    mfu = float(flops.sum()) / (elapsed * env.world_size * peak_flops)
+    return {**out, "ktok_s": ktok_per_s(total_real, elapsed), "mfu": mfu, "peak_mem_gb": measured / footprint.GIB, "step_time_s": elapsed / args.steps,
+            "pad_eff": padding_efficiency(total_real, total_padded),
+            "mem_ratio": pred[settings.activation_checkpointing] / measured,
+            "tflop_per_step": float(flops.sum()) / args.steps / env.world_size / 1e12, "loss": loss,
+            "finite": bool(np.isfinite(loss)), "steps": args.steps}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.device == "cpu" and os.environ.get(MMAP_ENV) is None:
+        # Re-execute with a fixed mmap threshold before any allocation (see the module docstring).
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
+    args.steps = args.steps or (6 if args.device == "cuda" else 2)
+    from omegaconf import OmegaConf
+
+    env = dist.init_distributed()
+    device = torch.device(f"cuda:{env.local_rank}" if args.device == "cuda" else "cpu")
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
+    cfg = compose_config(args.model, args.overrides)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model = build_benchmark_model(model_cfg, args.shape, device, on_gpu)
+    step_model = footprint.StepModel.from_model(model)
+    gpu_mem_gb = args.gpu_mem_gb or (torch.cuda.get_device_properties(device).total_memory / footprint.GIB
+                                     if on_gpu else 80.0)
+    scale = SHAPES[args.shape]["length_scale"]
+    lengths = reference_lengths("seed", args.num_samples, seed=0, scale=scale)
+    settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size)
+    probe = random_batch(np.arange(2), lengths, True, step_model.target.vocab, torch.Generator().manual_seed(0))
+    settings = replace(settings, attention=attention_path(model, {k: (v.to(device) if torch.is_tensor(v) else v)
+                                                                  for k, v in probe.items()}))
+    budget = choose_budget(args, lengths, step_model, settings, gpu_mem_gb, env.world_size)
+
+    train_model = model
+    if env.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
+        train_model = DDP(model, device_ids=[env.local_rank] if on_gpu else None)
+    model.train()
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4)   # as training builds it
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+
+    def static_tensors():
+        yield from model.parameters()
+        yield from model.buffers()
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v))
+
+    measured_peak = matmul_tflops(device)
+    sheet = datasheet_tflops(device)
+    peak_tflops = sheet or measured_peak
+    if env.is_main:
+        print(json.dumps({"setup": {
+            "shape": args.shape, "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+            "world_size": env.world_size, "threads": torch.get_num_threads(), "precision": settings.precision,
+            "attention": settings.attention, "budget": budget, "gpu_mem_gb": gpu_mem_gb,
+            "peak_tflops": peak_tflops, "peak_source": "datasheet" if sheet else "matmul",
+            "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,
+            "draft_params_m": step_model.draft.params / 1e6, "model": {k: model_cfg.get(k) for k in (
+                "block_size", "draft_layers", "anchors_per_doc", "anchor_density")},
+            "overrides": args.overrides}}), flush=True)
+    for name in args.policies.split(","):
+        try:
+            row = run_policy(name, model, train_model, optimizer, autocast, env, device, args, budget, lengths,
+                             step_model, settings, gpu_mem_gb, peak_tflops * 1e12, static_tensors)
+        except torch.cuda.OutOfMemoryError as exc:   # single process only: under DDP the skip rule prevents it
+            row = {"policy": name, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        if env.is_main:
+            print(json.dumps(row), flush=True)
+    dist.cleanup()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ efficiency, batches and steps per epoch, samples per batch, the diversity diagno
 predicted Ktok/s and ETA for the configured run (``epochs``, ``world_size``). It writes ``plan.csv``, ``plan.json``
 and ``plan.md`` to its output directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
 ``k_sweep.png``: padding efficiency against within-batch diversity, the trade-off the boundaries choose), and
-``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency.
+``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency. When the model config
+gives the target's shape (``model=tiny``, ``model=qwen3_8b``, or ``model.target_config=config.json``), each row also
+has the predicted peak GPU memory per rank with and without draft activation checkpointing, model TFLOPs per step,
+a ``fits`` verdict against ``gpu_mem_gb`` and the largest ``max_tokens`` that fits (``dflash_lab.model.footprint``).
 
 Cost model (explicit, per rank and step; a step lasts as long as its slowest rank):
 
@@ -197,8 +200,10 @@ def plan_table(
     epochs: float,
     cost: CostModel,
     bands: Sequence[int] | None = None,
+    memory: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
-    """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA."""
+    """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA, and with
+    ``memory`` (``memory_inputs``) the predicted peak GPU memory, TFLOPs per step and fit (``memory_columns``)."""
     rows = []
     for name, sampler_cfg in samplers.items():
         policy = policy_from_config(sampler_cfg, lengths, seed=seed, world_size=world_size, rank=0)
@@ -206,10 +211,48 @@ def plan_table(
             {
                 **plan_stats(policy, bands=bands),
                 **{f"pred_{k}": v for k, v in predict_throughput(policy, cost, epochs).items()},
+                **(memory_columns(policy, lengths, sampler_cfg, seed=seed, **memory) if memory else {}),
                 "boundaries": policy.boundaries,
             }
         )
     return pd.DataFrame(rows).set_index("policy")
+
+
+def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Inputs of the memory/FLOP columns from the plan config: the model's shape from its config alone (no
+    weights), ``precision``, ``activation_checkpointing``, ``attention``, ``world_size`` and ``gpu_mem_gb``.
+    None (columns left out) when the model config gives no target shape (``model=hf`` without ``target_config``
+    or ``target_path``).
+
+    Example:
+        >>> memory_inputs({"model": {"kind": "tiny"}, "world_size": 8})["settings"].world_size
+        8
+    """
+    from .model.footprint import Settings, StepModel
+
+    model_cfg = dict(cfg["model"])
+    if model_cfg.get("kind") == "hf" and not (model_cfg.get("target_config") or model_cfg.get("target_path")):
+        return None
+    settings = Settings(precision=str(cfg.get("precision", "bf16")),
+                        activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
+                        attention=str(cfg.get("attention", "flex")), world_size=int(cfg["world_size"]))
+    return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
+            "gpu_mem_gb": float(cfg.get("gpu_mem_gb", 80))}
+
+
+def memory_columns(policy: Policy, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], *, model, settings,
+                   gpu_mem_gb: float, seed: int) -> dict[str, Any]:
+    """``pred_peak_mem_gb`` (worst step), ``pred_peak_mem_gb_ckpt``, ``pred_tflop_per_step``, ``fits``
+    (yes | ckpt | no, ``dflash_lab.model.footprint.plan_footprint``) and ``max_tokens_fit``: the largest
+    ``sampler.max_tokens`` that fits with the configured checkpointing (the configured one when it fits)."""
+    from .model.footprint import USABLE_FRACTION, largest_fitting_max_tokens, plan_footprint
+
+    out = plan_footprint(policy, model, settings, gpu_mem_gb=gpu_mem_gb)
+    fits_now = out["fits"] == "yes" or (out["fits"] == "ckpt" and settings.activation_checkpointing)
+    out["max_tokens_fit"] = int(sampler_cfg["max_tokens"]) if fits_now else largest_fitting_max_tokens(
+        lengths, sampler_cfg, model, settings, budget_gb=USABLE_FRACTION * gpu_mem_gb, seed=seed,
+        world_size=policy.world_size)
+    return out
 
 
 def sweep_bucket_counts(
@@ -298,6 +341,7 @@ SUMMARY_COLUMNS = (
     "pad_eff", "budget_fill", "steps_per_epoch", "mean_samples_per_batch", "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_days",
+    "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "fits", "max_tokens_fit",
 )
 
 
@@ -314,19 +358,24 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         cost = CostModel(float(cost_cfg["c0"]), float(cost_cfg["c1"]), float(cost_cfg.get("c2", 0.0)))
     lengths = load_lengths(cfg["data"], cfg.get("model"))
     samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
+    memory = memory_inputs(cfg)
     table = plan_table(
         lengths, samplers, seed=int(cfg["seed"]), world_size=int(cfg["world_size"]), epochs=float(cfg["epochs"]),
-        cost=cost, bands=cfg.get("bands"),
+        cost=cost, bands=cfg.get("bands"), memory=memory,
     )
     table.to_csv(out_dir / "plan.csv")
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
-            "epochs": cfg["epochs"], "world_size": cfg["world_size"]}
+            "epochs": cfg["epochs"], "world_size": cfg["world_size"],
+            "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
     markdown = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {cfg['world_size']}, "
-        f"{cfg['epochs']} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n\n"
+        f"{cfg['epochs']} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n"
+        + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
+           f"(dflash_lab/model/footprint.py)\n\n" if memory else
+           "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
         + to_markdown(table, SUMMARY_COLUMNS)
     )
     (out_dir / "plan.md").write_text(markdown + "\n")

@@ -28,7 +28,8 @@ def hf_dir(tmp_path_factory):
                                         unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(directory)
-    config = Qwen3Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+    # Embedding rows past the tokenizer's vocabulary, as Qwen3's 151,936 rows for 151,669 tokens: the MASK id's row.
+    config = Qwen3Config(vocab_size=len(vocab) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                          pad_token_id=0, eos_token_id=2)
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def test_hf_model_and_chat_template_data(hf_dir, tmp_path):
     model, tok = build_model("hf", target_path=str(hf_dir), device="cpu", block_size=4, draft_layers=2,
                              cache_dir=str(tmp_path))
     assert model.target_layer_ids == [1, 3]          # evenly spaced in [1, L-3] for 6 layers
-    assert model.mask_token_id == tok.pad_token_id == 0 and tok.eos_token_id in model.stop_token_ids
+    assert model.mask_token_id == tok.vocab_size and tok.eos_token_id in model.stop_token_ids  # added past the vocab
     file = tmp_path / "chat.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"ok {i}!"}]}
             for i in range(10)]

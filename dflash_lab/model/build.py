@@ -4,6 +4,8 @@
 ``kind=hf``: a local HF causal LM + its tokenizer (HFTokenizerAdapter), frozen, bf16 on GPU.
 Then a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers`` layers) reading the
 target layers ``target_layer_ids`` (default spacing rule: dflash_lab.model.draft.default_target_layer_ids).
+``target_config_only`` and ``draft_config_for_target`` give the same shapes without weights (planner, export).
+MASK id (hf): the tokenizer's mask token, else an id added past its vocabulary, as the DFlash reference does.
 
 Cost: tiny: the first call pretrains (~1 min on 2 cores), later calls load in < 1 s; hf: the weights' load time.
 """
@@ -11,6 +13,8 @@ Cost: tiny: the first call pretrains (~1 min on 2 cores), later calls load in < 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
@@ -54,7 +58,8 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
             pretrain_max_seconds: tiny pretraining (dflash_lab.model.target.pretrain_tiny_target).
         pretrain_data: corpus of the tiny target (``build_dataset`` keys; default synthetic, 3000 samples).
         target_path, dtype, device, attn_implementation: hf target loading.
-        mask_token_id: hf: MASK id (None: tokenizer's mask, else pad, else eos token).
+        mask_token_id: hf: MASK id (None: the tokenizer's mask token, else an id added past its vocabulary,
+            as the DFlash reference does; see ``resolve_mask_token_id``).
         **unused: other keys of the model config (e.g. ``name``, ``decode_*``) are accepted and ignored.
 
     Returns:
@@ -81,8 +86,9 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
     elif kind == "hf":
         target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
                                               attn_implementation=attn_implementation)
-        tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_token_id)
-        mask_id = tokenizer.mask_token_id
+        rows = target.get_input_embeddings().weight.shape[0]
+        mask_id = resolve_mask_token_id(hf_tokenizer, mask_token_id, rows)
+        tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_id)
     else:
         raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
 
@@ -104,22 +110,12 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
     real-size target. Arguments as in ``build_model``.
     """
     target.requires_grad_(False)
-    config = target.config
-    layers = config.num_hidden_layers
-    layer_ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(layers, int(draft_layers))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    draft_cfg = DraftConfig(
-        hidden_size=config.hidden_size,
-        num_layers=int(draft_layers),
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=int(draft_intermediate_size or config.intermediate_size),
-        target_layer_ids=layer_ids,
-        target_hidden_size=config.hidden_size,
-        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_theta(config)),
-    )
+    rows = target.get_input_embeddings().weight.shape[0]
+    if not 0 <= int(mask_token_id) < rows:
+        raise ValueError(f"model.mask_token_id={mask_token_id} is outside the target's {rows} embedding rows: "
+                         f"set model.mask_token_id to an id below {rows}")
+    draft_cfg = draft_config_for_target(target.config, draft_layers=draft_layers, target_layer_ids=target_layer_ids,
+                                        draft_intermediate_size=draft_intermediate_size)
     draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std)
     weight = target.get_input_embeddings().weight
     draft.to(device=weight.device)  # draft master weights stay float32; autocast handles bf16 on GPU
@@ -127,6 +123,99 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
                         anchors_per_doc=anchors_per_doc, anchor_density=anchor_density,
                         draft_init_seed=int(draft_init_seed))
     return model
+
+
+def draft_config_for_target(config, *, draft_layers: int = 1, target_layer_ids: list[int] | None = None,
+                            draft_intermediate_size: int | None = None) -> DraftConfig:
+    """The draft's shape for a target HF config: same hidden size, heads, norm eps and RoPE base as the target.
+
+    Example:
+        >>> from transformers import Qwen3Config
+        >>> cfg = draft_config_for_target(Qwen3Config(num_hidden_layers=36), draft_layers=5)
+        >>> cfg.target_layer_ids
+        [1, 9, 17, 25, 33]
+    """
+    layers = config.num_hidden_layers
+    layer_ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(layers, int(draft_layers))
+    return DraftConfig(
+        hidden_size=config.hidden_size,
+        num_layers=int(draft_layers),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        intermediate_size=int(draft_intermediate_size or config.intermediate_size),
+        target_layer_ids=layer_ids,
+        target_hidden_size=config.hidden_size,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_theta(config)),
+    )
+
+
+def target_config_only(kind: str = "tiny", *, target_config: str | dict | None = None, target_path: str | None = None,
+                       hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
+                       intermediate_size: int = 192, max_position_embeddings: int = 2048, **unused):
+    """The target's HF config without its weights (planning, export): from the model config's plain keys.
+
+    ``kind=hf``: ``target_config`` (a config.json path or its fields inline, e.g. the ``qwen3_8b`` preset), else
+    ``target_path``/config.json. ``kind=tiny``: the tiny shape keys.
+
+    Raises:
+        ValueError: ``kind=hf`` with neither key set, or a path without a config.json.
+
+    Example:
+        >>> target_config_only("hf", target_config={"model_type": "qwen3", "hidden_size": 128}).hidden_size
+        128
+    """
+    del unused
+    if kind == "tiny":
+        from dflash_lab.model.target import tiny_qwen3_config
+
+        tokenizer = ByteTokenizer()
+        return tiny_qwen3_config(tokenizer.vocab_size, hidden_size=int(hidden_size), num_layers=int(num_layers),
+                                 num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                                 intermediate_size=int(intermediate_size),
+                                 max_position_embeddings=int(max_position_embeddings),
+                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+    if kind != "hf":
+        raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
+    from transformers import AutoConfig
+
+    if isinstance(target_config, Mapping):
+        fields = dict(target_config)
+        return AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+    source = target_config or target_path
+    if not source:
+        raise ValueError("model=hf needs the target's shape: set model.target_config=/path/to/config.json "
+                         "(or use model=qwen3_8b) or model.target_path=/path/to/hf/model")
+    path = Path(source).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"model.target_config={source!r}: no config.json there; point it at a HF config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+def resolve_mask_token_id(hf_tokenizer, configured: int | None, embedding_rows: int) -> int:
+    """MASK id of a HF target: ``configured``, else the tokenizer's mask token, else the id the DFlash reference
+    adds past the tokenizer's vocabulary (``len(tokenizer)``, the row ``add_special_tokens({"mask_token": ...})``
+    would take). The id indexes the target's own embedding row, as the reference's inference code does, so it
+    must be below the embedding's row count (Qwen3: 151,669 < 151,936 padded rows).
+
+    Raises:
+        ValueError: the id has no embedding row (names ``model.mask_token_id`` and the fix).
+    """
+    if configured is not None:
+        mask_id = int(configured)
+    elif hf_tokenizer.mask_token_id is not None:
+        mask_id = int(hf_tokenizer.mask_token_id)
+    else:
+        mask_id = len(hf_tokenizer)
+        if mask_id >= embedding_rows:
+            raise ValueError(
+                f"model.mask_token_id=null adds a MASK id past the tokenizer's {mask_id} tokens, but the target's "
+                f"embedding has only {embedding_rows} rows: set model.mask_token_id to an unused existing id "
+                f"(e.g. the pad id {hf_tokenizer.pad_token_id})")
+    return mask_id
 
 
 def _rope_theta(config) -> float:

@@ -155,8 +155,9 @@ class DFlashModel(nn.Module):
         self.draft.load_state_dict(state)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The target's frozen input embedding."""
-        return self.target.get_input_embeddings()(ids)
+        """Rows of the target's frozen input-embedding matrix, read raw (no embedding scale), as the DFlash
+        inference code reads them; the MASK id may be a row past the tokenizer's vocabulary (model.build)."""
+        return F.embedding(ids, self.target.get_input_embeddings().weight)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (hidden cast to its dtype outside autocast)."""

@@ -1,0 +1,515 @@
+"""Memory and FLOP model of one DFlash training step on one rank, and the preflight that refuses a config too big.
+
+The model is a pure function of shapes: the target's HF config (no weights), the draft's shape, the objective
+(block size, anchor rule), the batch layout (rows, row length, document lengths) and the run settings
+(precision, draft activation checkpointing, attention path, world size). It models the attention path training
+runs on GPU: ``flex`` (flex_attention with block masks: no mask tensor, GQA without expanded keys/values).
+``dense`` adds the legacy path's terms (a dense boolean block mask, converted per draft layer, expanded GQA
+keys/values; a dense document mask in the target) so the same formulas size both.
+
+Symbols (per rank and step). Shapes: target hidden Ht, layers read Lr (deepest read layer + 1), n read layers,
+MLP width It, vocabulary V, heads ht / kv heads gt of width d; draft hidden H, layers L, heads h, kv heads g,
+MLP width I; block size bs. Batch: R rows of T tokens (padded layout: one document per row, T = longest;
+packed: one row, T = its used length), documents of length l. Anchors of a document:
+a(l) = anchor_quota(l - 1) (``dflash_lab.model.objective``: every token but the last may anchor when the whole
+document is supervised, the conservative case). N = anchor slots per row (padded: the row maximum; packed: the
+row's sum), Q = N bs block tokens, K = T + Q keys of the draft, S = supervised slots,
+S = sum_docs a(l) m(l) with m(l) = mean over anchor positions of min(bs - 1, tokens after the anchor).
+
+Bytes: c = element size of the compute dtype (2 under bf16 autocast, 4 in fp32), f = 4 (float32 statistics and
+the float32 upcasts inside RMSNorm), k = 2 under autocast (q/k/v and gate/up each save their own bf16 cast of a
+shared float32 input), else 1.
+
+    static    = P_target ct + P_draft (4 weights + 8 AdamW moments) [+ 4 P_draft DDP buckets when W > 1]
+    draft     = 4 P_draft grads + 2 P_draft autocast weight casts (bf16)
+              + R T n Ht c                                   features (saved by fc)
+              + R T (Ht (f + c) + f)                         context norm
+              + 2 R (Q + K) d c                              rotary tables
+              + 29 R Q + 25 R T                              block ids/positions/labels/weights; the batch
+              + R [Q (2(f+c) + c + k c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
+                   + k c K H + (f + c) K g d + f K g + attention] x L - R Q H f      saved, per draft layer
+                attention: flex 2 c K g d; dense 2 c K h d + c Q K
+              + R Q (H (f + c) + f)                          final norm
+              + head: S H c, and when S V <= CE_CHUNK_ELEMENTS the saved log-probabilities 4 S V
+              + max(head transient, one layer's backward transient)
+    checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
+    target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
+                R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
+    peak      = static + max(target, draft)
+
+FLOPs (model FLOPs: the real work of a step, no padding, no recomputation; one multiply-add = 2 FLOPs):
+
+    target    = Lr [2 P_layer sum_docs l + 4 ht d sum_docs l (l + 1) / 2]         forward only, no grad
+    draft     = 3 L [2 A bs (2 H h d + 2 H g d + 3 H I) + 4 H g d sum_docs l
+                     + 4 h d (bs sum_anchors p + A bs^2)]                         forward + backward
+              + 2 x 2 n Ht H sum_docs l                                           fc: forward + weight grad
+              + 2 x 2 H V S                                                       LM head: forward + input grad
+with A valid anchors, p an anchor's position in its document (visible context keys, mean (l - 2) / 2).
+MFU = step FLOPs / (step time x peak FLOP/s).
+
+Cost: O(number of batches) numpy; no tensors are built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+GIB = float(2**30)
+USABLE_FRACTION = 0.9   # of a GPU's memory a step may plan for: CUDA context, allocator fragmentation, workspaces
+PRECISIONS = ("bf16", "fp32")
+ATTENTION_PATHS = ("flex", "dense")
+
+
+class PreflightError(ValueError):
+    """A training config whose predicted peak memory exceeds the GPU's; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class TargetDims:
+    """Shape of the frozen target (from its HF config.json)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "TargetDims":
+        """From a ``transformers`` config object or a config.json dict.
+
+        Example:
+            >>> TargetDims.from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            ...                            "intermediate_size": 128, "vocab_size": 100}).head_dim
+            16
+        """
+        get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+        heads = int(get("num_attention_heads"))
+        return cls(hidden=int(get("hidden_size")), layers=int(get("num_hidden_layers")), heads=heads,
+                   kv_heads=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or int(get("hidden_size")) // heads),
+                   intermediate=int(get("intermediate_size")), vocab=int(get("vocab_size")),
+                   tied=bool(get("tie_word_embeddings", False)))
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer's matrix multiplies (q, k, v, o, gate, up, down)."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def params(self) -> int:
+        """All parameters (embedding, layers with their norms, final norm, LM head unless tied)."""
+        layer = self.layer_matmul_params + 2 * self.hidden + 2 * self.head_dim
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * layer + self.hidden + head
+
+
+@dataclass(frozen=True)
+class DraftDims:
+    """Shape of the DFlash draft (dflash_lab.model.draft.DraftConfig)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden: int
+
+    @classmethod
+    def from_draft_config(cls, cfg: Any) -> "DraftDims":
+        return cls(hidden=cfg.hidden_size, layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+                   target_layer_ids=tuple(cfg.target_layer_ids),
+                   target_hidden=cfg.target_hidden_size or cfg.hidden_size)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def fc_params(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden * self.hidden
+
+    @property
+    def params(self) -> int:
+        """fc, hidden norm, layers (with q/k norms and two RMSNorms), final norm."""
+        layer = self.layer_matmul_params + 2 * self.hidden + 2 * self.head_dim
+        return self.fc_params + self.hidden + self.layers * layer + self.hidden
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Everything the footprint needs about the model: target and draft shapes and the block objective."""
+
+    target: TargetDims
+    draft: DraftDims
+    block_size: int
+    anchors_per_doc: int | None
+    anchor_density: float | None
+
+    @property
+    def layers_read(self) -> int:
+        """Target layers a training step runs (up to the deepest one the draft reads)."""
+        return max(self.draft.target_layer_ids) + 1
+
+    @classmethod
+    def from_model_config(cls, model_cfg: Mapping[str, Any]) -> "StepModel":
+        """From the plain keys of ``conf/model/<name>.yaml``; the target needs only its config (no weights).
+
+        Example:
+            >>> m = StepModel.from_model_config({"kind": "tiny", "draft_layers": 1, "block_size": 8})
+            >>> m.target.hidden, m.draft.layers, m.draft.target_layer_ids
+            (64, 1, (2,))
+        """
+        from dflash_lab.model.build import draft_config_for_target, target_config_only
+
+        config = target_config_only(**dict(model_cfg))
+        draft_cfg = draft_config_for_target(
+            config, draft_layers=int(model_cfg.get("draft_layers", 1)),
+            target_layer_ids=model_cfg.get("target_layer_ids"),
+            draft_intermediate_size=model_cfg.get("draft_intermediate_size"))
+        return cls(TargetDims.from_hf_config(config), DraftDims.from_draft_config(draft_cfg),
+                   block_size=int(model_cfg.get("block_size", 8)),
+                   anchors_per_doc=_optional_int(model_cfg.get("anchors_per_doc", 64)),
+                   anchor_density=_optional_float(model_cfg.get("anchor_density", 0.0625)))
+
+    @classmethod
+    def from_model(cls, model: Any) -> "StepModel":
+        """From a built ``DFlashModel`` (what the trainer holds before step 1)."""
+        return cls(TargetDims.from_hf_config(model.target.config), DraftDims.from_draft_config(model.draft.cfg),
+                   block_size=model.block_size, anchors_per_doc=model.anchors_per_doc,
+                   anchor_density=model.anchor_density)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the step runs: ``precision`` bf16 (autocast, bf16 target) or fp32; draft activation checkpointing;
+    ``attention`` flex (training's path) or dense (legacy masks); ``world_size`` > 1 adds DDP's gradient buckets."""
+
+    precision: str = "bf16"
+    activation_checkpointing: bool = False
+    attention: str = "flex"
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+# ----------------------------------------------------------------------------------------------- batch shapes
+
+
+def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool,
+                 model: StepModel) -> dict[str, np.ndarray]:
+    """Per batch: the layout numbers the formulas read (arrays of one value per batch).
+
+    Args:
+        batches: dataset indices of each batch (a policy's plan).
+        lengths: effective document lengths (``policy.lengths``).
+        packed: True when a batch is one packed row.
+        model: the step model (block size and anchor rule).
+
+    Returns:
+        ``rows`` R, ``row_len`` T, ``slots`` N, ``anchors`` A, ``supervised`` S, ``real`` (tokens),
+        ``sq_half`` (sum l (l + 1) / 2, causal target attention pairs), ``context_pairs`` (sum over anchors of
+        the context keys they see).
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 4, "anchors_per_doc": 2,
+        ...                                  "anchor_density": None})
+        >>> s = batch_shapes([np.array([0, 1])], np.array([10, 3]), packed=False, model=m)
+        >>> int(s["rows"][0]), int(s["row_len"][0]), int(s["slots"][0]), int(s["anchors"][0])
+        (2, 10, 2, 4)
+    """
+    from dflash_lab.metrics.throughput import batch_token_counts
+    from dflash_lab.model.objective import anchor_quota
+
+    counts = batch_token_counts(batches, lengths, packed=packed)
+    sizes = np.array([len(b) for b in batches], dtype=np.int64)
+    flat = lengths[np.concatenate(batches)].astype(np.int64) if len(batches) else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    valid = np.maximum(flat - 1, 0)
+    quota = anchor_quota(torch.from_numpy(valid), model.anchors_per_doc, model.anchor_density).numpy()
+    quota = quota.astype(np.int64)
+    supervised = quota * _mean_targets_per_anchor(flat, model.block_size)
+    context = quota * np.maximum(flat - 2, 0) / 2.0
+    anchors = np.add.reduceat(quota, starts)
+    rows = np.ones_like(sizes) if packed else sizes
+    slots = anchors if packed else np.maximum.reduceat(quota, starts)
+    return {"rows": rows, "row_len": counts.padded // rows, "slots": np.maximum(slots, 1), "anchors": anchors,
+            "supervised": np.add.reduceat(supervised, starts), "real": counts.real,
+            "sq_half": np.add.reduceat(flat * (flat + 1) / 2.0, starts),
+            "context_pairs": model.block_size * np.add.reduceat(context, starts)}
+
+
+def _mean_targets_per_anchor(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """Mean over anchor positions t = 0..l-2 of min(bs - 1, l - 1 - t): labelled slots of a random anchor."""
+    m, n = block_size - 1, np.maximum(lengths - 1, 1).astype(np.float64)
+    total = np.where(n <= m, n * (n + 1) / 2, m * (m + 1) / 2 + m * (n - m))
+    return total / n
+
+
+# --------------------------------------------------------------------------------------------------- memory
+
+
+def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> dict[str, np.ndarray]:
+    """Bytes per term of the module docstring, and ``peak``, for each batch in ``shapes``.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> s = batch_shapes([np.arange(4)], np.full(4, 100), packed=True, model=m)
+        >>> mem = step_memory(m, s, Settings(precision="fp32"))
+        >>> bool(mem["peak"][0] > mem["static"][0] > 0)
+        True
+    """
+    from dflash_lab.model.dflash import DFlashModel
+
+    t, d = model.target, model.draft
+    autocast = settings.precision == "bf16"
+    c, f, k = (2.0, 4.0, 2.0) if autocast else (4.0, 4.0, 1.0)
+    dense = settings.attention == "dense"
+    R = shapes["rows"].astype(np.float64)
+    T = shapes["row_len"].astype(np.float64)
+    Q = shapes["slots"].astype(np.float64) * model.block_size
+    K = T + Q
+    S = shapes["supervised"].astype(np.float64)
+    n_read = len(d.target_layer_ids)
+    H, I, hd, gd = d.hidden, d.intermediate, d.heads * d.head_dim, d.kv_heads * d.head_dim
+
+    terms: dict[str, Any] = {}
+    terms["target_weights"] = t.params * c
+    terms["draft_weights_optimizer"] = d.params * 12.0
+    terms["ddp_buckets"] = d.params * 4.0 if settings.world_size > 1 else 0.0
+    static = terms["target_weights"] + terms["draft_weights_optimizer"] + terms["ddp_buckets"]
+
+    features = R * T * n_read * t.hidden * c
+    layer_transient = R * T * (t.hidden * (2 * c + f) + 2 * (t.heads + 2 * t.kv_heads) * t.head_dim * c
+                               + 3 * t.intermediate * c)
+    if dense:
+        layer_transient = layer_transient + R * T * T * (1 + c)
+    terms["target_phase"] = 2 * features + layer_transient
+
+    attention = 2 * c * K * hd + c * Q * K if dense else 2 * c * K * gd
+    layer_saved = R * (Q * H * (2 * (f + c) + c + k * c) + 4 * c * Q * I + (f + 3 * c) * Q * hd
+                       + 2 * f * Q * d.heads + 2 * f * Q + k * c * K * H + (f + c) * K * gd + f * K * d.kv_heads
+                       + attention)
+    layer_inputs = R * Q * H * c
+    if settings.activation_checkpointing:
+        layers = d.layers * layer_inputs + layer_saved
+    else:
+        layers = d.layers * layer_saved - R * Q * H * f  # the first layer's input (embeddings) needs no grad
+    vocab = t.vocab
+    chunk = max(1, DFlashModel.CE_CHUNK_ELEMENTS // vocab)
+    chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
+    # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
+    per_logit = 2 * c + 4 * f if autocast else 4 * f
+    head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
+    head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
+    layer_backward = R * (Q * (3 * I + 2 * H) * c + K * (H + 2 * gd) * c)
+    if dense:
+        layer_backward = layer_backward + R * Q * K * c
+    terms["grads_and_casts"] = d.params * 4.0 + (2.0 * (d.layers * d.layer_matmul_params + d.fc_params)
+                                                 if autocast else 0.0)
+    terms["features"] = features
+    terms["context_and_rope"] = R * T * (H * (f + c) + f) + 2 * R * (Q + K) * d.head_dim * c
+    terms["objective"] = R * Q * 29.0 + R * T * 25.0   # block ids/positions/labels/weights; batch tensors
+    terms["draft_layers"] = layers
+    terms["final_norm_and_head"] = R * Q * (H * (f + c) + f) + head_saved
+    terms["backward_transient"] = np.maximum(head_transient, layer_backward)
+    draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
+                   + terms["final_norm_and_head"] + terms["backward_transient"])
+    terms["static"] = static
+    terms["draft_phase"] = draft_phase
+    terms["peak"] = static + np.maximum(terms["target_phase"], draft_phase)
+    shape = np.shape(R)
+    return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), shape) for name, value in terms.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- FLOPs
+
+
+def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``) and ``total``.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> s = batch_shapes([np.arange(4)], np.full(4, 100), packed=True, model=m)
+        >>> fl = step_flops(m, s)
+        >>> bool(fl["total"][0] == fl["target"][0] + fl["draft"][0] + fl["fc"][0] + fl["head"][0])
+        True
+    """
+    t, d, bs = model.target, model.draft, model.block_size
+    real = shapes["real"].astype(np.float64)
+    A = shapes["anchors"].astype(np.float64)
+    target = model.layers_read * (2.0 * t.layer_matmul_params * real
+                                  + 4.0 * t.heads * t.head_dim * shapes["sq_half"])
+    block_tokens = A * bs
+    per_layer = (2.0 * block_tokens * d.layer_matmul_params
+                 + 4.0 * d.hidden * d.kv_heads * d.head_dim * real
+                 + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + block_tokens * bs))
+    out = {"target": target, "draft": 3.0 * d.layers * per_layer, "fc": 2.0 * 2.0 * d.fc_params * real,
+           "head": 2.0 * 2.0 * d.hidden * t.vocab * shapes["supervised"].astype(np.float64)}
+    out["total"] = out["target"] + out["draft"] + out["fc"] + out["head"]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- plans and fits
+
+
+def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem_gb: float,
+                   epoch: int = 0) -> dict[str, Any]:
+    """Predicted memory and FLOPs of a policy's epoch plan (all ranks' batches).
+
+    Returns:
+        ``pred_peak_mem_gb`` (the worst step, with ``settings``' checkpointing), ``pred_peak_mem_gb_ckpt`` (with
+        draft activation checkpointing), ``pred_tflop_per_step`` (mean model TFLOPs per rank and step) and
+        ``fits``: ``yes`` (fits without checkpointing), ``ckpt`` (only with it) or ``no``, against
+        ``USABLE_FRACTION x gpu_mem_gb`` GiB.
+
+    Example:
+        >>> from dflash_lab.sampling import build_policy
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> plan_footprint(build_policy("packed", np.full(64, 100), max_tokens=1024), m, Settings(),
+        ...                gpu_mem_gb=80)["fits"]
+        'yes'
+    """
+    plan = policy.global_plan(epoch)
+    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model)
+    plain = float(step_memory(model, shapes, replace(settings, activation_checkpointing=False))["peak"].max())
+    ckpt = float(step_memory(model, shapes, replace(settings, activation_checkpointing=True))["peak"].max())
+    budget = USABLE_FRACTION * gpu_mem_gb * GIB
+    peak = ckpt if settings.activation_checkpointing else plain
+    return {"pred_peak_mem_gb": peak / GIB, "pred_peak_mem_gb_ckpt": ckpt / GIB,
+            "pred_tflop_per_step": float(step_flops(model, shapes)["total"].mean()) / 1e12,
+            "fits": "yes" if plain <= budget else ("ckpt" if ckpt <= budget else "no")}
+
+
+def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel, settings: Settings, *,
+                    seed: int, world_size: int, epoch: int = 0) -> float:
+    """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> peak = plan_peak_bytes(np.full(64, 100), {"name": "packed", "max_tokens": 1024}, m, Settings(), seed=0,
+        ...                        world_size=1)
+        >>> 0 < peak / GIB < 1
+        True
+    """
+    from dflash_lab.sampling import policy_from_config
+
+    policy = policy_from_config(dict(sampler_cfg), lengths, seed=seed, world_size=world_size, rank=0)
+    plan = policy.global_plan(epoch)
+    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model)
+    return float(step_memory(model, shapes, settings)["peak"].max())
+
+
+def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel,
+                               settings: Settings, *, budget_gb: float, seed: int, world_size: int,
+                               granularity: int = 512) -> int | None:
+    """The largest ``sampler.max_tokens`` (a multiple of ``granularity``, at most the configured one) whose plan's
+    predicted peak is at most ``budget_gb`` GiB; None when even the smallest legal budget is over.
+
+    The smallest legal budget holds the longest document (``overlong=error``) or one granule (truncate/drop).
+    Bisection over budgets: each probe re-plans the epoch (peak memory grows with the budget).
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> largest_fitting_max_tokens(np.full(500, 100), {"name": "packed", "max_tokens": 4096}, m, Settings(),
+        ...                            budget_gb=80, seed=0, world_size=1)
+        4096
+    """
+    budget = budget_gb * GIB
+    configured = int(sampler_cfg["max_tokens"])
+    longest = int(np.max(lengths)) if sampler_cfg.get("overlong", "error") == "error" else 1
+    lo = math.ceil(longest / granularity)            # in granules
+    hi = configured // granularity
+    if lo > hi:
+        return None
+
+    def fits(granules: int) -> bool:
+        cfg = {**dict(sampler_cfg), "max_tokens": granules * granularity}
+        return plan_peak_bytes(lengths, cfg, model, settings, seed=seed, world_size=world_size) <= budget
+
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * granularity
+
+
+def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], settings: Settings, *,
+              gpu_mem_gb: float, seed: int, epoch: int = 0) -> dict[str, float]:
+    """Check before step 1 that the configured run fits on the GPU; raise PreflightError naming the fix if not.
+
+    Args:
+        model: ``StepModel.from_model(dflash_model)``.
+        lengths: the training split's document lengths (before the sampler's truncation).
+        sampler_cfg: the run's ``sampler`` config as a plain dict (``name``, ``max_tokens``, ...).
+        settings: precision, ``trainer.activation_checkpointing``, attention path, world size.
+        gpu_mem_gb: memory of one GPU in GiB (the device's total when the config leaves it unset).
+        seed, epoch: the plan to check (epoch 0: the shapes of later epochs follow the same distribution).
+
+    Returns:
+        ``{"pred_peak_mem_gb": ..., "budget_gb": ...}`` when it fits.
+
+    Raises:
+        PreflightError: the message gives the predicted peak, the largest legal ``sampler.max_tokens`` and, when
+            checkpointing is off and would fit, ``trainer.activation_checkpointing=true``.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> cfg = {"name": "packed", "max_tokens": 1024}
+        >>> round(preflight(m, np.full(64, 100), cfg, Settings(), gpu_mem_gb=80, seed=0)["budget_gb"])
+        72
+    """
+    peak = plan_peak_bytes(lengths, sampler_cfg, model, settings, seed=seed, world_size=settings.world_size,
+                           epoch=epoch)
+    budget = USABLE_FRACTION * gpu_mem_gb * GIB
+    if peak <= budget:
+        return {"pred_peak_mem_gb": peak / GIB, "budget_gb": budget / GIB}
+    fixes = []
+    best = largest_fitting_max_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget / GIB, seed=seed,
+                                      world_size=settings.world_size)
+    if best is not None:
+        fixes.append(f"set sampler.max_tokens={best} (the largest budget that fits)")
+    if not settings.activation_checkpointing:
+        ckpt_settings = replace(settings, activation_checkpointing=True)
+        ckpt_peak = plan_peak_bytes(lengths, sampler_cfg, model, ckpt_settings, seed=seed,
+                                    world_size=settings.world_size, epoch=epoch)
+        if ckpt_peak <= budget:
+            fixes.append(f"or set trainer.activation_checkpointing=true (predicted {ckpt_peak / GIB:.1f} GiB)")
+        elif best is None:
+            ckpt_best = largest_fitting_max_tokens(lengths, sampler_cfg, model, ckpt_settings,
+                                                   budget_gb=budget / GIB, seed=seed, world_size=settings.world_size)
+            if ckpt_best is not None:
+                fixes.append(f"set trainer.activation_checkpointing=true and sampler.max_tokens={ckpt_best}")
+    if not fixes:
+        fixes.append("no sampler.max_tokens fits: lower model.anchors_per_doc / model.anchor_density or use a "
+                     "GPU with more memory")
+    raise PreflightError(
+        f"predicted peak GPU memory {peak / GIB:.1f} GiB per rank exceeds {budget / GIB:.1f} GiB "
+        f"({USABLE_FRACTION:.0%} of gpu_mem_gb={gpu_mem_gb:g}) for sampler={sampler_cfg['name']} "
+        f"max_tokens={sampler_cfg['max_tokens']}: " + "; ".join(fixes))

@@ -1,0 +1,146 @@
+"""Draft export: the reference layout (names, config fields), a round trip that reproduces the draft's logits
+through an independent implementation of the reference draft's forward, and the MASK id rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from dflash_lab.checkpoint import CheckpointManager
+from dflash_lab.export import export_draft, main
+from dflash_lab.model.build import draft_config_for_target, resolve_mask_token_id, target_config_only
+from dflash_lab.model.draft import DFlashDraft
+
+torch.set_num_threads(1)
+MODEL_CFG = {"kind": "tiny", "hidden_size": 32, "num_layers": 6, "num_heads": 4, "num_kv_heads": 2,
+             "intermediate_size": 48, "block_size": 4, "draft_layers": 2, "draft_intermediate_size": 40,
+             "draft_init_seed": "${seed}"}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory as training leaves it: .hydra/config.yaml and a checkpoint of a (perturbed) draft."""
+    target_config = target_config_only(**MODEL_CFG)
+    draft = DFlashDraft(draft_config_for_target(target_config, draft_layers=2, draft_intermediate_size=40),
+                        init_seed=3)
+    with torch.no_grad():  # norms away from 1 so that a misplaced norm weight shows in the logits
+        for name, param in draft.named_parameters():
+            if param.dim() == 1:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create({"seed": 5, "model": MODEL_CFG, "run_dir": "${hydra:runtime.output_dir}"}),
+                   tmp_path / ".hydra" / "config.yaml")
+    CheckpointManager(tmp_path / "checkpoints").save({"model": draft.state_dict(), "step": 7}, step=7)
+    return tmp_path, draft
+
+
+class ReferenceDraft(nn.Module):
+    """The reference draft's forward written from its description (Qwen3 decoder layers whose keys/values are
+    [projected context ; block], queries from the block, no mask at inference), with the reference's module names."""
+
+    def __init__(self, config):
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        super().__init__()
+        self.config = config
+        d = config.head_dim
+
+        def layer():
+            module = nn.Module()
+            attn = nn.Module()
+            attn.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d, bias=False)
+            attn.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=False)
+            attn.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * d, bias=False)
+            attn.o_proj = nn.Linear(config.num_attention_heads * d, config.hidden_size, bias=False)
+            attn.q_norm, attn.k_norm = Qwen3RMSNorm(d, config.rms_norm_eps), Qwen3RMSNorm(d, config.rms_norm_eps)
+            module.self_attn, module.mlp = attn, Qwen3MLP(config)
+            module.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+            module.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+            return module
+
+        self.layers = nn.ModuleList(layer() for _ in range(config.num_hidden_layers))
+        ids = config.dflash_config["target_layer_ids"]
+        self.fc = nn.Linear(len(ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def forward(self, target_hidden, noise_embedding, position_ids):
+        from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+        d, x = self.config.head_dim, noise_embedding
+        context = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(x, position_ids)
+        q_len, rows = x.shape[1], x.shape[0]
+        for layer in self.layers:
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(rows, q_len, -1, d)).transpose(1, 2)
+            kv_heads = attn.k_proj.out_features // d
+            k = torch.cat([attn.k_proj(context), attn.k_proj(h)], 1).view(rows, -1, kv_heads, d)
+            k = attn.k_norm(k).transpose(1, 2)
+            v = torch.cat([attn.v_proj(context), attn.v_proj(h)], 1).view(rows, -1, kv_heads, d).transpose(1, 2)
+            q = q * cos[:, None, -q_len:] + rotate_half(q) * sin[:, None, -q_len:]
+            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def test_export_round_trip_reproduces_the_draft_logits(run_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    run, draft = run_dir
+    out = export_draft(run, tmp_path / "export", dtype="float32")
+    config = Qwen3Config.from_pretrained(out)
+    assert config.architectures == ["DFlashDraftModel"] and config.block_size == 4
+    assert config.dflash_config == {"mask_token_id": 3, "target_layer_ids": [1, 3]}   # tiny: the <mask> id
+    assert (config.num_hidden_layers, config.num_target_layers, config.intermediate_size) == (2, 6, 40)
+    reference = ReferenceDraft(config)
+    reference.load_state_dict(load_file(out / "model.safetensors"))   # strict: every name and shape matches
+
+    gen = torch.Generator().manual_seed(0)
+    context_len, bs, hidden, vocab = 9, 4, 32, 50
+    features = torch.randn(1, context_len, 2 * hidden, generator=gen)
+    block = torch.randn(1, bs, hidden, generator=gen)
+    head = torch.randn(vocab, hidden, generator=gen)
+    positions = torch.arange(context_len + bs)[None]
+    ours = draft(draft.project_context(features), positions[:, :context_len], block, positions[:, context_len:], None)
+    theirs = reference(features, block, positions)
+    torch.testing.assert_close(theirs @ head.T, ours @ head.T, rtol=1e-4, atol=1e-4)
+
+
+def test_export_cli_bf16_and_missing_checkpoint(run_dir, tmp_path, capsys):
+    run, draft = run_dir
+    main([str(run), str(tmp_path / "bf16")])
+    assert "model.safetensors" in capsys.readouterr().out
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["block_size"] == 4
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert weights["layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["fc.weight"], draft.fc.weight.detach().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        export_draft(tmp_path / "bf16", tmp_path / "nothing")
+
+
+def test_mask_token_id_is_added_past_the_vocabulary():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "a": 2, "b": 3}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                        pad_token="<pad>", unk_token="<unk>")
+    assert resolve_mask_token_id(tokenizer, None, embedding_rows=8) == 4          # len(tokenizer), a padded row
+    assert resolve_mask_token_id(tokenizer, 0, embedding_rows=4) == 0             # configured otherwise
+    with pytest.raises(ValueError, match="model.mask_token_id"):
+        resolve_mask_token_id(tokenizer, None, embedding_rows=4)                  # no row for an added id
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    assert resolve_mask_token_id(tokenizer, None, embedding_rows=5) == 4          # the tokenizer's own mask token

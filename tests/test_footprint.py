@@ -1,0 +1,175 @@
+"""Footprint model against the real step: parameter counts, batch layout, saved activations (autograd's own
+saved tensors), matmul FLOPs (torch's FLOP counter), fit search and preflight, planner columns, Qwen3-8B preset."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_lab.data import collate_packed, collate_padded
+from dflash_lab.model.build import wrap_target
+from dflash_lab.model.footprint import (
+    GIB, USABLE_FRACTION, PreflightError, Settings, StepModel, TargetDims, batch_shapes, largest_fitting_max_tokens,
+    plan_peak_bytes, preflight, step_flops, step_memory,
+)
+
+torch.set_num_threads(1)
+LENGTHS = np.array([60, 50, 40, 30, 20])
+
+
+def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False):
+    config = Qwen3Config(hidden_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=160, vocab_size=264, max_position_embeddings=512,
+                         tie_word_embeddings=tied, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    return wrap_target(target, mask_token_id=3, block_size=16, anchors_per_doc=anchors_per_doc, anchor_density=None,
+                       draft_layers=draft_layers, draft_intermediate_size=96)
+
+
+def make_batch(packed: bool):
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(8, 260, (int(n),), generator=gen),
+                "loss_mask": torch.ones(int(n), dtype=torch.bool)} for n in LENGTHS]
+    return (collate_packed if packed else collate_padded)(samples, list(range(len(LENGTHS))), LENGTHS.tolist(), 0)
+
+
+def attention_path(model, batch) -> str:
+    """The path the step runs: dense while the objective builds a boolean mask tensor (as benchmarks/gpu_check)."""
+    with torch.no_grad():
+        blocks, _ = model.block_hidden(batch, torch.Generator().manual_seed(0))
+    mask = getattr(blocks, "attn_mask", None)
+    return "dense" if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else "flex"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_counts_match_the_modules(tied):
+    model = tiny_model(tied=tied)
+    step = StepModel.from_model(model)
+    assert step.target.params == sum(p.numel() for p in model.target.parameters())
+    assert step.draft.params == sum(p.numel() for p in model.draft.parameters())
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_batch_shapes_match_the_objective(packed):
+    model, batch = tiny_model(), make_batch(packed)
+    with torch.no_grad():
+        blocks, _ = model.block_hidden(batch, torch.Generator().manual_seed(0))
+    shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=packed, model=StepModel.from_model(model))
+    rows, q = blocks.block_ids.shape
+    assert (int(shapes["rows"][0]), int(shapes["slots"][0]) * 16) == (rows, q)
+    assert int(shapes["anchors"][0]) == int(blocks.valid.sum())
+    # every position anchors (cap 512 > lengths), so the mean labelled slots per anchor is exact
+    assert shapes["supervised"][0] == pytest.approx(float(blocks.label_ok.sum()))
+
+
+@pytest.mark.parametrize("precision,packed,layers", [("fp32", True, 1), ("fp32", False, 3), ("bf16", True, 2),
+                                                     ("bf16", False, 2)])
+def test_saved_activations_match_autograd(precision, packed, layers):
+    """The draft-phase activation terms = the bytes autograd saves for backward (distinct storages, no weights)."""
+    model, batch = tiny_model(draft_layers=layers, anchors_per_doc=8 if layers == 3 else 512), make_batch(packed)
+    if precision == "bf16":
+        model.target.to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(batch, torch.Generator().manual_seed(0))
+    step = StepModel.from_model(model)
+    shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=packed, model=step)
+    memory = step_memory(step, shapes, Settings(precision=precision, attention=attention_path(model, batch)))
+    predicted = sum(float(memory[k][0]) for k in ("features", "context_and_rope", "draft_layers",
+                                                  "final_norm_and_head"))
+    assert predicted == pytest.approx(sum(saved.values()), rel=0.03)
+
+
+def test_matmul_flops_match_torch_flop_counter():
+    """Target forward, draft forward + backward, fc and LM head: the model's matmul FLOPs (a packed row: no padding,
+    every anchor valid) against torch's own count of the step's matrix multiplies."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = tiny_model(), make_batch(packed=True)
+    with FlopCounterMode(display=False) as counter:
+        model(batch, torch.Generator().manual_seed(0)).weighted_ce_sum.backward()
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "scaled_dot_product" not in str(op))
+    step = StepModel.from_model(model)
+    shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=True, model=step)
+    without_attention = dict(shapes, sq_half=np.zeros(1), context_pairs=np.zeros(1))
+    flops = step_flops(step, without_attention)
+    block_attention = 3 * step.draft.layers * 4 * step.draft.heads * step.draft.head_dim * shapes["anchors"] * 16 * 16
+    assert float(flops["total"][0] - block_attention[0]) == pytest.approx(matmuls, rel=0.01)
+
+
+def test_memory_grows_with_the_budget_and_checkpointing_saves():
+    step = StepModel.from_model_config({"kind": "tiny", "block_size": 16, "draft_layers": 2, "num_layers": 8,
+                                        "anchors_per_doc": 512, "anchor_density": None})
+    lengths = np.full(64, 200)
+    peaks = [plan_peak_bytes(lengths, {"name": "packed", "max_tokens": b}, step, Settings(), seed=0, world_size=1)
+             for b in (512, 1024, 2048)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    ckpt = plan_peak_bytes(lengths, {"name": "packed", "max_tokens": 2048}, step,
+                           Settings(activation_checkpointing=True), seed=0, world_size=1)
+    assert ckpt < peaks[2]
+
+
+def test_largest_fitting_budget_and_preflight_message():
+    step = StepModel.from_model_config({"kind": "tiny", "block_size": 16, "draft_layers": 2, "num_layers": 8,
+                                        "anchors_per_doc": 512, "anchor_density": None})
+    lengths = np.random.default_rng(0).integers(50, 400, 400)
+    cfg = {"name": "bucketed", "max_tokens": 8192, "boundaries": [0, 100, 200, 400]}
+    settings = Settings(precision="fp32")
+    full = plan_peak_bytes(lengths, cfg, step, settings, seed=0, world_size=1)
+    ckpt = plan_peak_bytes(lengths, cfg, step, replace(settings, activation_checkpointing=True), seed=0, world_size=1)
+    gpu_mem_gb = 0.5 * (full + ckpt) / GIB / USABLE_FRACTION   # fits with checkpointing only
+    best = largest_fitting_max_tokens(lengths, cfg, step, settings, budget_gb=USABLE_FRACTION * gpu_mem_gb, seed=0,
+                                      world_size=1, granularity=256)
+    assert 400 <= best < 8192 and best % 256 == 0
+    for budget, fits in ((best, True), (best + 256, False)):
+        peak = plan_peak_bytes(lengths, {**cfg, "max_tokens": budget}, step, settings, seed=0, world_size=1)
+        assert (peak <= USABLE_FRACTION * gpu_mem_gb * GIB) == fits
+    with pytest.raises(PreflightError, match=rf"sampler.max_tokens={best}\b.*activation_checkpointing=true"):
+        preflight(step, lengths, cfg, settings, gpu_mem_gb=gpu_mem_gb, seed=0)
+    assert preflight(step, lengths, {**cfg, "max_tokens": best}, settings, gpu_mem_gb=gpu_mem_gb,
+                     seed=0)["pred_peak_mem_gb"] <= USABLE_FRACTION * gpu_mem_gb
+
+
+def test_qwen3_8b_preset_and_planner_columns(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dflash_lab.plan import CONF_DIR, run_plan
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("plan", overrides=["model=qwen3_8b", "data=lengths", "data.num_samples=3000",
+                                         "sampler.max_tokens=32768", "cost=seed", f"out_dir={tmp_path}",
+                                         "policies=[bucketed,packed]", "sampler.boundaries=[0,770,1728,8192]"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    step = StepModel.from_model_config(plain["model"])
+    assert step.target == TargetDims(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                                     intermediate=12288, vocab=151936, tied=False)
+    assert step.target.params == pytest.approx(8.19e9, rel=0.01) and step.draft.target_layer_ids == (1, 9, 17, 25, 33)
+    table = run_plan(plain)
+    assert {"pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "fits", "max_tokens_fit"} <= set(
+        table.columns)
+    assert (table["pred_peak_mem_gb_ckpt"] < table["pred_peak_mem_gb"]).all()
+    assert set(table["fits"]) <= {"yes", "ckpt", "no"} and "pred_peak_mem_gb" in (tmp_path / "plan.md").read_text()
+    small = run_plan({**plain, "gpu_mem_gb": 64, "activation_checkpointing": False})
+    assert (small["fits"] != "yes").all() and (small["max_tokens_fit"] < 32768).all()
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="precision"):
+        Settings(precision="fp16")
+    with pytest.raises(ValueError, match="attention"):
+        replace(Settings(), attention="sdpa")
