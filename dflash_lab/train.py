@@ -50,7 +50,7 @@ from dflash_lab import dist, record
 from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.metrics import throughput
-from dflash_lab.model import build_model, heldout_prompts, measure_acceptance
+from dflash_lab.model import build_model, footprint, heldout_prompts, measure_acceptance
 from dflash_lab.probes import DEFAULT_BANDS, PresentationRecorder, ProbeSets, heldout_evaluator, validate_bands
 from dflash_lab.run_logger import RunLogger, close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
 from dflash_lab.sampling import policy_from_config
@@ -105,6 +105,7 @@ class TrainerSettings:
     global_loss_norm: bool = True
     skip_nonfinite: bool = False
     activation_checkpointing: bool = False
+    gpu_mem_gb: float | None = None
     num_threads: int | None = None
     num_workers: int = 0
     log_every: int = 50
@@ -125,6 +126,7 @@ class TrainerSettings:
         "lr": _float(minimum=0.0), "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
         "weight_decay": _float(minimum=0.0), "betas": _betas, "grad_clip": _float(minimum=0.0),
         "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "activation_checkpointing": as_bool,
+        "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
         "num_threads": _int(1, allow_none=True), "num_workers": _int(0), "log_every": _int(1),
         "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
         "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
@@ -348,6 +350,13 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         collate_fn=Collator(pad_id=tokenizer.pad_token_id, packed=policy.packed, effective_lengths=policy.lengths),
     )
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
+    if device.type == "cuda":  # a config that cannot fit stops here, naming the fix, not at step 1 with an OOM
+        memory_gb = trainer.gpu_mem_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
+        fit = footprint.preflight(
+            footprint.StepModel.from_model(model), train_ds.lengths, config["sampler"],
+            footprint.Settings(precision=trainer.precision, activation_checkpointing=trainer.activation_checkpointing,
+                               world_size=env.world_size), gpu_mem_gb=memory_gb, seed=seed)
+        log.info(f"preflight: predicted peak {fit['pred_peak_mem_gb']:.1f} GiB of {fit['budget_gb']:.1f} usable")
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={config['sampler'].get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
                     f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
