@@ -7,13 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dflash_lab.sampling import POLICIES, build_policy
+from dflash_lab.sampling import POLICIES, build_policy, policy_keys
 
 lengths_strategy = arrays(np.int64, st.integers(1, 400), elements=st.integers(1, 512))
 
 
 def params_for(name, lengths):
-    if name.startswith("bucketed"):
+    if "boundaries" in policy_keys(name):
         return {"boundaries": None, "num_buckets": 3, "fit_method": "optimal"}
     return {}
 
