@@ -100,8 +100,8 @@ def policy_from_config(
     """Build a policy from a plain ``conf/sampler/<name>.yaml`` mapping (``name`` and ``max_tokens`` + the rest).
 
     Example:
-        >>> policy_from_config({"name": "full_random", "max_tokens": 64}, [30, 20, 10], seed=0).steps_in_epoch(0)
-        1
+        >>> policy_from_config({"name": "sorted_static", "max_tokens": 64}, [30, 20, 10], seed=0).steps_in_epoch(0)
+        2
     """
     if not isinstance(sampler_cfg, Mapping):
         raise ValueError(f"the sampler config must be a mapping (conf/sampler/<name>.yaml), got {sampler_cfg!r}")

@@ -7,7 +7,7 @@ A policy only decides *which samples go together and in what order*. Everything 
 - ``TokenBudget``: when a padded batch is full. A row of length ``l`` costs ``l`` (or ``l + l^2/q`` with a quadratic
   term), a batch costs ``rows x max row cost`` and must stay ``<= max_tokens``; optionally ``rows <= max_samples``.
 - ``pack_in_order``: greedy packing along a given order (one pass, O(N), memory O(N) whatever the budget);
-  ``pack_real_tokens``: the same, closing batches on real tokens (sum of lengths) instead.
+  ``pack_real_tokens``: batches of about a target number of real tokens (sum of lengths) instead.
 - ``group_into_steps``: turns a global batch list into steps of ``world_size`` batches. Batches are sorted by a cost
   key so the W batches of one step are neighbours in length (no rank waits on a much longer batch), and the
   incomplete last step is dropped or filled by repeating its sorted neighbours (``drop_last``).
@@ -108,8 +108,8 @@ class TokenBudget:
             idea: long rows cost more than linear because of attention).
 
     Example:
-        >>> TokenBudget(4096, quadratic_length=1024).longest_allowed()
-        1600
+        >>> TokenBudget(4096, quadratic_length=1024).longest_allowed()  # 1599 + 1599^2 / 1024 <= 4096
+        1599
     """
 
     max_tokens: int
@@ -224,27 +224,29 @@ def pack_in_order(
 
 
 def pack_real_tokens(
-    order: np.ndarray, lengths: np.ndarray, limit: int, max_samples: int | None = None
+    order: np.ndarray, lengths: np.ndarray, target: int, max_samples: int | None = None
 ) -> list[np.ndarray]:
-    """Greedy batches along ``order`` closed on real tokens: ``sum(lengths) <= limit`` and ``rows <= max_samples``.
+    """Greedy batches along ``order`` of about ``target`` real tokens each (sum of lengths), ``rows <= max_samples``.
 
-    Padding is not looked at: a batch's padded size (rows x longest) may exceed ``limit``. Every sample must be
-    ``<= limit`` (the caller checks). Cost: one O(N) pass in plain Python ints.
+    A batch closes at the sample boundary nearest to ``target``: the next sample joins when the batch would then
+    overshoot the target by no more than it now falls short. So a batch holds at most ``target + longest / 2`` real
+    tokens and the mean lands close to ``target`` (a strict ``<= target`` rule would fall short by about half a
+    mean sample length). Padding is not looked at. Cost: one O(N) pass in plain Python ints.
 
     Example:
-        >>> [b.tolist() for b in pack_real_tokens(np.arange(5), np.array([4, 4, 1, 9, 2]), 9)]
+        >>> [b.tolist() for b in pack_real_tokens(np.arange(5), np.array([4, 4, 2, 9, 2]), 9)]
         [[0, 1, 2], [3], [4]]
     """
     cap = int(max_samples) if max_samples else int(order.size)
+    twice_target = 2 * int(target)
     cuts: list[int] = []
     total = rows = 0
     for position, length in enumerate(lengths[order].tolist()):
-        total += length
-        if total > limit or rows == cap:
+        if rows and (rows == cap or 2 * total + length > twice_target):  # overshoot > shortfall: close first
             cuts.append(position)
-            total, rows = length, 1
-        else:
-            rows += 1
+            total = rows = 0
+        total += length
+        rows += 1
     return split_at(order, cuts)
 
 

@@ -6,14 +6,15 @@ looks at length; composition stays random), and the order of steps is shuffled.
 
 Two budgets (``real_tokens_per_step``):
 - ``null`` (default): the padded budget, ``rows x longest <= max_tokens``, as every padded policy.
-- ``T`` (an integer): equal real tokens per step. A batch closes when its real tokens (sum of lengths) would exceed
-  T, so full_random's steps carry about as many real tokens as a length-grouped policy's (pick T from the
-  planner's ``real_tokens_per_step`` column for that policy). The padded budget is then NOT applied to batches:
-  padded tokens per batch (rows x longest) grow to about T / padding efficiency (~2T on the seed shape) and may
-  exceed ``max_tokens``, so memory per step grows accordingly. ``max_tokens`` still sets which samples are
-  admitted (the overlong rule, identical for every policy compared), ``max_samples`` still caps rows, and T must
-  be at least the longest admitted sample. ``quadratic_length`` does not apply (refused). Steps group batches of
-  similar padded size.
+- ``T`` (an integer): equal real tokens per step. A batch closes at the sample boundary nearest to T real tokens
+  (sum of lengths; ``core.pack_real_tokens``), so the mean real tokens per step is about T and full_random can be
+  compared with a length-grouped policy at equal real tokens: set T to that policy's ``real_tokens_per_step``
+  from the planner table. The padded budget is then NOT applied to batches: padded tokens per batch (rows x
+  longest) grow to about T / padding efficiency (~2.5 T on the seed and CPU shapes, where padding efficiency
+  falls to ~0.40 because larger random batches have longer longest rows) and exceed ``max_tokens``, so memory per
+  step grows accordingly. ``max_tokens`` still sets which samples are admitted (the overlong rule, identical for
+  every policy compared), ``max_samples`` still caps rows, T must be at least the longest admitted sample, and
+  ``quadratic_length`` does not apply (refused). Steps group batches of similar padded size.
 
 Properties: maximal diversity (composition repeat ~ 0, adjacent-length correlation ~ 0, every batch mixes lengths);
 but a batch is padded to its longest sample, so on heavy-tailed data about half of the compute is padding

@@ -2,26 +2,30 @@
 
 Algorithm: each epoch draw a random order of all documents and cut it into chunks of about ``chunk_rows`` rows'
 worth of tokens. Each chunk is bin-packed with best-fit-decreasing (longest document first, into the open row with
-the least sufficient free space; ``best_fit_decreasing``). The chunk's underfull rows (more than
-``CARRY_FREE_SHARE`` of the row free, at most a quarter of the chunk's rows, emptiest first) are not emitted:
-their documents are carried into the next chunk and packed again with fresh documents, so only the epoch's last
-chunk can leave underfull rows. One row is one rank's batch for one step; with W ranks a step takes W rows of
-similar attention cost (sum of squared document lengths), and the order of steps is shuffled.
+the least sufficient free space; ``best_fit_decreasing``). A chunk's underfull rows (more than
+``CARRY_FREE_SHARE`` of the row free; at most a quarter of the chunk's rows, emptiest first) are not emitted: they
+stay open into the next chunk, whose documents fill them, so only the epoch's last chunk can leave an underfull
+row. One row is one rank's batch for one step; with W ranks a step takes W rows of similar attention cost (sum of
+squared document lengths), and the order of steps is shuffled.
 
-Properties: no padding inside a row, and rows are full: row fill >= 0.999 on the reference workloads (seed,
-heavy-tailed, bimodal at budget 32,768; the CPU shape at 4,096), against ~0.99 without the carry. Composition
-changes every epoch because chunks are re-drawn (a carried document just moves one chunk later); a row mixes long
-and short documents. The model must mask attention per document (the packed collator marks documents with
-``doc_ids`` and restarts ``position_ids``). Larger chunks pack a little tighter; smaller chunks give more random
-row composition.
+Properties: no padding inside a row, and rows are full: row fill >= 0.999 on the reference workloads at full size
+(seed, heavy-tailed, bimodal at budget 32,768; the CPU shape at 4,096), against 0.986-0.990 without the carry;
+the only loss left is the epoch's last rows. Composition changes every epoch because chunks are re-drawn (a
+carried row just spans two neighbouring chunks of the random order). Rows are fairly length-homogeneous
+(within-row length spread ~0.16 on the CPU shape, like bucketed's ~0.17), because best-fit-decreasing places a
+chunk's long documents first and fills the last rows with short ones. The model must mask attention per
+document (the packed collator marks documents with ``doc_ids`` and restarts ``position_ids``). Larger chunks pack
+a little tighter; smaller chunks give more random row composition.
 
 Cost: O(N) for the permutation + O(n log n) sort and O(n log r) bisection per chunk (n documents, r open rows);
-the carry adds at most a quarter chunk per chunk: O(N log N) per epoch overall.
+each document is placed once (a carried row is continued, not re-packed): O(N log N) per epoch overall.
 """
 
 from __future__ import annotations
 
 import bisect
+from itertools import chain
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -33,14 +37,18 @@ CARRY_FREE_SHARE = 0.002
 
 
 def best_fit_decreasing(
-    docs: np.ndarray, lengths: np.ndarray, capacity: int, max_docs: int | None
+    docs: np.ndarray,
+    lengths: np.ndarray,
+    capacity: int,
+    max_docs: int | None,
+    open_rows: Sequence[np.ndarray] = (),
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Best-fit-decreasing bin packing of ``docs`` into rows of ``capacity`` tokens.
 
     Each document, longest first, goes to the open row whose free space is smallest but sufficient (found by
     bisection over a sorted list of free spaces); rows with less space than the shortest document, or holding
-    ``max_docs`` documents, are closed. Cost: O(n log n) sort + O(n log r) bisection (r open rows) with list
-    inserts of O(r).
+    ``max_docs`` documents, are closed. ``open_rows`` are partly filled rows to continue (they come first in the
+    result). Cost: O(n log n) sort + O(n log r) bisection (r open rows) with list inserts of O(r).
 
     Returns:
         ``(rows, free)``: each row's document indices, and each row's free tokens.
@@ -49,33 +57,41 @@ def best_fit_decreasing(
         >>> rows, free = best_fit_decreasing(np.arange(4), np.array([6, 5, 4, 3]), 10, None)
         >>> [r.tolist() for r in rows], free.tolist()
         ([[0, 2], [1, 3]], [0, 2])
+        >>> rows, free = best_fit_decreasing(np.array([2, 3]), np.array([6, 5, 4, 3]), 10, None, [np.array([0])])
+        >>> [r.tolist() for r in rows], free.tolist()
+        ([[0, 2], [3]], [0, 7])
     """
-    if docs.size == 0:
-        return [], np.zeros(0, dtype=np.int64)
     order = docs[np.argsort(-lengths[docs], kind="stable")]
     sizes = lengths[order].tolist()
-    smallest = sizes[-1]
-    free: list[int] = []  # free space of open rows, ascending
-    row_of_free: list[int] = []  # row id for each entry of `free`
-    rows: list[list[int]] = []
-    left_of_row: list[int] = []
+    smallest = sizes[-1] if sizes else capacity + 1
+    limit = max_docs or len(sizes) + max(map(len, open_rows), default=0) + 1
+    rows: list[list[int]] = [r.tolist() for r in open_rows]
+    # Free space of open rows, ascending, and the row id of each entry.
+    free_of = [(capacity - int(lengths[r].sum()), row) for row, r in enumerate(open_rows)]
+    free_of = sorted(f for f in free_of if f[0] >= smallest and len(rows[f[1]]) < limit)
+    free = [left for left, _ in free_of]
+    row_of_free = [row for _, row in free_of]
     for doc, size in zip(order.tolist(), sizes):
         slot = bisect.bisect_left(free, size)
         if slot == len(free):
             row = len(rows)
             rows.append([doc])
             left = capacity - size
-            left_of_row.append(left)
         else:
             left = free.pop(slot) - size
             row = row_of_free.pop(slot)
             rows[row].append(doc)
-            left_of_row[row] = left
-        if left >= smallest and (max_docs is None or len(rows[row]) < max_docs):
+        if left >= smallest and len(rows[row]) < limit:
             slot = bisect.bisect_left(free, left)
             free.insert(slot, left)
             row_of_free.insert(slot, row)
-    return [np.asarray(r, dtype=np.int64) for r in rows], np.asarray(left_of_row, dtype=np.int64)
+    if not rows:
+        return [], np.zeros(0, dtype=np.int64)
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(counts.sum()))
+    ends = np.cumsum(counts)
+    used = np.add.reduceat(lengths[flat], ends - counts)
+    return split_at(flat, ends[:-1].tolist()), capacity - used
 
 
 class Packed:
@@ -117,20 +133,18 @@ class Packed:
         chunk_of = np.cumsum(lengths[order]) // self.chunk_tokens
         chunks = split_at(order, (np.flatnonzero(np.diff(chunk_of)) + 1).tolist())
         rows: list[np.ndarray] = []
-        carried = np.zeros(0, dtype=np.int64)
+        carried: list[np.ndarray] = []  # underfull rows of the previous chunk, continued in this one
         for i, chunk in enumerate(chunks):
             chunk_rows, free = best_fit_decreasing(
-                np.concatenate([carried, chunk]), lengths, self.budget.max_tokens, self.budget.max_samples
+                chunk, lengths, self.budget.max_tokens, self.budget.max_samples, carried
             )
+            carried = []
             if i + 1 < len(chunks):
                 hand_on = self.underfull(chunk_rows, free)
-                if hand_on.size:
-                    carried = np.concatenate([chunk_rows[r] for r in hand_on])
-                    emitted = np.ones(len(chunk_rows), dtype=bool)
-                    emitted[hand_on] = False
-                    chunk_rows = [r for r, keep in zip(chunk_rows, emitted) if keep]
-                else:
-                    carried = carried[:0]
+                carried = [chunk_rows[r] for r in hand_on]
+                emitted = np.ones(len(chunk_rows), dtype=bool)
+                emitted[hand_on] = False
+                chunk_rows = [r for r, keep in zip(chunk_rows, emitted) if keep]
             rows += chunk_rows
         # Step grouping key: a row's attention cost, so the W rows of one step take about the same time.
         sq = lengths.astype(np.float64) ** 2
