@@ -47,7 +47,7 @@ def test_carried_rows_keep_composition_random():
 
 def test_best_fit_decreasing_continues_open_rows():
     lengths = np.array([6, 5, 4, 3, 2])
-    rows, free = best_fit_decreasing(np.array([1, 2, 4]), lengths, 10, None, [np.array([0]), np.array([3])])
+    rows, free = best_fit_decreasing(np.array([1, 2, 4]), lengths, 10, None, [(np.array([0]), 4), (np.array([3]), 7)])
     assert [r.tolist() for r in rows] == [[0, 2], [3, 1, 4]]  # 5 -> the row with 7 free, 4 -> the row with 4 free
     assert free.tolist() == [0, 0]
 

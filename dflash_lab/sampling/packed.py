@@ -3,7 +3,7 @@
 Algorithm: each epoch draw a random order of all documents and cut it into chunks of about ``chunk_rows`` rows'
 worth of tokens. Each chunk is bin-packed with best-fit-decreasing (longest document first, into the open row with
 the least sufficient free space; ``best_fit_decreasing``). A chunk's underfull rows (more than
-``CARRY_FREE_SHARE`` of the row free; at most a quarter of the chunk's rows, emptiest first) are not emitted: they
+``CARRY_FREE_SHARE`` of the row free; at most a sixteenth of the chunk's rows, emptiest first) are not emitted: they
 stay open into the next chunk, whose documents fill them, so only the epoch's last chunk can leave an underfull
 row. One row is one rank's batch for one step; with W ranks a step takes W rows of similar attention cost (sum of
 squared document lengths), and the order of steps is shuffled.
@@ -41,14 +41,14 @@ def best_fit_decreasing(
     lengths: np.ndarray,
     capacity: int,
     max_docs: int | None,
-    open_rows: Sequence[np.ndarray] = (),
+    open_rows: Sequence[tuple[np.ndarray, int]] = (),
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Best-fit-decreasing bin packing of ``docs`` into rows of ``capacity`` tokens.
 
     Each document, longest first, goes to the open row whose free space is smallest but sufficient (found by
     bisection over a sorted list of free spaces); rows with less space than the shortest document, or holding
-    ``max_docs`` documents, are closed. ``open_rows`` are partly filled rows to continue (they come first in the
-    result). Cost: O(n log n) sort + O(n log r) bisection (r open rows) with list inserts of O(r).
+    ``max_docs`` documents, are closed. ``open_rows`` are partly filled rows to continue, as (documents, free
+    tokens) pairs; they come first in the result. Cost: O(n log n) sort + O(n log r) bisection (r open rows) with list inserts of O(r).
 
     Returns:
         ``(rows, free)``: each row's document indices, and each row's free tokens.
@@ -57,18 +57,17 @@ def best_fit_decreasing(
         >>> rows, free = best_fit_decreasing(np.arange(4), np.array([6, 5, 4, 3]), 10, None)
         >>> [r.tolist() for r in rows], free.tolist()
         ([[0, 2], [1, 3]], [0, 2])
-        >>> rows, free = best_fit_decreasing(np.array([2, 3]), np.array([6, 5, 4, 3]), 10, None, [np.array([0])])
+        >>> rows, free = best_fit_decreasing(np.array([2, 3]), np.array([6, 5, 4, 3]), 10, None, [(np.array([0]), 4)])
         >>> [r.tolist() for r in rows], free.tolist()
         ([[0, 2], [3]], [0, 7])
     """
     order = docs[np.argsort(-lengths[docs], kind="stable")]
     sizes = lengths[order].tolist()
     smallest = sizes[-1] if sizes else capacity + 1
-    limit = max_docs or len(sizes) + max(map(len, open_rows), default=0) + 1
-    rows: list[list[int]] = [r.tolist() for r in open_rows]
+    rows: list[list[int]] = [r.tolist() for r, _ in open_rows]
     # Free space of open rows, ascending, and the row id of each entry.
-    free_of = [(capacity - int(lengths[r].sum()), row) for row, r in enumerate(open_rows)]
-    free_of = sorted(f for f in free_of if f[0] >= smallest and len(rows[f[1]]) < limit)
+    free_of = sorted((int(left), row) for row, (_, left) in enumerate(open_rows)
+                     if left >= smallest and (max_docs is None or len(rows[row]) < max_docs))
     free = [left for left, _ in free_of]
     row_of_free = [row for _, row in free_of]
     for doc, size in zip(order.tolist(), sizes):
@@ -81,7 +80,7 @@ def best_fit_decreasing(
             left = free.pop(slot) - size
             row = row_of_free.pop(slot)
             rows[row].append(doc)
-        if left >= smallest and len(rows[row]) < limit:
+        if left >= smallest and (max_docs is None or len(rows[row]) < max_docs):
             slot = bisect.bisect_left(free, left)
             free.insert(slot, left)
             row_of_free.insert(slot, row)
@@ -116,7 +115,7 @@ class Packed:
         total_tokens = int(admission.lengths[admission.kept].sum())
         self.chunk_tokens = min(self.chunk_rows * budget.max_tokens, total_tokens + 1)
         self.carry_free = int(CARRY_FREE_SHARE * budget.max_tokens)
-        self.carry_rows = max(1, self.chunk_rows // 4)
+        self.carry_rows = max(1, self.chunk_rows // 16)
 
     def underfull(self, rows: list[np.ndarray], free: np.ndarray) -> np.ndarray:
         """Indices of the rows to carry on: the emptiest rows over ``carry_free`` free that could take documents."""
@@ -133,7 +132,7 @@ class Packed:
         chunk_of = np.cumsum(lengths[order]) // self.chunk_tokens
         chunks = split_at(order, (np.flatnonzero(np.diff(chunk_of)) + 1).tolist())
         rows: list[np.ndarray] = []
-        carried: list[np.ndarray] = []  # underfull rows of the previous chunk, continued in this one
+        carried: list[tuple[np.ndarray, int]] = []  # (documents, free tokens) of rows continued in the next chunk
         for i, chunk in enumerate(chunks):
             chunk_rows, free = best_fit_decreasing(
                 chunk, lengths, self.budget.max_tokens, self.budget.max_samples, carried
@@ -141,7 +140,7 @@ class Packed:
             carried = []
             if i + 1 < len(chunks):
                 hand_on = self.underfull(chunk_rows, free)
-                carried = [chunk_rows[r] for r in hand_on]
+                carried = [(chunk_rows[r], free[r]) for r in hand_on]
                 emitted = np.ones(len(chunk_rows), dtype=bool)
                 emitted[hand_on] = False
                 chunk_rows = [r for r, keep in zip(chunk_rows, emitted) if keep]
