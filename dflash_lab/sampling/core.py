@@ -20,7 +20,7 @@ a planner into the torch ``batch_sampler`` protocol with resumable state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -263,7 +263,6 @@ class StepPlan:
     world_size: int
     repeated_samples: int = 0  # samples seen twice this epoch to give every rank the same step count
     dropped_samples: int = 0  # samples left out this epoch by drop_last
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -326,12 +325,10 @@ def arrange_steps(
     rng: np.random.Generator,
     *,
     drop_last: bool,
-    shuffle_steps: bool = True,
 ) -> StepPlan:
-    """``group_into_steps``, then shuffle the order of steps (``shuffle_steps=False`` keeps key order)."""
+    """``group_into_steps``, then shuffle the order of steps."""
     steps = group_into_steps(batches, sort_key, world_size, drop_last=drop_last)
-    n_steps = steps.index.shape[0]
-    return steps.plan(batches, rng.permutation(n_steps) if shuffle_steps and n_steps else None)
+    return steps.plan(batches, rng.permutation(steps.index.shape[0]))
 
 
 def bucket_run_order(

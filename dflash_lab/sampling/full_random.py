@@ -10,9 +10,9 @@ Two budgets (``real_tokens_per_step``):
   (sum of lengths; ``core.pack_real_tokens``), so the mean real tokens per step is about T and full_random can be
   compared with a length-grouped policy at equal real tokens: set T to that policy's ``real_tokens_per_step``
   from the planner table. The padded budget is then NOT applied to batches: padded tokens per batch (rows x
-  longest) grow to about T / padding efficiency (~2.5 T on the seed and CPU shapes, where padding efficiency
-  falls to ~0.40 because larger random batches have longer longest rows) and exceed ``max_tokens``, so memory per
-  step grows accordingly. ``max_tokens`` still sets which samples are admitted (the overlong rule, identical for
+  longest) grow to about T / padding efficiency and exceed ``max_tokens``, so memory per step grows accordingly:
+  ~2.5 T on the seed and CPU shapes (padding efficiency falls to ~0.39: larger random batches have longer longest
+  rows), ~3.4 T on the bimodal shape, ~7.7 T on the heavy-tailed one. ``max_tokens`` still sets which samples are admitted (the overlong rule, identical for
   every policy compared), ``max_samples`` still caps rows, T must be at least the longest admitted sample, and
   ``quadratic_length`` does not apply (refused). Steps group batches of similar padded size.
 

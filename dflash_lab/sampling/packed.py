@@ -9,7 +9,7 @@ row. One row is one rank's batch for one step; with W ranks a step takes W rows 
 squared document lengths), and the order of steps is shuffled.
 
 Properties: no padding inside a row, and rows are full: row fill >= 0.999 on the reference workloads at full size
-(seed, heavy-tailed, bimodal at budget 32,768; the CPU shape at 4,096), against 0.986-0.990 without the carry;
+(seed, heavy-tailed, bimodal at budget 32,768; the CPU shape at 4,096), against 0.990-0.992 without the carry;
 the only loss left is the epoch's last rows. Composition changes every epoch because chunks are re-drawn (a
 carried row just spans two neighbouring chunks of the random order). Rows are fairly length-homogeneous
 (within-row length spread ~0.16 on the CPU shape, like bucketed's ~0.17), because best-fit-decreasing places a
