@@ -155,9 +155,9 @@ def test_mismatched_state_is_refused(name, cpu_lengths):
     with pytest.raises(ValueError, match="world_size"):
         make(name, cpu_lengths, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="max_tokens"):
-        build_policy(name, cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]).load_state_dict(
-            state
-        )
+        build_policy(
+            name, cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]
+        ).load_state_dict(state)
     other = cpu_lengths.copy()
     other[0] += 1
     with pytest.raises(ValueError, match="lengths"):

@@ -154,7 +154,8 @@ def test_negative_lengths_no_longer_fit_to_a_silent_answer():
 
 
 def test_fit_boundaries_refuses_unknown_options():
-    with pytest.raises(ValueError, match=r"unknown fit_boundaries key\(s\) \['max_tokens'\]; valid keys: max_candidates"):
+    unknown = r"unknown fit_boundaries key\(s\) \['max_tokens'\]; valid keys: max_candidates"
+    with pytest.raises(ValueError, match=unknown):
         fit_boundaries(LENGTHS, 3, "optimal", max_tokens=4096)
     with pytest.raises(ValueError, match=r"sampler\.num_buckets=0"):
         fit_boundaries(LENGTHS, 0)

@@ -12,9 +12,10 @@ Two budgets (``real_tokens_per_step``):
   from the planner table. The padded budget is then NOT applied to batches: padded tokens per batch (rows x
   longest) grow to about T / padding efficiency and exceed ``max_tokens``, so memory per step grows accordingly:
   ~2.5 T on the seed and CPU shapes (padding efficiency falls to ~0.39: larger random batches have longer longest
-  rows), ~3.4 T on the bimodal shape, ~7.7 T on the heavy-tailed one. ``max_tokens`` still sets which samples are admitted (the overlong rule, identical for
-  every policy compared), ``max_samples`` still caps rows, T must be at least the longest admitted sample, and
-  ``quadratic_length`` does not apply (refused). Steps group batches of similar padded size.
+  rows), ~3.4 T on the bimodal shape, ~7.7 T on the heavy-tailed one. ``max_tokens`` still sets which samples
+  are admitted (the overlong rule, identical for every policy compared), ``max_samples`` still caps rows, T must
+  be at least the longest admitted sample, and ``quadratic_length`` does not apply (refused). Steps group batches
+  of similar padded size.
 
 Properties: maximal diversity (composition repeat ~ 0, adjacent-length correlation ~ 0, every batch mixes lengths);
 but a batch is padded to its longest sample, so on heavy-tailed data about half of the compute is padding

@@ -32,7 +32,7 @@ import numpy as np
 from ..config_check import as_int
 from .core import Admission, StepPlan, TokenBudget, arrange_steps, epoch_rng, split_at
 
-# A row with more than this share of its tokens free is underfull: its documents move on to the next chunk.
+# A row with more than this share of its tokens free is underfull: it stays open into the next chunk.
 CARRY_FREE_SHARE = 0.002
 
 
@@ -48,7 +48,8 @@ def best_fit_decreasing(
     Each document, longest first, goes to the open row whose free space is smallest but sufficient (found by
     bisection over a sorted list of free spaces); rows with less space than the shortest document, or holding
     ``max_docs`` documents, are closed. ``open_rows`` are partly filled rows to continue, as (documents, free
-    tokens) pairs; they come first in the result. Cost: O(n log n) sort + O(n log r) bisection (r open rows) with list inserts of O(r).
+    tokens) pairs; they come first in the result. Cost: O(n log n) sort + O(n log r) bisection (r open rows) with
+    list inserts of O(r).
 
     Returns:
         ``(rows, free)``: each row's document indices, and each row's free tokens.
