@@ -9,6 +9,10 @@ Peers, measured in the same process on the same lengths:
   because it iterates Python cut objects; its budget counts real tokens, so its batches may exceed the padded budget);
 - random baselines: a fixed number of samples per batch (plain DistributedSampler, as SpecForge does) and
   random order under our token budget (that is ``full_random``).
+Ours also include the forgetting-ablation orders: ``bucketed`` with ``run_length=8``, the ``bucket_sequential``
+positive control, and ``full_random`` at equal real tokens per step (``real_tokens_per_step`` = the preset-boundary
+``bucketed`` plan's mean real tokens per step, so padded tokens per step exceed the budget). Preset boundaries are
+the seed's (``cpu``: the seed's / 8).
 
 Timings are the median of ``--repeats`` runs of one epoch's plan (epochs 1..repeats, so nothing is cached).
 Padding efficiency = sum(real) / sum(rows x longest) (``dflash_lab.metrics.throughput``). Memory: peak RSS of a
@@ -33,6 +37,7 @@ from dflash_lab.sampling import build_policy, fit_boundaries
 from dflash_lab.sampling.stats import plan_padding, plan_stats
 
 SEED_BOUNDS = [0, 770, 1216, 1728, 2432, 3296, 8192]
+CPU_BOUNDS = [0, 96, 152, 216, 304, 412, 1024]  # the seed's / 8, for the CPU-scale workload
 
 
 def timed(fn, repeats):
@@ -51,21 +56,29 @@ def fixed_size_pad_eff(order: np.ndarray, lengths: np.ndarray, batch_size: int) 
     return padding_efficiency(rows.sum(), (rows.max(axis=1) * batch_size).sum())
 
 
-def bench_ours(lengths, budget, repeats):
+def bench_ours(lengths, budget, repeats, preset):
     longest = int(lengths.max())
-    bounds = SEED_BOUNDS[:-1] + [max(SEED_BOUNDS[-1], longest)]
+    preset_bounds = CPU_BOUNDS if preset == "cpu" else SEED_BOUNDS
+    bounds = preset_bounds[:-1] + [max(preset_bounds[-1], longest)]
     configs = {
         "full_random": {},
         "sorted_static": {},
-        "bucketed (seed boundaries)": {"boundaries": bounds},
+        f"bucketed ({preset} boundaries)": {"boundaries": bounds},
         "bucketed (6 quantile)": {"boundaries": fit_boundaries(lengths, 6, "quantile")},
         "bucketed (6 optimal)": {"boundaries": fit_boundaries(lengths, 6, "optimal")},
-        "bucketed_megabatch (seed boundaries)": {"boundaries": bounds},
+        f"bucketed_megabatch ({preset} boundaries)": {"boundaries": bounds},
         "packed": {},
+        f"bucketed ({preset} boundaries, run_length=8)": {"boundaries": bounds, "run_length": 8},
+        f"bucket_sequential ({preset} boundaries)": {"boundaries": bounds},
+        "full_random (equal real tokens)": None,  # filled from the preset-boundary bucketed plan below
     }
     rows = []
     for label, params in configs.items():
         name = label.split(" ")[0]
+        if params is None:
+            bucketed = next(r for r in rows if r["batching"] == f"dflash_lab bucketed ({preset} boundaries)")
+            params = {"real_tokens_per_step": int(round(bucketed["real_per_step"]))}
+            label = f"{label[:-1]}: {params['real_tokens_per_step']:,})"
         start = time.perf_counter()
         policy = build_policy(name, lengths, max_tokens=budget, seed=0, **params)
         setup = time.perf_counter() - start
@@ -76,6 +89,7 @@ def bench_ours(lengths, budget, repeats):
                 "batching": f"dflash_lab {label}",
                 "pad_eff": stats["pad_eff"],
                 "row_fill": stats["budget_fill"],
+                "real_per_step": stats["real_tokens_per_step"],
                 "composition_repeat": stats["composition_repeat"],
                 "setup_s": setup,
                 "epoch_plan_s": seconds,
@@ -99,6 +113,7 @@ def bench_transformers(lengths, repeats, batch_size):
         "batching": f"transformers LengthGroupedSampler ({batch_size} per batch)",
         "pad_eff": fixed_size_pad_eff(order, lengths, batch_size),
         "row_fill": float("nan"),
+        "real_per_step": float("nan"),
         "composition_repeat": float("nan"),
         "setup_s": 0.0,
         "epoch_plan_s": seconds,
@@ -122,6 +137,7 @@ def bench_lhotse(lengths, budget, n):
         "batching": f"lhotse DynamicBucketingSampler (6 buckets; {n:,} samples)",
         "pad_eff": pad["pad_eff"],
         "row_fill": float("nan"),
+        "real_per_step": pad["real_tokens"] / max(1, len(batches)),
         "composition_repeat": float("nan"),
         "setup_s": setup,
         "epoch_plan_s": seconds,
@@ -168,14 +184,15 @@ def main() -> None:
     args = parser.parse_args()
 
     lengths = reference_lengths(args.workload, args.n)
-    rows = bench_ours(lengths, args.budget, args.repeats)
+    rows = bench_ours(lengths, args.budget, args.repeats, "cpu" if args.workload == "cpu" else "seed")
     baseline = rows[0]["epoch_plan_s"]
     rng = np.random.default_rng(0)
     rows.append(
         {
             "batching": "random order, fixed 7 per batch (DistributedSampler)",
             "pad_eff": fixed_size_pad_eff(rng.permutation(lengths.size), lengths, 7),
-            "row_fill": float("nan"), "composition_repeat": float("nan"), "setup_s": 0.0, "epoch_plan_s": float("nan"),
+            "row_fill": float("nan"), "real_per_step": float("nan"), "composition_repeat": float("nan"),
+            "setup_s": 0.0, "epoch_plan_s": float("nan"),
         }
     )
     hf = bench_transformers(lengths, args.repeats, 7)
@@ -186,17 +203,19 @@ def main() -> None:
         f"# Sampling benchmark: {args.workload} workload, {args.n:,} samples, budget {args.budget:,}",
         "",
         f"Command: `python benchmarks/bench_sampling.py --workload {args.workload} --n {args.n} "
-        f"--budget {args.budget}`  ",
+        f"--budget {args.budget} --memory-n {args.memory_n}" + (f" --out {args.out}" if args.out else "") + "`  ",
         f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores, "
         f"Python {platform.python_version()}, numpy {np.__version__}; median of {args.repeats} epochs.",
         "",
-        "| batching | padding eff. | row fill | composition repeat | setup s | epoch plan s | transformers time / this |",
-        "|---|---|---|---|---|---|---|",
+        "| batching | padding eff. | row fill | real tokens / step | composition repeat | setup s | epoch plan s "
+        "| transformers time / this |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = hf["epoch_plan_s"] / r["epoch_plan_s"] if r["epoch_plan_s"] == r["epoch_plan_s"] else float("nan")
         lines.append(
-            f"| {r['batching']} | {r['pad_eff']:.3f} | {r['row_fill']:.3f} | {r['composition_repeat']:.3f} | "
+            f"| {r['batching']} | {r['pad_eff']:.3f} | {r['row_fill']:.4f} | {r['real_per_step']:,.0f} | "
+            f"{r['composition_repeat']:.3f} | "
             f"{r['setup_s']:.3f} | {r['epoch_plan_s']:.3f} | {'' if ratio != ratio else f'{ratio:.2f}x'} |"
             + (f" {r['note']}" if "note" in r else "")
         )

@@ -32,15 +32,20 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from .config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
 from .metrics.throughput import full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
 from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
-from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config, smallest_k_for_efficiency
+from .sampling import (
+    FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, smallest_k_for_efficiency,
+    validate_boundaries, validate_lengths,
+)
 from .sampling.stats import plan_padding, plan_stats
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
 SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "drop_last", "overlong")
 BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
+MAX_SWEEP_K = 256  # more buckets than this is no longer bucketing
 
 
 @dataclass(frozen=True)
@@ -163,31 +168,49 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     }
 
 
-def sampler_configs(chosen: Mapping[str, Any], policies: str | Sequence[str]) -> dict[str, dict[str, Any]]:
+def policy_names(policies: Any) -> list[str]:
+    """The ``policies`` key as a list of policy names: ``all``, one name, or a list of names.
+
+    Example:
+        >>> policy_names(["bucketed", "full_random"])
+        ['bucketed', 'full_random']
+    """
+    if policies is None or policies == "all":
+        return list(POLICIES)
+    names = [policies] if isinstance(policies, str) else policies
+    if not isinstance(names, Sequence) or len(names) == 0:
+        raise ValueError(f"policies={policies!r}: give all or a list of policies, e.g. policies=[bucketed,full_random]")
+    unknown = [n for n in names if not isinstance(n, str) or n not in POLICIES]
+    if unknown:
+        raise ValueError(
+            f"policies={list(names)}: unknown {unknown}; choose from {', '.join(POLICIES)} or all "
+            f"(e.g. policies=[bucketed,full_random])"
+        )
+    return list(dict.fromkeys(names))
+
+
+def sampler_configs(chosen: Mapping[str, Any], policies: Any) -> dict[str, dict[str, Any]]:
     """The sampler config of each compared policy: its own conf/sampler file, with the chosen budget keys applied.
 
     The chosen sampler (``sampler=...``) is used as composed; the others take their file's policy-specific keys
     and the chosen sampler's budget keys (and boundary keys, for bucketed policies) so all share one budget.
+    Every config's keys are checked against its policy (``sampling.policy_keys``) before anything is built.
     """
     from omegaconf import OmegaConf
 
-    names = list(POLICIES) if policies in ("all", None) else list(policies)
-    unknown = [n for n in names if n not in POLICIES]
-    if unknown:
-        raise ValueError(f"policies={unknown}: unknown; choose from {', '.join(POLICIES)} or 'all'")
+    as_choice("sampler.name", chosen.get("name"), POLICIES)
     out = {}
-    for name in names:
+    for name in policy_names(policies):
         if name == chosen["name"]:
             out[name] = dict(chosen)
             continue
         own = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "sampler" / f"{name}.yaml"), resolve=True)
-        for key in SHARED_KEYS:
-            if key in chosen and key in own:
-                own[key] = chosen[key]
-        for key in BOUNDARY_KEYS:
+        for key in SHARED_KEYS + BOUNDARY_KEYS:
             if key in chosen and key in own:
                 own[key] = chosen[key]
         out[name] = own
+    for name, sampler_cfg in out.items():
+        refuse_unknown_keys(f"{name} sampler", sampler_cfg, ["name", "max_tokens", *policy_keys(name)])
     return out
 
 
@@ -233,11 +256,13 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     model_cfg = dict(cfg["model"])
     if model_cfg.get("kind") == "hf" and not (model_cfg.get("target_config") or model_cfg.get("target_path")):
         return None
-    settings = Settings(precision=str(cfg.get("precision", "bf16")),
-                        activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
-                        attention=str(cfg.get("attention", "flex")), world_size=int(cfg["world_size"]))
+    settings = Settings(precision=as_choice("precision", cfg.get("precision", "bf16"), ["bf16", "fp32"]),
+                        activation_checkpointing=as_bool("activation_checkpointing",
+                                                         cfg.get("activation_checkpointing", False)),
+                        attention=as_choice("attention", cfg.get("attention", "flex"), ["flex", "dense"]),
+                        world_size=as_int("world_size", cfg["world_size"], minimum=1))
     return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
-            "gpu_mem_gb": float(cfg.get("gpu_mem_gb", 80))}
+            "gpu_mem_gb": as_float("gpu_mem_gb", cfg.get("gpu_mem_gb", 80), minimum=1.0)}
 
 
 def memory_columns(policy: Policy, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], *, model, settings,
@@ -264,16 +289,44 @@ def sweep_bucket_counts(
     seed: int,
     world_size: int,
 ) -> pd.DataFrame:
-    """Padding efficiency and diversity of bucketed (and bucketed_megabatch) plans for K fitted buckets."""
+    """Padding efficiency and diversity of bucketed (and bucketed_megabatch) plans for K fitted buckets.
+
+    Args:
+        k_range: ``[k_min, k_max]`` (``sweep_range`` checks it).
+    """
+    k_min, k_max = sweep_range(k_range)
+    as_choice("sweep_method", method, FIT_METHODS)
     base = {k: v for k, v in sampler_cfg.items() if k in SHARED_KEYS}
     rows = []
-    for k in range(int(k_range[0]), int(k_range[-1]) + 1):
+    for k in range(k_min, k_max + 1):
         boundaries = fit_boundaries(lengths, k, method)
         for name in ("bucketed", "bucketed_megabatch"):
             cfg = {"name": name, **base, "boundaries": boundaries}
             stats = plan_stats(policy_from_config(cfg, lengths, seed=seed, world_size=world_size))
             rows.append({"num_buckets": k, "boundaries": boundaries, **stats})
     return pd.DataFrame(rows)
+
+
+def sweep_range(value: Any) -> tuple[int, int]:
+    """``sweep_k`` as ``(k_min, k_max)``: two positive integers, k_min <= k_max <= MAX_SWEEP_K.
+
+    Example:
+        >>> sweep_range([2, 16])
+        (2, 16)
+        >>> sweep_range([8, 2])
+        Traceback (most recent call last):
+        ...
+        ValueError: sweep_k=[8, 2]: k_min 8 is above k_max 2; write sweep_k=[2,8]
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"sweep_k={value!r}: must be two bucket counts [k_min, k_max], e.g. sweep_k=[2,16]")
+    k_min = as_int("sweep_k[0] (k_min)", value[0], minimum=1, maximum=MAX_SWEEP_K)
+    k_max = as_int("sweep_k[1] (k_max)", value[1], minimum=1, maximum=MAX_SWEEP_K)
+    if k_min > k_max:
+        raise ValueError(
+            f"sweep_k={list(value)}: k_min {k_min} is above k_max {k_max}; write sweep_k=[{k_max},{k_min}]"
+        )
+    return k_min, k_max
 
 
 def plot_k_sweep(sweep: pd.DataFrame, path: Path) -> None:
@@ -297,14 +350,42 @@ def plot_k_sweep(sweep: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None) -> np.ndarray:
-    """Sample lengths for planning: a reference workload (``kind: lengths``) or a dataset's cached lengths."""
-    data_cfg = dict(data_cfg)
-    kind = data_cfg.pop("kind", None)
-    if kind == "lengths":
-        from .data.lengths import reference_lengths
+def conf_keys(group: str) -> dict[Any, list[str]]:
+    """Keys of every ``conf/<group>/*.yaml`` file, by the file's ``kind`` (or its name when it has none)."""
+    from omegaconf import OmegaConf
 
-        return reference_lengths(data_cfg["workload"], int(data_cfg["num_samples"]), seed=int(data_cfg.get("seed", 0)))
+    files = {}
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        keys = OmegaConf.to_container(OmegaConf.load(path))
+        files[keys.get("kind", path.stem)] = list(keys)
+    return files
+
+
+def data_keys(kind: Any) -> list[str]:
+    """The keys data kind ``kind`` uses: those of its ``conf/data/*.yaml`` file (config groups mirror code)."""
+    files = conf_keys("data")
+    as_choice("data.kind", kind, files)
+    return files[kind]
+
+
+def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None) -> np.ndarray:
+    """Sample lengths for planning: a reference workload (``kind: lengths``) or a dataset's cached lengths.
+
+    Raises:
+        ValueError: an unknown data kind, a key the kind does not use (e.g. ``data.path`` with ``kind: lengths``),
+            a bad value, or lengths that fail ``sampling.validate_lengths``.
+    """
+    data_cfg = dict(data_cfg)
+    kind = data_cfg.get("kind")
+    refuse_unknown_keys(f"data (kind={kind})", data_cfg, data_keys(kind))
+    del data_cfg["kind"]
+    if kind == "lengths":
+        from .data.lengths import WORKLOADS, reference_lengths
+
+        workload = as_choice("data.workload", data_cfg["workload"], WORKLOADS)
+        num_samples = as_int("data.num_samples", data_cfg["num_samples"], minimum=1, example=800000)
+        seed = as_int("data.seed", data_cfg.get("seed", 0), minimum=0)
+        return validate_lengths(reference_lengths(workload, num_samples, seed=seed))
     from .data import build_dataset
     from .data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 
@@ -317,7 +398,7 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
     else:
         tokenizer = ByteTokenizer()
     train, _ = build_dataset(kind, tokenizer=tokenizer, **data_cfg).split()
-    return train.lengths
+    return validate_lengths(train.lengths)
 
 
 def to_markdown(table: pd.DataFrame, columns: Sequence[str]) -> str:
@@ -338,41 +419,74 @@ def to_markdown(table: pd.DataFrame, columns: Sequence[str]) -> str:
 
 
 SUMMARY_COLUMNS = (
-    "pad_eff", "budget_fill", "steps_per_epoch", "mean_samples_per_batch", "max_samples_per_batch",
+    "pad_eff", "budget_fill", "real_tokens_per_step", "steps_per_epoch", "mean_samples_per_batch",
+    "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_days",
     "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "fits", "max_tokens_fit",
 )
 
 
+def plan_keys() -> list[str]:
+    """Top-level keys of ``conf/plan.yaml``: its own keys and its config groups."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml"))
+    groups = [next(iter(entry)) for entry in raw["defaults"] if isinstance(entry, dict)]
+    return [k for k in raw if k not in ("defaults", "hydra")] + groups
+
+
+def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int) -> CostModel:
+    """The cost model ``cost.*`` asks for: fitted on a run, calibrated by a micro-benchmark, or given."""
+    valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
+    refuse_unknown_keys("cost", cost_cfg, valid)
+    from_run = cost_cfg.get("from_run")
+    if from_run is not None and not isinstance(from_run, str):
+        raise ValueError(f"cost.from_run={from_run!r}: must be a run directory path, or null")
+    if from_run:
+        return CostModel.from_run(from_run)
+    if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
+        return calibrate_cost(model_cfg, max_tokens, seed=seed)
+    return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2")))
+
+
 def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
-    """Plan every configured policy, write plan.csv/json/md (+ the K sweep) to ``out_dir``; return the table."""
+    """Plan every configured policy, write plan.csv/json/md (+ the K sweep) to ``out_dir``; return the table.
+
+    Every key is checked before any work: unknown keys are refused (valid ones listed) at the top level and in
+    ``sampler``, ``data`` (by data kind) and ``cost``; values are typed (``config_check``).
+    """
+    refuse_unknown_keys("plan", cfg, plan_keys())
+    seed = as_int("seed", cfg["seed"], minimum=0)
+    world_size = as_int("world_size", cfg["world_size"], minimum=1, example=8)
+    epochs = as_float("epochs", cfg["epochs"], example=6)
+    if epochs <= 0:
+        raise ValueError(f"epochs={epochs:g}: the configured run needs a positive number of epochs (e.g. epochs=6)")
+    bands = cfg.get("bands")
+    bands = None if bands is None else validate_boundaries(bands, key="bands")
+    sweep_k = None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"])
+    sweep_method = as_choice("sweep_method", cfg.get("sweep_method", "optimal"), FIT_METHODS)
+    target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
+    samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
+    max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
+    cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed)
+    lengths = load_lengths(cfg["data"], cfg.get("model"))
+
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    cost_cfg = dict(cfg["cost"])
-    if cost_cfg.get("from_run"):
-        cost = CostModel.from_run(cost_cfg["from_run"])
-    elif cost_cfg.get("calibrate"):
-        cost = calibrate_cost(cfg["model"], int(cfg["sampler"]["max_tokens"]), seed=int(cfg["seed"]))
-    else:
-        cost = CostModel(float(cost_cfg["c0"]), float(cost_cfg["c1"]), float(cost_cfg.get("c2", 0.0)))
-    lengths = load_lengths(cfg["data"], cfg.get("model"))
-    samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
     memory = memory_inputs(cfg)
-    table = plan_table(
-        lengths, samplers, seed=int(cfg["seed"]), world_size=int(cfg["world_size"]), epochs=float(cfg["epochs"]),
-        cost=cost, bands=cfg.get("bands"), memory=memory,
-    )
+    table = plan_table(lengths, samplers, seed=seed, world_size=world_size, epochs=epochs, cost=cost, bands=bands,
+                       memory=memory)
     table.to_csv(out_dir / "plan.csv")
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
-            "epochs": cfg["epochs"], "world_size": cfg["world_size"],
+            "epochs": epochs, "world_size": world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
     markdown = (
-        f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {cfg['world_size']}, "
-        f"{cfg['epochs']} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n"
+        f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
+        f"{epochs:g} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
@@ -380,22 +494,20 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     )
     (out_dir / "plan.md").write_text(markdown + "\n")
     print(markdown)
-    if cfg.get("sweep_k"):
+    if sweep_k is not None:
         sweep = sweep_bucket_counts(
-            lengths, cfg["sweep_k"], cfg["sampler"], method=cfg.get("sweep_method", "optimal"),
-            seed=int(cfg["seed"]), world_size=int(cfg["world_size"]),
+            lengths, sweep_k, cfg["sampler"], method=sweep_method, seed=seed, world_size=world_size
         )
         sweep.to_csv(out_dir / "k_sweep.csv", index=False)
         plot_k_sweep(sweep, out_dir / "k_sweep.png")
         print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
-    if cfg.get("target_pad_eff"):
+    if target_pad_eff is not None:
         shared = {k: v for k, v in cfg["sampler"].items() if k in SHARED_KEYS and k != "max_tokens"}
         found = smallest_k_for_efficiency(
-            lengths, float(cfg["target_pad_eff"]), max_tokens=int(cfg["sampler"]["max_tokens"]),
-            method=cfg.get("sweep_method", "optimal"), seed=int(cfg["seed"]), **shared,
+            lengths, target_pad_eff, max_tokens=max_tokens, method=sweep_method, seed=seed, **shared
         )
         (out_dir / "smallest_k.json").write_text(json.dumps(found, indent=2))
-        print(f"\nfewest buckets reaching padding efficiency {cfg['target_pad_eff']}: K={found['num_buckets']} "
+        print(f"\nfewest buckets reaching padding efficiency {target_pad_eff}: K={found['num_buckets']} "
               f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
     print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md")
     return table

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from dflash_lab.plan import CostModel, predict_throughput, sampler_configs
-from dflash_lab.sampling import build_policy
+from dflash_lab.sampling import POLICIES, build_policy
 
 
 def test_cost_model_fit_recovers_coefficients():
@@ -97,9 +97,100 @@ def test_plan_cli_writes_table(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     table = pd.read_csv(tmp_path / "plan.csv", index_col=0)
-    assert set(table.index) == {"sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed"}
+    assert set(table.index) == set(POLICIES)
+    assert (table["real_tokens_per_step"] > 0).all()
     assert table.loc["sorted_static", "pad_eff"] > 0.99
     assert table.loc["full_random", "pred_ktok_s"] < table.loc["bucketed", "pred_ktok_s"]
     assert json.loads((tmp_path / "plan.json").read_text())["meta"]["num_samples"] == 20000
     assert (tmp_path / "k_sweep.png").stat().st_size > 0
     assert "| bucketed |" in out.stdout
+
+
+# ---- input validation: every bad planner input is refused before any work, naming the key -----------------------
+@pytest.fixture(scope="module")
+def plan_cfg(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dflash_lab.plan import CONF_DIR
+
+    out = tmp_path_factory.mktemp("plan")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("plan", overrides=["data=lengths", "data.workload=cpu", "data.num_samples=3000",
+                                         "sampler.max_tokens=4096", f"out_dir={out}"])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def with_override(cfg, dotted, value):
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("sweep_k", [8, 2], r"sweep_k=\[8, 2\]: k_min 8 is above k_max 2; write sweep_k=\[2,8\]"),
+        ("sweep_k", 5, r"sweep_k=5: must be two bucket counts \[k_min, k_max\], e\.g\. sweep_k=\[2,16\]"),
+        ("sweep_k", [0, 4], r"sweep_k\[0\] \(k_min\)=0: must be >= 1"),
+        ("sweep_k", [2, "x"], r"sweep_k\[1\] \(k_max\)='x': must be an integer"),
+        ("sweep_method", "magic", r"sweep_method='magic': choose one of quantile, equal_tokens, optimal"),
+        ("sampler.name", "bogus", r"sampler\.name='bogus': choose one of sorted_static"),
+        ("sampler.max_tokens", "abc", r"sampler\.max_tokens='abc': must be an integer"),
+        ("sampler.megabatch_batches", 4, r"unknown bucketed sampler key\(s\) \['megabatch_batches'\]; valid keys:"),
+        ("data.path", "/x.jsonl", r"unknown data \(kind=lengths\) key\(s\) \['path'\]; valid keys: kind, "),
+        ("data.kind", "parquet", r"data\.kind='parquet': choose one of"),
+        ("data.workload", "bogus", r"data\.workload='bogus': choose one of seed, cpu, heavy_tailed, bimodal"),
+        ("data.num_samples", 0, r"data\.num_samples=0: must be >= 1"),
+        ("policies", ["bogus"], r"policies=\['bogus'\]: unknown \['bogus'\]; choose from .* or all"),
+        ("policies", [], r"policies=\[\]: give all or a list of policies"),
+        ("colour", "red", r"unknown plan key\(s\) \['colour'\]; valid keys: .*bands, cost, data, epochs"),
+        ("cost.c3", 1.0, r"unknown cost key\(s\) \['c3'\]; valid keys: c0, c1, c2"),
+        ("cost.c1", "fast", r"cost\.c1='fast': must be a number"),
+        ("cost.c0", -1.0, r"cost\.c0=-1: must be >= 0"),
+        ("cost.calibrate", "false", r"cost\.calibrate='false': must be true or false"),
+        ("cost.from_run", 3, r"cost\.from_run=3: must be a run directory path"),
+        ("epochs", 0, r"epochs=0: the configured run needs a positive number of epochs"),
+        ("epochs", "six", r"epochs='six': must be a number"),
+        ("world_size", 0, r"world_size=0: must be >= 1"),
+        ("seed", 1.5, r"seed=1\.5: must be a whole number"),
+        ("bands", [0, 50, 20], r"bands=\[0, 50, 20\]: unsorted entries 50 and 20"),
+        ("target_pad_eff", 2, r"target_pad_eff=2: must be <= 1"),
+    ],
+)
+def test_bad_plan_input_names_the_key(plan_cfg, key, value, match):
+    from dflash_lab.plan import run_plan
+
+    with pytest.raises(ValueError, match=match):
+        run_plan(with_override(plan_cfg, key, value))
+
+
+def test_plan_refuses_bad_input_from_the_command_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_lab.plan", "data=lengths", "+data.path=/data/chat.jsonl",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode != 0 and "unknown data (kind=lengths) key(s) ['path']" in out.stderr
+    assert not (tmp_path / "plan.csv").exists()
+
+
+def test_policies_accepts_one_name_and_equal_real_tokens_flow(plan_cfg):
+    from dflash_lab.plan import plan_table, policy_names
+
+    assert policy_names("bucketed") == ["bucketed"]
+    assert policy_names(["packed", "packed"]) == ["packed"]
+    chosen = {"name": "full_random", "max_tokens": 4096, "real_tokens_per_step": 3000}
+    cfgs = sampler_configs(chosen, ["bucketed", "full_random"])
+    assert cfgs["bucketed"]["max_tokens"] == 4096 and "real_tokens_per_step" not in cfgs["bucketed"]
+    from dflash_lab.data.lengths import reference_lengths
+
+    table = plan_table(reference_lengths("cpu", 5000), cfgs, seed=0, world_size=1, epochs=1, cost=CostModel(0, 1e-5))
+    assert table.loc["full_random", "real_tokens_per_step"] == pytest.approx(3000, rel=0.03)
+    assert table.loc["bucketed", "real_tokens_per_step"] > 2000

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash_lab.sampling import POLICIES, build_policy
+from dflash_lab.sampling import POLICIES, build_policy, policy_keys
 
 MAX_TOKENS = 2048
 PARAMS = {
@@ -19,9 +19,10 @@ PARAMS = {
     "bucketed": {"boundaries": [0, 96, 152, 216, 304, 412, 1024]},
     "bucketed_megabatch": {"boundaries": [0, 96, 152, 216, 304, 412, 1024], "megabatch_batches": 4},
     "packed": {"chunk_rows": 8},
+    "bucket_sequential": {"boundaries": [0, 96, 152, 216, 304, 412, 1024]},
 }
 # Policies whose batch composition must change between epochs (sorted_static only reshuffles batch order).
-COMPOSITION_CHANGES = {"full_random", "bucketed", "bucketed_megabatch", "packed"}
+COMPOSITION_CHANGES = {"full_random", "bucketed", "bucketed_megabatch", "packed", "bucket_sequential"}
 
 
 def make(name, lengths, **kw):
@@ -154,9 +155,9 @@ def test_mismatched_state_is_refused(name, cpu_lengths):
     with pytest.raises(ValueError, match="world_size"):
         make(name, cpu_lengths, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="max_tokens"):
-        build_policy(name, cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]).load_state_dict(
-            state
-        )
+        build_policy(
+            name, cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]
+        ).load_state_dict(state)
     other = cpu_lengths.copy()
     other[0] += 1
     with pytest.raises(ValueError, match="lengths"):
@@ -178,11 +179,11 @@ def test_overlong_modes(name):
     lengths = np.array([10, 20, 3000, 40, 50, 5000, 60])
     with pytest.raises(ValueError, match="overlong"):
         make(name, lengths)
-    extra = {"boundaries": [0, 100, MAX_TOKENS]} if "bucketed" in name else {}
+    extra = {"boundaries": [0, 100, MAX_TOKENS]} if "boundaries" in policy_keys(name) else {}
     t = build_policy(name, lengths, max_tokens=MAX_TOKENS, overlong="truncate", **{**PARAMS[name], **extra})
     assert t.diagnostics(0)["truncated"] == 2 and t.lengths.max() == MAX_TOKENS
     assert sorted(i for b in t.batches(0) for i in b.tolist()) == list(range(7))
-    extra = {"boundaries": [0, 100]} if "bucketed" in name else {}
+    extra = {"boundaries": [0, 100]} if "boundaries" in policy_keys(name) else {}
     d = build_policy(name, lengths, max_tokens=MAX_TOKENS, overlong="drop", **{**PARAMS[name], **extra})
     assert d.diagnostics(0)["dropped_overlong"] == 2
     assert sorted(i for b in d.batches(0) for i in b.tolist()) == [0, 1, 3, 4, 6]

@@ -7,13 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dflash_lab.sampling import POLICIES, build_policy
+from dflash_lab.sampling import POLICIES, build_policy, policy_keys
 
 lengths_strategy = arrays(np.int64, st.integers(1, 400), elements=st.integers(1, 512))
 
 
 def params_for(name, lengths):
-    if name.startswith("bucketed"):
+    if "boundaries" in policy_keys(name):
         return {"boundaries": None, "num_buckets": 3, "fit_method": "optimal"}
     return {}
 
@@ -69,3 +69,37 @@ def test_resume_anywhere(lengths, name, cut):
         assert list(r) == full[cut:]
     else:  # the state after an epoch's last batch names batch 0 of the next epoch
         assert r.epoch == 3 and list(r) == [b.tolist() for b in p.batches(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    step_bucket=arrays(np.int64, st.integers(0, 200), elements=st.integers(0, 5)),
+    run_length=st.integers(1, 9),
+    sequential=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_bucket_run_order_is_a_permutation_in_runs(step_bucket, run_length, sequential, seed):
+    from dflash_lab.sampling.core import bucket_run_order
+
+    order = bucket_run_order(step_bucket, np.random.default_rng(seed), run_length=run_length, sequential=sequential)
+    assert sorted(order.tolist()) == list(range(step_bucket.size))
+    consumed = step_bucket[order]
+    if sequential:
+        assert np.all(np.diff(consumed) >= 0)
+    elif run_length > 1 and consumed.size:
+        changes = np.flatnonzero(consumed[1:] != consumed[:-1]) + 1
+        blocks = np.diff(np.r_[0, changes, consumed.size])
+        # Every maximal same-bucket block is whole runs: a multiple of R, plus the bucket's one shorter run.
+        shorts = [int((step_bucket == b).sum()) % run_length for b in consumed[np.r_[0, changes]]]
+        assert all(size % run_length in (0, short) for size, short in zip(blocks, shorts))
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=lengths_strategy, extra=st.integers(0, 2000), world_size=st.integers(1, 4), seed=st.integers(0, 99))
+def test_equal_real_tokens_invariants(lengths, extra, world_size, seed):
+    target = int(lengths.max()) + extra
+    ranks = [build_policy("full_random", lengths, max_tokens=4096, seed=seed, world_size=world_size, rank=r,
+                          real_tokens_per_step=target) for r in range(world_size)]
+    batches = [b for p in ranks for b in p.batches(0)]
+    assert set(np.concatenate(batches).tolist()) == set(range(lengths.size))
+    assert all(lengths[b].sum() <= target + lengths.max() // 2 for b in batches)

@@ -11,21 +11,27 @@ Fitting methods (``fit_boundaries``):
   are padded to a batch maximum close to the bucket's top, so this is the padding the bucketed policy pays, as an
   upper bound. O(K x D^2) vectorised over D candidates (D <= 2048 by default: well under a second).
 
-``smallest_k_for_efficiency`` picks the fewest buckets whose *measured* plan (bucketed policy, epoch 0) reaches a
-target padding efficiency.
+Lengths enter through ``core.validate_lengths`` (positive whole numbers that fit int64, checked before any cast);
+``sampling.stats.smallest_k_for_efficiency`` picks the fewest fitted buckets whose measured plan reaches a target.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..config_check import as_choice, as_int, refuse_unknown_keys
+from .core import MAX_LENGTH, validate_lengths
+
 FIT_METHODS = ("quantile", "equal_tokens", "optimal")
 
 
-def validate_boundaries(boundaries: Sequence[Any], longest: int | None = None) -> list[int]:
-    """Check a boundary list and return it as plain ints.
+def validate_boundaries(
+    boundaries: Sequence[Any], longest: int | None = None, *, key: str = "sampler.boundaries"
+) -> list[int]:
+    """Check a boundary list and return it as plain ints (``key`` is the config key named in errors).
 
     Raises:
         ValueError: fewer than two entries, non-integers, first not 0, not strictly increasing (unsorted or
@@ -35,30 +41,30 @@ def validate_boundaries(boundaries: Sequence[Any], longest: int | None = None) -
         >>> validate_boundaries([0, 770, 1216, 8192], longest=5000)
         [0, 770, 1216, 8192]
     """
-    try:
-        values = list(boundaries)
-    except TypeError:
-        raise ValueError(f"sampler.boundaries={boundaries!r}: must be a list of integers like [0, 770, 1216, 8192]")
+    if isinstance(boundaries, (str, bytes, Mapping)) or not isinstance(boundaries, Iterable):
+        raise ValueError(f"{key}={boundaries!r}: must be a list of integers like [0, 770, 1216, 8192]")
+    values = list(boundaries)
     if len(values) < 2:
-        raise ValueError(f"sampler.boundaries={values}: needs at least two entries [0, longest] (one bucket)")
+        raise ValueError(f"{key}={values}: needs at least two entries [0, longest] (one bucket)")
     as_ints = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or int(v) != v:
-            raise ValueError(f"sampler.boundaries={values}: {v!r} is not an integer token length")
-        as_ints.append(int(v))
+        try:
+            as_ints.append(as_int(key, v, maximum=MAX_LENGTH))
+        except ValueError:
+            raise ValueError(f"{key}={values}: {v!r} is not an integer token length up to {MAX_LENGTH:,}") from None
     if as_ints[0] != 0:
-        raise ValueError(f"sampler.boundaries={as_ints}: the first boundary must be 0 (got {as_ints[0]}); prepend 0")
+        raise ValueError(f"{key}={as_ints}: the first boundary must be 0 (got {as_ints[0]}); prepend 0")
     steps = np.diff(as_ints)
     if np.any(steps <= 0):
         i = int(np.flatnonzero(steps <= 0)[0])
         kind = "duplicate" if steps[i] == 0 else "unsorted"
         raise ValueError(
-            f"sampler.boundaries={as_ints}: {kind} entries {as_ints[i]} and {as_ints[i + 1]}; "
+            f"{key}={as_ints}: {kind} entries {as_ints[i]} and {as_ints[i + 1]}; "
             f"boundaries must be strictly increasing"
         )
     if longest is not None and as_ints[-1] < longest:
         raise ValueError(
-            f"sampler.boundaries={as_ints}: the last boundary {as_ints[-1]} is below the longest sample ({longest}); "
+            f"{key}={as_ints}: the last boundary {as_ints[-1]} is below the longest sample ({longest}); "
             f"raise it to at least {longest}"
         )
     return as_ints
@@ -71,43 +77,44 @@ def bucket_ids(lengths: np.ndarray | Sequence[int], boundaries: Sequence[int]) -
     against the data at start-up, so a length outside every band is an error reported there, never clipped.
 
     Example:
-        >>> bucket_ids(np.array([1, 96, 97, 1024, 2000]), [0, 96, 152, 1024]).tolist()
-        [0, 0, 1, 2, -1]
+        >>> bucket_ids(np.array([1, 96, 97, 1024, 2000, np.nan]), [0, 96, 152, 1024]).tolist()
+        [0, 0, 1, 2, -1, -1]
     """
     edges = np.asarray(boundaries)
     values = np.asarray(lengths)
     ids = np.searchsorted(edges, values, side="left").astype(np.int64) - 1
-    ids[(values <= edges[0]) | (values > edges[-1])] = -1
+    ids[~((values > edges[0]) & (values <= edges[-1]))] = -1  # written so that NaN lands outside too
     return ids
 
 
 def fit_boundaries(
-    lengths: np.ndarray, num_buckets: int, method: str = "optimal", *, max_candidates: int = 2048, **_: Any
+    lengths: np.ndarray, num_buckets: int, method: str = "optimal", *, max_candidates: int = 2048, **unknown: Any
 ) -> list[int]:
     """Fit bucket boundaries to a lengths array.
 
     Args:
-        lengths: sample lengths.
+        lengths: sample lengths (checked by ``core.validate_lengths``).
         num_buckets: K, the number of buckets (fewer are returned when there are fewer distinct lengths).
         method: ``quantile``, ``equal_tokens`` or ``optimal`` (see the module docstring).
         max_candidates: ``optimal`` only: cap on candidate upper bounds for the dynamic program.
+        **unknown: refused (a misspelt option must never fall back to a default).
 
     Returns:
         ``[0, b1, ..., bK]`` with ``bK = max(lengths)``.
+
+    Raises:
+        ValueError: bad lengths, ``num_buckets``, ``method`` or an unknown option (the message names it).
 
     Example:
         >>> fit_boundaries(np.array([1, 2, 3, 4, 10, 11, 12, 13]), 2, "quantile")
         [0, 4, 13]
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise ValueError("cannot fit boundaries to an empty lengths array")
-    if int(num_buckets) != num_buckets or num_buckets < 1:
-        raise ValueError(f"sampler.num_buckets={num_buckets!r}: must be a positive integer")
-    if method not in FIT_METHODS:
-        raise ValueError(f"sampler.fit_method={method!r}: choose one of {', '.join(FIT_METHODS)}")
+    refuse_unknown_keys("fit_boundaries", unknown, ["max_candidates"])
+    max_candidates = as_int("max_candidates", max_candidates, minimum=2)
+    k = as_int("sampler.num_buckets", num_buckets, minimum=1, example=6)
+    as_choice("sampler.fit_method", method, FIT_METHODS)
+    lengths = validate_lengths(lengths)
     longest = int(lengths.max())
-    k = int(num_buckets)
     if method == "optimal":
         inner = _optimal_uppers(lengths, k, max_candidates)
     else:
@@ -150,42 +157,3 @@ def _optimal_uppers(lengths: np.ndarray, k: int, max_candidates: int) -> list[in
         cuts.append(int(upper[j]))
     return sorted(cuts)
 
-
-def smallest_k_for_efficiency(
-    lengths: np.ndarray,
-    target: float,
-    *,
-    max_tokens: int,
-    method: str = "optimal",
-    max_k: int = 32,
-    seed: int = 0,
-    **policy_params: Any,
-) -> dict[str, Any]:
-    """Fewest buckets whose measured bucketed plan (epoch 0) reaches ``target`` padding efficiency.
-
-    Returns:
-        ``{"num_buckets", "boundaries", "pad_eff", "curve": [(k, pad_eff), ...]}``.
-
-    Raises:
-        ValueError: when no K up to ``max_k`` reaches the target (the message gives the best reached).
-    """
-    from . import build_policy
-    from .stats import plan_padding
-
-    if not 0 < target <= 1:
-        raise ValueError(f"target padding efficiency {target!r} must be in (0, 1]")
-    curve = []
-    for k in range(1, max_k + 1):
-        boundaries = fit_boundaries(lengths, k, method)
-        policy = build_policy(
-            "bucketed", lengths, max_tokens=max_tokens, seed=seed, boundaries=boundaries, **policy_params
-        )
-        eff = plan_padding(policy.global_plan(0).batches, policy.lengths, packed=False)["pad_eff"]
-        curve.append((k, eff))
-        if eff >= target:
-            return {"num_buckets": k, "boundaries": boundaries, "pad_eff": eff, "curve": curve}
-    best_k, best_eff = max(curve, key=lambda kv: kv[1])
-    raise ValueError(
-        f"no bucket count up to {max_k} reaches padding efficiency {target:.3f} with method {method!r} "
-        f"(best {best_eff:.3f} at K={best_k}); lower the target, raise max_k, or use bucketed_megabatch/packed"
-    )

@@ -1,17 +1,22 @@
-"""bucketed: length buckets, shuffled inside each bucket every epoch, batch order shuffled.
+"""bucketed: length buckets, shuffled inside each bucket every epoch, batch order shuffled (optionally in runs).
 
-Algorithm: boundaries ``[b0=0 < b1 < ... < bK]`` put a sample of length l in bucket k when ``b_k < l <= b_(k+1)``.
-Boundaries are given (the seed's ``[0, 770, 1216, 1728, 2432, 3296, 8192]`` is a preset) or fitted from the
-lengths (``num_buckets`` + ``fit_method``: quantile, equal_tokens, optimal; see ``boundaries.py``). Each epoch:
-shuffle the members of every bucket, pack each bucket greedily under the token budget, then shuffle the order of
-steps. With W ranks, a step's W batches come from one bucket (neighbours by longest row), except where a bucket's
-batch count is not a multiple of W and a step straddles two adjacent buckets.
+Algorithm: boundaries ``[b0=0 < b1 < ... < bK]`` put a sample of length l in bucket k when ``b_k < l <= b_(k+1)``
+(``boundaries.bucket_ids``). Boundaries are given (the seed's ``[0, 770, 1216, 1728, 2432, 3296, 8192]`` is a
+preset) or fitted from the lengths (``num_buckets`` + ``fit_method``: quantile, equal_tokens, optimal; see
+``boundaries.py``). Each epoch: shuffle the members of every bucket, pack each bucket greedily under the token
+budget, then shuffle the order of steps. With W ranks, a step's W batches come from one bucket (neighbours by
+longest row), except where a bucket's batch count is not a multiple of W and a step straddles two adjacent buckets.
+
+``run_length: R`` (default 1) sets how steps are ordered: R=1 is one shuffle of all steps; R > 1 shuffles each
+bucket's steps, cuts them into runs of R consecutive same-bucket steps and shuffles the runs (``core.
+bucket_run_order``). R is the dose between random mixing (R=1) and full sequencing (``bucket_sequential``).
 
 Properties: padding bounded by the bucket width (about 0.80 with the seed's 6 buckets on the seed workload);
-composition changes every epoch, but each batch is length-homogeneous, and consecutive steps jump between buckets
-(adjacent-length correlation ~ 0, bucket run length ~ 1 + 1/K).
+composition changes every epoch, but each batch is length-homogeneous. With R=1 consecutive steps jump between
+buckets (adjacent-length correlation ~ 0, bucket run length ~ 1 + 1/K); with R > 1 the bucket run length reads
+about R and the adjacent-length correlation rises toward 1.
 
-Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping.
+Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping and ordering.
 """
 
 from __future__ import annotations
@@ -20,39 +25,42 @@ from typing import Sequence
 
 import numpy as np
 
-from .boundaries import bucket_ids, fit_boundaries, validate_boundaries
-from .core import Admission, StepPlan, TokenBudget, arrange_steps, epoch_rng, pack_in_order
+from ..config_check import as_choice, as_int
+from .boundaries import FIT_METHODS, bucket_ids, fit_boundaries, validate_boundaries
+from .core import (
+    Admission, StepPlan, Steps, TokenBudget, bucket_run_order, epoch_rng, group_into_steps, pack_in_order,
+)
 
 SEED_BOUNDARIES = [0, 770, 1216, 1728, 2432, 3296, 8192]
 CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]  # the seed's boundaries / 8, for the CPU-scale workload
+PRESETS = {"seed": SEED_BOUNDARIES, "cpu": CPU_BOUNDARIES}
 
 
 def resolve_boundaries(
-    lengths: np.ndarray,
-    boundaries: Sequence[int] | str | None,
-    num_buckets: int | None,
-    fit_method: str,
-    max_tokens: int,
+    lengths: np.ndarray, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str
 ) -> list[int]:
     """Boundaries from an explicit list, a preset name (``seed``, ``cpu``) or a fit; validated against lengths."""
+    num_buckets = as_int("sampler.num_buckets", num_buckets, minimum=1, allow_none=True, example=6)
+    as_choice("sampler.fit_method", fit_method, FIT_METHODS)
     if isinstance(boundaries, str):
-        presets = {"seed": SEED_BOUNDARIES, "cpu": CPU_BOUNDARIES}
-        if boundaries not in presets:
-            raise ValueError(f"sampler.boundaries={boundaries!r}: unknown preset; use a list or one of {list(presets)}")
-        boundaries = presets[boundaries]
+        if boundaries not in PRESETS:
+            raise ValueError(f"sampler.boundaries={boundaries!r}: unknown preset; use a list or one of {list(PRESETS)}")
+        boundaries = PRESETS[boundaries]
     if boundaries is None:
         if num_buckets is None:
             raise ValueError(
-                "bucketed needs sampler.boundaries (a list such as [0, 770, 1216, 1728, 2432, 3296, 8192]) "
+                "bucketed policies need sampler.boundaries (a list such as [0, 770, 1216, 1728, 2432, 3296, 8192]) "
                 "or sampler.num_buckets (with sampler.fit_method) to fit them"
             )
-        boundaries = fit_boundaries(lengths, num_buckets, fit_method, max_tokens=max_tokens)
-    elif num_buckets is not None and num_buckets != len(boundaries) - 1:
+        # Fewer buckets come back when there are fewer distinct lengths.
+        return validate_boundaries(fit_boundaries(lengths, num_buckets, fit_method), int(lengths.max()))
+    values = validate_boundaries(boundaries, int(lengths.max()))
+    if num_buckets is not None and num_buckets != len(values) - 1:
         raise ValueError(
-            f"sampler.num_buckets={num_buckets} conflicts with sampler.boundaries ({len(boundaries) - 1} buckets); "
+            f"sampler.num_buckets={num_buckets} conflicts with sampler.boundaries ({len(values) - 1} buckets); "
             f"set sampler.boundaries=null to fit boundaries, or num_buckets=null to use the list"
         )
-    return validate_boundaries(boundaries, int(lengths.max()))
+    return values
 
 
 class Bucketed:
@@ -70,11 +78,13 @@ class Bucketed:
         boundaries: Sequence[int] | str | None = None,
         num_buckets: int | None = None,
         fit_method: str = "optimal",
+        run_length: int = 1,
     ):
+        self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
         self.admission, self.budget = admission, budget
         self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
         kept_lengths = admission.lengths[admission.kept]
-        self.boundaries = resolve_boundaries(kept_lengths, boundaries, num_buckets, fit_method, budget.max_tokens)
+        self.boundaries = resolve_boundaries(kept_lengths, boundaries, num_buckets, fit_method)
         bucket_of_kept = bucket_ids(kept_lengths, self.boundaries)
         # Members of each bucket in dataset order; the per-epoch shuffle starts from this fixed order.
         by_bucket = np.argsort(bucket_of_kept, kind="stable")
@@ -86,8 +96,12 @@ class Bucketed:
         """The consumption order of one bucket's samples this epoch: a plain shuffle."""
         return members[rng.permutation(members.size)]
 
-    def plan(self, epoch: int) -> StepPlan:
-        rng = epoch_rng(self.seed, epoch, stream=30)
+    def bucket_steps(self, rng: np.random.Generator) -> tuple[list[np.ndarray], Steps, np.ndarray]:
+        """This epoch's batches (every bucket shuffled and packed), grouped into steps in (bucket, width) order.
+
+        Returns:
+            ``(batches, steps, step_bucket)``: step_bucket is the bucket of each step's first batch.
+        """
         batches: list[np.ndarray] = []
         keys = []
         for bucket, members in enumerate(self.members):
@@ -95,4 +109,10 @@ class Bucketed:
             batches += packed
             keys.append(np.stack([np.full(len(packed), bucket, dtype=np.float64), widest], axis=1))
         key = np.concatenate(keys) if keys else np.zeros((0, 2))
-        return arrange_steps(batches, key, self.world_size, rng, drop_last=self.drop_last)
+        steps = group_into_steps(batches, key, self.world_size, drop_last=self.drop_last)
+        return batches, steps, key[steps.index[:, 0], 0].astype(np.int64)
+
+    def plan(self, epoch: int) -> StepPlan:
+        rng = epoch_rng(self.seed, epoch, stream=30)
+        batches, steps, step_bucket = self.bucket_steps(rng)
+        return steps.plan(batches, bucket_run_order(step_bucket, rng, run_length=self.run_length))

@@ -12,6 +12,7 @@ are cut from locally sorted runs, while composition still changes every epoch (c
 because megabatch membership is reshuffled. The cost is diversity *within* a batch: batches are even more
 length-homogeneous than plain ``bucketed`` (lower within-batch spread). Larger megabatches -> less padding but
 more predictable composition; ``megabatch_batches=1`` approaches plain shuffling inside the bucket.
+``run_length`` orders steps in same-bucket runs exactly as in ``bucketed``.
 
 Cost: O(N log M) per epoch (one shuffle + one lexsort per bucket) + one packing pass + O(B log B) step grouping.
 """
@@ -22,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..config_check import as_int
 from .bucketed import Bucketed
 from .core import Admission, TokenBudget
 
@@ -40,18 +42,19 @@ class BucketedMegabatch(Bucketed):
         boundaries: Sequence[int] | str | None = None,
         num_buckets: int | None = None,
         fit_method: str = "optimal",
+        run_length: int = 1,
         megabatch_batches: int = 16,
     ):
-        if int(megabatch_batches) != megabatch_batches or megabatch_batches < 1:
-            raise ValueError(f"sampler.megabatch_batches={megabatch_batches!r}: must be a positive integer")
+        megabatch_batches = as_int("sampler.megabatch_batches", megabatch_batches, minimum=1, example=16)
         super().__init__(
             admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
-            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method,
+            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method, run_length=run_length,
         )
-        # Megabatch size in samples per bucket: megabatch_batches x (samples a batch holds at the median length).
+        # Megabatch size in samples per bucket: megabatch_batches x (samples a batch holds at the median length),
+        # never more than the bucket holds (one megabatch = a fully sorted bucket).
         lengths = admission.lengths
         self._megabatch_samples = [
-            max(2, int(megabatch_batches) * max(1, budget.max_tokens // max(1, int(np.median(lengths[m])))))
+            max(2, min(m.size, megabatch_batches * max(1, budget.max_tokens // max(1, int(np.median(lengths[m]))))))
             if m.size else 2
             for m in self.members
         ]

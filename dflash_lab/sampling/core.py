@@ -1,35 +1,38 @@
-"""Shared machinery of every batching policy: validation, token-budget packing, steps, sharding, resumable state.
+"""Shared machinery of every batching policy: validation, token budgets, packing passes, steps.
 
 A policy only decides *which samples go together and in what order*. Everything else lives here, once:
 
+- ``validate_lengths``: the one check of a lengths array, wherever lengths enter (policies, boundary fitting,
+  the planner): positive whole numbers up to ``MAX_LENGTH``, checked in the input's own dtype before any cast.
 - ``TokenBudget``: when a padded batch is full. A row of length ``l`` costs ``l`` (or ``l + l^2/q`` with a quadratic
   term), a batch costs ``rows x max row cost`` and must stay ``<= max_tokens``; optionally ``rows <= max_samples``.
-- ``pack_in_order``: greedy packing along a given order (one pass, O(N)).
-- ``arrange_steps``: turns a global batch list into steps of ``world_size`` batches. Batches are sorted by a cost key
-  so the W batches of one step are neighbours in length (no rank waits on a much longer batch), the incomplete last
-  step is dropped or filled by repeating its sorted neighbours (``drop_last``), and the order of steps is shuffled.
-- ``Policy``: the torch ``batch_sampler`` protocol over a planner (``set_epoch``, ``__iter__``, ``__len__``), rank
-  sharding (step s -> global batches [s*W, s*W+W), rank r takes s*W+r) and a tiny state
-  ``{version, epoch, batches_consumed, fingerprint}``: resume = rebuild the epoch plan + slice, no data replayed.
+- ``pack_in_order``: greedy packing along a given order (one pass, O(N), memory O(N) whatever the budget);
+  ``pack_real_tokens``: batches of about a target number of real tokens (sum of lengths) instead.
+- ``group_into_steps``: turns a global batch list into steps of ``world_size`` batches. Batches are sorted by a cost
+  key so the W batches of one step are neighbours in length (no rank waits on a much longer batch), and the
+  incomplete last step is dropped or filled by repeating its sorted neighbours (``drop_last``).
+  ``arrange_steps`` then shuffles the order of steps; ``bucket_run_order`` orders them in same-bucket runs.
 
 Determinism: every random choice draws from ``epoch_rng(seed, epoch, stream)``, a ``numpy`` generator keyed by a
-``SeedSequence``; a plan is a pure function of (lengths, policy config, seed, epoch, world size).
+``SeedSequence``; a plan is a pure function of (lengths, policy config, seed, epoch, world size). ``policy.py`` wraps
+a planner into the torch ``batch_sampler`` protocol with resumable state.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
-import json
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from .boundaries import bucket_ids
+from ..config_check import as_choice, as_float, as_int
 
-STATE_VERSION = 1
 OVERLONG_MODES = ("error", "truncate", "drop")
+# Longest sample a plan accepts: token positions are int32 in the models trained here, and squared lengths (the
+# attention cost) must stay far inside int64. A larger value is a data error, never a length to cast.
+MAX_LENGTH = 2**31 - 1
+# Largest token budget: budgets are compared as float64, which is exact for integers up to 2^53.
+MAX_BUDGET = 2**53
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -37,15 +40,76 @@ def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(stream)]))
 
 
+def validate_lengths(lengths: Any) -> np.ndarray:
+    """Check a lengths array at the door and return it as int64.
+
+    Values are checked in the input's own dtype before the cast, so NaN, fractions, negative numbers and values
+    too large for int64 (``1e30``, a ``uint64`` above 2^63) are refused instead of wrapping around.
+
+    Raises:
+        ValueError: not one-dimensional, empty, not numeric, non-whole, non-positive or above ``MAX_LENGTH``.
+
+    Example:
+        >>> validate_lengths([3.0, 5]).tolist()
+        [3, 5]
+        >>> validate_lengths([3, float("nan")])
+        Traceback (most recent call last):
+        ...
+        ValueError: lengths must be whole token counts: index 1 holds nan; fix the dataset's length column
+    """
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D array of sample lengths, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError("lengths is empty: the dataset has no samples; check the data config (data.path, filters)")
+    if arr.dtype.kind == "O":  # Python ints beyond int64, or mixed objects: numbers are compared as floats
+        odd = [i for i, v in enumerate(arr) if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]
+        if odd:
+            raise ValueError(
+                f"lengths must be numbers (token counts): index {odd[0]} holds {arr[odd[0]]!r}; fix the dataset's "
+                f"lengths"
+            )
+        arr = arr.astype(np.float64)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"lengths must be integer token counts, got dtype {arr.dtype}; fix the dataset's lengths")
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            raise ValueError(
+                f"lengths must be whole token counts: index {int(bad[0])} holds {arr[bad[0]].item()}; "
+                f"fix the dataset's length column"
+            )
+    bad = np.flatnonzero(arr <= 0)
+    if bad.size:
+        raise ValueError(
+            f"lengths must be positive: {bad.size} sample(s) have length <= 0 (first at index {int(bad[0])}, "
+            f"length {arr[bad[0]].item()}); remove empty samples from the dataset"
+        )
+    bad = np.flatnonzero(arr > MAX_LENGTH)
+    if bad.size:
+        raise ValueError(
+            f"lengths must be at most {MAX_LENGTH:,} tokens: {bad.size} sample(s) are longer (first at index "
+            f"{int(bad[0])}, length {arr[bad[0]].item()}); the length column is corrupt or in the wrong unit"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
 @dataclass(frozen=True)
 class TokenBudget:
     """When a padded batch is full: ``rows x max(row cost) <= max_tokens`` and ``rows <= max_samples``.
+
+    Values are checked (``config_check``) before use: ``max_tokens`` a positive integer up to ``MAX_BUDGET``,
+    ``max_samples`` a positive integer or None, ``quadratic_length`` a positive number or None.
 
     Args:
         max_tokens: padded token budget per rank per step.
         max_samples: optional cap on rows per batch.
         quadratic_length: optional q; a row of length l then costs ``l + l^2 / q`` (lhotse's ``quadratic_duration``
             idea: long rows cost more than linear because of attention).
+
+    Example:
+        >>> TokenBudget(4096, quadratic_length=1024).longest_allowed()  # 1599 + 1599^2 / 1024 <= 4096
+        1599
     """
 
     max_tokens: int
@@ -53,12 +117,14 @@ class TokenBudget:
     quadratic_length: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens <= 0:
-            raise ValueError(f"sampler.max_tokens={self.max_tokens!r}: must be a positive integer token budget")
-        if self.max_samples is not None and (int(self.max_samples) != self.max_samples or self.max_samples <= 0):
-            raise ValueError(f"sampler.max_samples={self.max_samples!r}: must be a positive integer or null")
-        if self.quadratic_length is not None and self.quadratic_length <= 0:
-            raise ValueError(f"sampler.quadratic_length={self.quadratic_length!r}: must be positive or null")
+        max_tokens = as_int("sampler.max_tokens", self.max_tokens, minimum=1, maximum=MAX_BUDGET, example=4096)
+        max_samples = as_int("sampler.max_samples", self.max_samples, minimum=1, allow_none=True, example=64)
+        q = as_float("sampler.quadratic_length", self.quadratic_length, allow_none=True, example=4096)
+        if q is not None and q <= 0:
+            raise ValueError(f"sampler.quadratic_length={q:g}: must be positive, or null for a linear row cost")
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "max_samples", max_samples)
+        object.__setattr__(self, "quadratic_length", q)
 
     def row_cost(self, lengths: np.ndarray) -> np.ndarray:
         """Cost of a row of each length (monotone in length, so a batch's max cost is its longest row's)."""
@@ -79,30 +145,6 @@ class TokenBudget:
         return longest
 
 
-def validate_lengths(lengths: Any) -> np.ndarray:
-    """Check a lengths array at the door and return it as int64.
-
-    Raises:
-        ValueError: empty, not one-dimensional, non-integer or non-positive lengths.
-    """
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D array of sample lengths, got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError("lengths is empty: the dataset has no samples; check the data config (data.path, filters)")
-    if not np.issubdtype(arr.dtype, np.integer):
-        if not np.all(np.isfinite(arr)) or not np.all(np.asarray(arr) == np.round(arr)):
-            raise ValueError("lengths must be whole token counts; found non-integer values")
-    arr = arr.astype(np.int64, copy=False)
-    bad = np.flatnonzero(arr <= 0)
-    if bad.size:
-        raise ValueError(
-            f"lengths must be positive: {bad.size} sample(s) have length <= 0 (first at index {int(bad[0])}, "
-            f"length {int(arr[bad[0]])}); remove empty samples from the dataset"
-        )
-    return arr
-
-
 @dataclass
 class Admission:
     """Result of applying the overlong rule: the samples a plan may use and their effective lengths."""
@@ -115,8 +157,7 @@ class Admission:
 
 def admit(lengths: np.ndarray, longest_allowed: int, overlong: str) -> Admission:
     """Apply ``overlong=error|truncate|drop`` to samples longer than ``longest_allowed``; never silently."""
-    if overlong not in OVERLONG_MODES:
-        raise ValueError(f"sampler.overlong={overlong!r}: choose one of {', '.join(OVERLONG_MODES)}")
+    as_choice("sampler.overlong", overlong, OVERLONG_MODES)
     too_long = lengths > longest_allowed
     n_over = int(too_long.sum())
     all_idx = np.arange(lengths.size, dtype=np.int64)
@@ -142,7 +183,8 @@ def pack_in_order(
     Cost: one pass over N samples in plain Python floats (about 0.1 us per sample; measured faster here than a
     vectorised binary-lifting variant, whose O(N log R) numpy passes cost more than the single loop), one slicing
     pass and one ``np.maximum.reduceat``. The budget test ``rows x widest <= max_tokens`` is precomputed as a
-    per-row-count ceiling on the widest row.
+    per-row-count ceiling on the widest row, for at most min(N, budget / cheapest row) row counts: memory stays
+    O(N) however large ``max_tokens`` is.
 
     Args:
         order: sample indices in the order they are consumed.
@@ -151,13 +193,18 @@ def pack_in_order(
 
     Returns:
         ``(batches, widest)``: int64 index arrays in order, and each batch's largest row cost (a sort key).
+
+    Example:
+        >>> batches, widest = pack_in_order(np.arange(4), np.array([3.0, 3.0, 5.0, 1.0]), TokenBudget(10))
+        >>> [b.tolist() for b in batches], widest.tolist()
+        ([[0, 1], [2, 3]], [3.0, 5.0])
     """
     if order.size == 0:
         return [], np.zeros(0)
     ordered_costs = row_cost[order]
     limit = float(budget.max_tokens)
-    # No batch can hold more rows than the budget divided by the cheapest row.
-    cap = int(limit // float(ordered_costs.min()))
+    # No batch holds more rows than the budget divided by the cheapest row, nor more than there are samples.
+    cap = min(int(limit // float(ordered_costs.min())), int(order.size))
     if budget.max_samples:
         cap = min(cap, int(budget.max_samples))
     # allowed[r]: the widest row a batch may have once it holds r+1 rows; -1 closes a batch at the row cap.
@@ -176,6 +223,33 @@ def pack_in_order(
     return split_at(order, cuts), np.maximum.reduceat(ordered_costs, np.asarray([0, *cuts], dtype=np.int64))
 
 
+def pack_real_tokens(
+    order: np.ndarray, lengths: np.ndarray, target: int, max_samples: int | None = None
+) -> list[np.ndarray]:
+    """Greedy batches along ``order`` of about ``target`` real tokens each (sum of lengths), ``rows <= max_samples``.
+
+    A batch closes at the sample boundary nearest to ``target``: the next sample joins when the batch would then
+    overshoot the target by no more than it now falls short. So a batch holds at most ``target + longest / 2`` real
+    tokens and the mean lands close to ``target`` (a strict ``<= target`` rule would fall short by about half a
+    mean sample length). Padding is not looked at. Cost: one O(N) pass in plain Python ints.
+
+    Example:
+        >>> [b.tolist() for b in pack_real_tokens(np.arange(5), np.array([4, 4, 2, 9, 2]), 9)]
+        [[0, 1, 2], [3], [4]]
+    """
+    cap = int(max_samples) if max_samples else int(order.size)
+    twice_target = 2 * int(target)
+    cuts: list[int] = []
+    total = rows = 0
+    for position, length in enumerate(lengths[order].tolist()):
+        if rows and (rows == cap or 2 * total + length > twice_target):  # overshoot > shortfall: close first
+            cuts.append(position)
+            total = rows = 0
+        total += length
+        rows += 1
+    return split_at(order, cuts)
+
+
 def split_at(values: np.ndarray, cuts: list[int]) -> list[np.ndarray]:
     """``np.split(values, cuts)`` as views, about 4x faster for many small pieces (np.split loops in Python)."""
     return list(map(values.__getitem__, map(slice, [0, *cuts], [*cuts, values.size])))
@@ -189,23 +263,29 @@ class StepPlan:
     world_size: int
     repeated_samples: int = 0  # samples seen twice this epoch to give every rank the same step count
     dropped_samples: int = 0  # samples left out this epoch by drop_last
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
         return len(self.batches) // self.world_size
 
 
-def arrange_steps(
-    batches: list[np.ndarray],
-    sort_key: np.ndarray,
-    world_size: int,
-    rng: np.random.Generator,
-    *,
-    drop_last: bool,
-    shuffle_steps: bool = True,
-) -> StepPlan:
-    """Group batches into steps of ``world_size`` neighbours in cost and shuffle the order of steps.
+@dataclass
+class Steps:
+    """Batches grouped into steps: ``index[s]`` holds the W batch indices of step s (in sort-key order)."""
+
+    index: np.ndarray  # int64 [steps, world_size]
+    repeated_samples: int
+    dropped_samples: int
+
+    def plan(self, batches: list[np.ndarray], order: np.ndarray | None = None) -> StepPlan:
+        """The StepPlan taking steps in ``order`` (default: sort-key order)."""
+        index = self.index if order is None else self.index[order]
+        return StepPlan([batches[i] for i in index.ravel()], self.index.shape[1], self.repeated_samples,
+                        self.dropped_samples)
+
+
+def group_into_steps(batches: list[np.ndarray], sort_key: np.ndarray, world_size: int, *, drop_last: bool) -> Steps:
+    """Group batches into steps of ``world_size`` neighbours in cost (steps in sort-key order).
 
     Remainder rule: when the batch count is not a multiple of W, ``drop_last=True`` drops the last incomplete step
     (its samples are counted in ``dropped_samples``); ``drop_last=False`` fills it with copies of the batches just
@@ -215,13 +295,11 @@ def arrange_steps(
         batches: the epoch's batches in any order.
         sort_key: one number (or a row of a 2-D key, lexicographic) per batch; steps take neighbours in this order.
         world_size: ranks per step.
-        rng: the epoch's generator (used to shuffle step order).
         drop_last: remainder rule above.
-        shuffle_steps: False keeps steps in key order (deterministic sweeps, tests).
     """
     n = len(batches)
     if n == 0:
-        return StepPlan([], world_size)
+        return Steps(np.zeros((0, world_size), dtype=np.int64), 0, 0)
     key = np.asarray(sort_key)
     ordered = np.lexsort(key.T[::-1]) if key.ndim == 2 else np.argsort(key, kind="stable")
     remainder = n % world_size
@@ -237,10 +315,62 @@ def arrange_steps(
             fill = np.resize(ordered[::-1][remainder:] if n > remainder else ordered, missing)
             repeated = int(sum(batches[i].size for i in fill))
             ordered = np.concatenate([ordered, fill])
-    steps = ordered.reshape(-1, world_size)
-    if shuffle_steps:
-        steps = steps[rng.permutation(steps.shape[0])]
-    return StepPlan([batches[i] for i in steps.ravel()], world_size, repeated, dropped)
+    return Steps(ordered.reshape(-1, world_size).astype(np.int64), repeated, dropped)
+
+
+def arrange_steps(
+    batches: list[np.ndarray],
+    sort_key: np.ndarray,
+    world_size: int,
+    rng: np.random.Generator,
+    *,
+    drop_last: bool,
+) -> StepPlan:
+    """``group_into_steps``, then shuffle the order of steps."""
+    steps = group_into_steps(batches, sort_key, world_size, drop_last=drop_last)
+    return steps.plan(batches, rng.permutation(steps.index.shape[0]))
+
+
+def bucket_run_order(
+    step_bucket: np.ndarray, rng: np.random.Generator, *, run_length: int = 1, sequential: bool = False
+) -> np.ndarray:
+    """Consumption order of steps in runs of consecutive same-bucket steps.
+
+    ``run_length=1``: one permutation of all steps (exactly ``arrange_steps``'s shuffle). ``run_length=R > 1``:
+    each bucket's steps are shuffled, cut into runs of R consecutive steps (a bucket's last run may be shorter),
+    and the runs are shuffled. ``sequential=True``: each bucket's steps shuffled, buckets in ascending id order.
+
+    Args:
+        step_bucket: the bucket id of each step.
+        rng: the epoch's generator.
+        run_length: R, steps per same-bucket run.
+        sequential: visit the buckets in order (runs are whole buckets).
+
+    Returns:
+        A permutation of ``range(len(step_bucket))``.
+
+    Example:
+        >>> buckets = np.array([1, 0, 1, 0, 1, 0])
+        >>> buckets[bucket_run_order(buckets, np.random.default_rng(0), sequential=True)].tolist()
+        [0, 0, 0, 1, 1, 1]
+        >>> buckets[bucket_run_order(buckets, np.random.default_rng(0), run_length=3)].tolist() in (
+        ...     [0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])
+        True
+    """
+    bucket = np.asarray(step_bucket)
+    n = bucket.size
+    if run_length == 1 and not sequential:
+        return rng.permutation(n)
+    shuffled = rng.permutation(n)
+    within = shuffled[np.argsort(bucket[shuffled], kind="stable")]  # buckets ascending, shuffled inside
+    if sequential or n == 0:
+        return within
+    sorted_bucket = bucket[within]
+    starts = np.flatnonzero(np.r_[True, sorted_bucket[1:] != sorted_bucket[:-1]])
+    position_in_bucket = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+    run_id = np.cumsum((position_in_bucket % run_length) == 0) - 1
+    run_rank = np.argsort(rng.permutation(run_id[-1] + 1))  # run r is consumed run_rank[r]-th
+    return within[np.argsort(run_rank[run_id], kind="stable")]
 
 
 class Planner(Protocol):
@@ -251,188 +381,3 @@ class Planner(Protocol):
     boundaries: list[int] | None
 
     def plan(self, epoch: int) -> StepPlan: ...
-
-
-def fingerprint(parts: dict[str, Any], lengths: np.ndarray) -> str:
-    """A short hash of everything a plan depends on: policy config, seed, world size and the lengths."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    digest = hashlib.sha256(blob)
-    digest.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
-    return digest.hexdigest()[:16]
-
-
-class Policy:
-    """A batching policy as a torch ``batch_sampler`` with exact, replay-free resume.
-
-    Example:
-        >>> import numpy as np
-        >>> from dflash_lab.sampling import build_policy
-        >>> p = build_policy("sorted_static", np.array([5, 3, 8, 2]), max_tokens=8)
-        >>> [len(b) for b in p.batches(0)] == [len(b) for b in p.batches(0)]
-        True
-    """
-
-    def __init__(
-        self,
-        planner: Planner,
-        admission: Admission,
-        *,
-        world_size: int,
-        rank: int,
-        config: dict[str, Any],
-        raw_lengths: np.ndarray,
-    ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size}: must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} is outside [0, world_size={world_size}); check RANK/WORLD_SIZE")
-        self.planner = planner
-        self.admission = admission
-        self.world_size = world_size
-        self.rank = rank
-        self.config = dict(config)
-        self.fingerprint = fingerprint({**self.config, "world_size": world_size}, raw_lengths)
-        self.epoch = 0
-        self._cached: tuple[int, StepPlan] | None = None
-        self._resume_at = 0  # batches of self.epoch already consumed (set by load_state_dict)
-        self._position = 0  # batches of self.epoch handed out so far
-
-    # -- what the policy is ------------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.planner.name
-
-    @property
-    def packed(self) -> bool:
-        """True when a batch is one packed row of several documents (train with per-document attention)."""
-        return self.planner.packed
-
-    @property
-    def boundaries(self) -> list[int] | None:
-        return self.planner.boundaries
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Effective sample lengths (after ``overlong=truncate``); collators truncate samples to these."""
-        return self.admission.lengths
-
-    def bucket_of(self, indices: Any) -> int:
-        """Bucket id of a batch by its longest sample; -1 for policies without buckets."""
-        if self.boundaries is None:
-            return -1
-        longest = self.admission.lengths[np.asarray(indices, dtype=np.int64)].max()
-        return int(bucket_ids(np.array([longest]), self.boundaries)[0])
-
-    # -- plans -------------------------------------------------------------------------------------------------
-    def global_plan(self, epoch: int) -> StepPlan:
-        """All ranks' batches of one epoch (steps of ``world_size`` consecutive batches). Cached per epoch."""
-        if self._cached is None or self._cached[0] != epoch:
-            self._cached = (epoch, self.planner.plan(epoch))
-        return self._cached[1]
-
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches of ``epoch`` in consumption order."""
-        return self.global_plan(epoch).batches[self.rank :: self.world_size]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return self.global_plan(epoch).steps
-
-    def diagnostics(self, epoch: int) -> dict[str, int]:
-        """Kept / dropped / truncated / repeated counts for one epoch (lhotse-style sampling diagnostics)."""
-        plan = self.global_plan(epoch)
-        return {
-            "samples": int(self.admission.lengths.size),
-            "kept": int(self.admission.kept.size),
-            "dropped_overlong": self.admission.dropped,
-            "truncated": self.admission.truncated,
-            "repeated_remainder": plan.repeated_samples,
-            "dropped_remainder": plan.dropped_samples,
-            "steps": plan.steps,
-        }
-
-    # -- batch_sampler protocol ----------------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next ``__iter__`` walks; keeps a loaded resume position for that same epoch."""
-        if epoch != self.epoch:
-            self._resume_at = 0
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        """Batches this rank gets in the current epoch (the same on every rank)."""
-        return self.steps_in_epoch(self.epoch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        start, self._resume_at = self._resume_at, 0
-        mine = self.batches(self.epoch)
-        self._position = start
-        for batch in mine[start:]:
-            self._position += 1
-            yield batch.tolist()
-
-    # -- state ---------------------------------------------------------------------------------------------------
-    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
-        """Tiny resumable state. Pass ``batches_consumed`` when a DataLoader prefetches ahead of training.
-
-        The state names the *next* batch: after the last batch of an epoch it points at batch 0 of the next epoch.
-        """
-        consumed = self._position if batches_consumed is None else int(batches_consumed)
-        epoch = self.epoch
-        if consumed >= self.steps_in_epoch(epoch):
-            epoch, consumed = epoch + 1, 0
-        return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "batches_consumed": consumed,
-            "fingerprint": self.fingerprint,
-            "config": {**self.config, "world_size": self.world_size},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at exactly the next batch; refuse a state made for another config, dataset or world size."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"sampler state version {state.get('version')!r} is not {STATE_VERSION}; cannot resume")
-        if state.get("fingerprint") != self.fingerprint:
-            theirs = state.get("config", {})
-            mine = {**self.config, "world_size": self.world_size}
-            diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
-            detail = f"differing keys: {', '.join(diff)}" if diff else "the sample lengths (dataset) differ"
-            raise ValueError(
-                f"sampler state does not match this policy ({detail}). Resuming would replay or skip data; "
-                f"restore the original sampler/data config and world size, or start a fresh run directory"
-            )
-        self.epoch = int(state["epoch"])
-        self._resume_at = self._position = int(state["batches_consumed"])
-
-
-def best_fit_decreasing(
-    docs: np.ndarray, lengths: np.ndarray, capacity: int, max_docs: int | None
-) -> list[np.ndarray]:
-    """Best-fit-decreasing bin packing of ``docs`` into rows of ``capacity`` tokens.
-
-    Each document, longest first, goes to the open row whose free space is smallest but sufficient (found by
-    bisection over a sorted list of free spaces); rows with less space than the shortest document are closed.
-    Cost: O(n log n) for the sort + O(n log r) bisection (r open rows) with list inserts of O(r).
-    """
-    if docs.size == 0:
-        return []
-    order = docs[np.argsort(-lengths[docs], kind="stable")]
-    sizes = lengths[order].tolist()
-    smallest = sizes[-1]
-    free: list[int] = []  # free space of open rows, ascending
-    row_of_free: list[int] = []  # row id for each entry of `free`
-    rows: list[list[int]] = []
-    for doc, size in zip(order.tolist(), sizes):
-        slot = bisect.bisect_left(free, size)
-        if slot == len(free):
-            row = len(rows)
-            rows.append([doc])
-            left = capacity - size
-        else:
-            left = free.pop(slot) - size
-            row = row_of_free.pop(slot)
-            rows[row].append(doc)
-        if left >= smallest and (max_docs is None or len(rows[row]) < max_docs):
-            slot = bisect.bisect_left(free, left)
-            free.insert(slot, left)
-            row_of_free.insert(slot, row)
-    return [np.asarray(r, dtype=np.int64) for r in rows]

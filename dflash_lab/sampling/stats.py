@@ -2,6 +2,7 @@
 
 Every number uses the one definition in ``dflash_lab.metrics.throughput`` (padding) or
 ``dflash_lab.metrics.diversity`` (composition repeat, adjacent-length correlation, bucket run length, spread).
+``smallest_k_for_efficiency`` picks the fewest fitted buckets whose *measured* plan reaches a padding target.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ..config_check import as_float, as_int
 from ..metrics import diversity
 from ..metrics.throughput import batch_token_counts, padding_efficiency
-from .boundaries import bucket_ids
-from .core import Policy
+from .boundaries import bucket_ids, fit_boundaries
+from .build import build_policy
+from .policy import Policy
 
 
 def plan_padding(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool) -> dict[str, Any]:
@@ -40,9 +43,11 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
             comparable); defaults to the policy's own boundaries, else 6 equal-count bands.
 
     Returns:
-        A flat dict: pad_eff, real/padded tokens, batches and steps per epoch, mean/max samples per batch,
-        composition_repeat, adjacent_length_corr, bucket_run_length, within_batch_spread, and the sampling
-        diagnostics (kept, dropped, truncated, repeated/dropped by the remainder rule).
+        A flat dict: pad_eff, budget_fill, real/padded tokens, real_tokens_per_step (mean real tokens of one
+        rank's batch: the value to give ``full_random``'s ``real_tokens_per_step`` for an equal-real-tokens
+        comparison), batches and steps per epoch, mean/max samples per batch, composition_repeat,
+        adjacent_length_corr, bucket_run_length, within_batch_spread, and the sampling diagnostics (kept, dropped,
+        truncated, repeated/dropped by the remainder rule).
     """
     plan = policy.global_plan(epoch)
     lengths = policy.lengths
@@ -65,6 +70,7 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
         "budget_fill": padding["real_tokens"] / max(1, len(batches) * int(policy.config["max_tokens"])),
         "real_tokens": padding["real_tokens"],
         "padded_tokens": padding["padded_tokens"],
+        "real_tokens_per_step": padding["real_tokens"] / max(1, len(batches)),  # per rank, like max_tokens
         "batches_per_epoch": len(batches),
         "steps_per_epoch": plan.steps,
         "mean_samples_per_batch": float(sizes.mean()) if sizes.size else float("nan"),
@@ -78,3 +84,42 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
         "within_batch_spread": diversity.within_batch_spread(batches, lengths),
         **{k: v for k, v in policy.diagnostics(epoch).items() if k != "steps"},
     }
+
+
+def smallest_k_for_efficiency(
+    lengths: np.ndarray,
+    target: float,
+    *,
+    max_tokens: int,
+    method: str = "optimal",
+    max_k: int = 32,
+    seed: int = 0,
+    **policy_params: Any,
+) -> dict[str, Any]:
+    """Fewest buckets whose measured bucketed plan (epoch 0) reaches ``target`` padding efficiency.
+
+    Returns:
+        ``{"num_buckets", "boundaries", "pad_eff", "curve": [(k, pad_eff), ...]}``.
+
+    Raises:
+        ValueError: when no K up to ``max_k`` reaches the target (the message gives the best reached).
+    """
+    target = as_float("target_pad_eff", target, maximum=1.0, example=0.9)
+    if target <= 0:
+        raise ValueError(f"target_pad_eff={target:g}: must be a padding efficiency in (0, 1], e.g. 0.9")
+    max_k = as_int("max_k", max_k, minimum=1)
+    curve = []
+    for k in range(1, max_k + 1):
+        boundaries = fit_boundaries(lengths, k, method)
+        policy = build_policy(
+            "bucketed", lengths, max_tokens=max_tokens, seed=seed, boundaries=boundaries, **policy_params
+        )
+        eff = plan_padding(policy.global_plan(0).batches, policy.lengths, packed=False)["pad_eff"]
+        curve.append((k, eff))
+        if eff >= target:
+            return {"num_buckets": k, "boundaries": boundaries, "pad_eff": eff, "curve": curve}
+    best_k, best_eff = max(curve, key=lambda kv: kv[1])
+    raise ValueError(
+        f"no bucket count up to {max_k} reaches padding efficiency {target:.3f} with method {method!r} "
+        f"(best {best_eff:.3f} at K={best_k}); lower the target, raise max_k, or use bucketed_megabatch/packed"
+    )
