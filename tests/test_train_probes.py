@@ -93,11 +93,13 @@ def test_presentations_written_and_resumed(tmp_path):
     assert table["acc"].tolist() == [0.75, 0.5, 1.0]
 
     again = PresentationRecorder(path, [0, 96, 1024])
-    again.resume(max_step=3)  # steps after the checkpoint will be trained (and recorded) again
+    assert again.resume(3) == 1  # the record's rule: rows of steps after the checkpoint are trained again
     again.record(np.array([7]), np.array([20]), np.array([0]), np.array([2]), epoch=0, step=4)
     again.write()
     table = pq.read_table(path).to_pandas()
     assert table["step"].tolist() == [0, 0, 4] and len(again) == 3
+    fresh = PresentationRecorder(path, [0, 96, 1024])
+    assert fresh.resume(None) == 0 and not path.exists()  # a fresh start keeps nothing of an earlier attempt
 
 
 def test_gather_merges_ranks(tmp_path):
