@@ -12,7 +12,7 @@ Cost model (explicit, per rank and step; a step lasts as long as its slowest ran
 
     step time = c0 + c1 x padded tokens + c2 x squared tokens
 
-with padded/squared tokens as defined in ``metrics.throughput``. Coefficients come from config (``conf/cost/``),
+with padded/squared tokens as defined in ``metrics.throughput``. Coefficients come from config (``conf_plan/cost/``),
 are fitted by least squares on a finished run's ``metrics.jsonl`` (``cost.from_run=RUN_DIR``), or are calibrated
 by a short micro-benchmark of the configured model (``cost.calibrate=true``).
 Predicted Ktok/s = real tokens of the epoch (all ranks) / sum of step times / 1000; ETA = epochs x epoch time.
@@ -32,7 +32,7 @@ from .metrics.throughput import full_run_eta_seconds, ktok_per_s
 from .sampling import POLICIES, Policy, fit_boundaries, policy_from_config, smallest_k_for_efficiency
 from .sampling.stats import plan_padding, plan_stats
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data (dflash_lab.conf), in a checkout and a wheel
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
 SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "drop_last", "overlong")
 BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
@@ -343,7 +343,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
+    @hydra.main(config_path="pkg://dflash_lab.conf", config_name="plan", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
         run_plan(OmegaConf.to_container(cfg, resolve=True))
 

@@ -665,7 +665,7 @@ def _teardown() -> None:
     dist.cleanup()
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path="pkg://dflash_lab.conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """``python -m dflash_lab.train [overrides]``: run :func:`train`; exit 1 when the run failed."""
     summary = train(cfg)

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+import dflash_lab.sweeps
 from dflash_lab.launch import (
     LaunchConfigError,
     check_launcher,
@@ -28,8 +29,7 @@ from dflash_lab.launch import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-SWEEPS = ROOT / "sweeps"
+SWEEPS = Path(dflash_lab.sweeps.__file__).parent  # the shipped sweep files (package dflash_lab.sweeps)
 SEED_BOUNDARIES = [0, 770, 1216, 1728, 2432, 3296, 8192]
 CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]
 
@@ -37,19 +37,15 @@ CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]
 def _compose(overrides=(), config_name="train"):
     """Compose like `python -m dflash_lab.train -m ...` would (hydra node included).
 
-    A sweep file is the primary config (`--config-dir sweeps --config-name NAME` on the command line): compose it
-    from sweeps/ with conf/ on the search path, where its `train` default lives.
+    A sweep file is the primary config (`--config-name NAME` on the command line): the shipped sweeps are on the
+    search path of pkg://dflash_lab.conf (hydra_plugins/dflash_lab_sweeps), as they are for the command.
     """
-    with _hydra_context(config_name):
-        return compose(config_name, overrides=[*_search_path(config_name), *overrides], return_hydra_config=True)
+    with _hydra_context():
+        return compose(config_name, overrides=list(overrides), return_hydra_config=True)
 
 
-def _hydra_context(config_name):
-    return initialize_config_dir(str(CONF if config_name == "train" else SWEEPS), version_base="1.3")
-
-
-def _search_path(config_name):
-    return [] if config_name == "train" else [f"hydra.searchpath=[file://{CONF}]"]
+def _hydra_context():
+    return initialize_config_module("dflash_lab.conf", version_base="1.3")
 
 
 def _with_sweep_checks(config_name, overrides=()):
@@ -57,10 +53,10 @@ def _with_sweep_checks(config_name, overrides=()):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    with _hydra_context(config_name):
+    with _hydra_context():
         # compose() composes for a single run, where a sweep value such as a=1,2 is an error: compose as -m does.
         cfg = GlobalHydra.instance().hydra.compose_config(
-            config_name, [*_search_path(config_name), *overrides], run_mode=RunMode.MULTIRUN,
+            config_name, list(overrides), run_mode=RunMode.MULTIRUN,
         )
         return cfg, expand_sweep(cfg), check_sweep(cfg)
 
@@ -269,8 +265,8 @@ def test_sweep_jobs_get_distinct_directories():
     from hydra.core.hydra_config import HydraConfig
 
     for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds"):
-        with _hydra_context(name):
-            master = compose(name, overrides=_search_path(name), return_hydra_config=True)
+        with _hydra_context():
+            master = compose(name, return_hydra_config=True)
             loader = GlobalHydra.instance().config_loader()
             jobs = expand_sweep(master)
             subdirs = set()

@@ -17,14 +17,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from dflash_lab import checkpoint as ckpt
 from dflash_lab.run_logger import METRIC_FIELDS, PROBE_FIELDS, SUMMARY_FIELDS
 from dflash_lab.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 SMALL = [
     "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
@@ -36,7 +35,7 @@ SMALL = [
 
 
 def compose_cfg(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         return compose(config_name="train", overrides=[f"run_dir={run_dir}", *SMALL, *overrides])
 
 
