@@ -231,3 +231,42 @@ def test_unknown_data_keys_are_refused_and_every_config_key_is_valid(tmp_path):
 
         keys = set(OmegaConf.to_container(OmegaConf.load(file)))
         assert keys <= set(DATA_KEYS), (file.name, keys - set(DATA_KEYS))
+
+
+def test_mixed_chat_file_trains_with_nothing_skipped(tmp_path):
+    """model=hf (a random tiny Qwen3 saved with the tokenizer above) + data=jsonl + data.chat_template: trains."""
+    import torch
+    from hydra import compose, initialize_config_module
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_lab.train import train
+
+    target = tmp_path / "target"
+    hf = tiny_chat_tokenizer()
+    hf.save_pretrained(target)
+    config = Qwen3Config(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         pad_token_id=hf.pad_token_id, eos_token_id=hf.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(target)
+    records = [{"messages": m} if i % 2 else _as_sharegpt(m) for i, m in enumerate(CONVERSATIONS * 10)]
+    file = _write_jsonl(tmp_path / "chat.jsonl", records)
+    overrides = [
+        "model=hf", f"model.target_path={target}", "model.device=cpu", "model.block_size=4", "model.draft_layers=1",
+        "model.decode_num_prompts=2", "model.decode_max_new_tokens=4", "model.decode_max_prompt_tokens=32",
+        f"model.cache_dir={tmp_path / 'cache'}", "data=jsonl", f"data.path={file}", f"data.chat_template={QWEN3}",
+        "data.max_bad_fraction=0.0", f"data.cache_dir={tmp_path / 'cache'}", "sampler.max_tokens=512",
+        "sampler.boundaries=[0,64,512]", "probes.every=0", "trainer.max_steps=2", "trainer.num_threads=1",
+        "trainer.progress=false", f"run_dir={tmp_path / 'run'}",
+    ]
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    summary = train(cfg)
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    from transformers import AutoTokenizer
+
+    dataset = build_dataset("jsonl", tokenizer=HFTokenizerAdapter(AutoTokenizer.from_pretrained(str(target))),
+                            path=str(file), chat_template=str(QWEN3), max_bad_fraction=0.0,
+                            cache_dir=tmp_path / "cache")
+    assert len([p for p in (tmp_path / "cache" / "data").glob("jsonl-*") if p.is_dir()]) == 1  # the run's, reloaded
+    assert dataset.stats["skipped"] == dict.fromkeys(SKIP_REASONS, 0) and len(dataset) == len(records)

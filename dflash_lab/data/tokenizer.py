@@ -221,8 +221,8 @@ def chat_markers(render: Callable[..., str]) -> tuple[str, str]:
     """(assistant header, end-of-turn marker) of a chat template, from renders of a probe conversation.
 
     The header is the longest prefix of the generation prompt (what ``add_generation_prompt`` appends) that the
-    template also writes before a reply; templates without a generation prompt fall back to the text between
-    the user turn and the reply. The end marker is the text after a final reply, whitespace stripped.
+    template also writes before a reply; templates without a generation prompt fall back to all the text between
+    the user's content and the reply (the user turn's end and the assistant header). The end marker is the text after a final reply, whitespace stripped.
 
     Args:
         render: ``render(messages, add_generation_prompt=False) -> str`` with the template to inspect.
@@ -247,9 +247,9 @@ def chat_markers(render: Callable[..., str]) -> tuple[str, str]:
     generation = with_prompt[len(prompt):] if with_prompt.startswith(prompt) else ""
     header = next((generation[:n] for n in range(len(generation), 0, -1) if generation[:n] in before_reply), "")
     if not header.strip():
-        header = before_reply.strip()
+        header = before_reply
     end = full[reply_at + len(_PROBE_REPLY):].strip()
-    if not header or not end:
+    if not header.strip() or not end:
         raise ChatTemplateError(
             f"cannot find the assistant header ({header!r}) or end-of-turn marker ({end!r}) of the chat template: "
             "set data.chat_template to a template that marks assistant turns"
