@@ -222,7 +222,8 @@ def chat_markers(render: Callable[..., str]) -> tuple[str, str]:
 
     The header is the longest prefix of the generation prompt (what ``add_generation_prompt`` appends) that the
     template also writes before a reply; templates without a generation prompt fall back to all the text between
-    the user's content and the reply (the user turn's end and the assistant header). The end marker is the text after a final reply, whitespace stripped.
+    the user's content and the reply (the user turn's end and the assistant header). The end marker is the text
+    after a final reply, whitespace stripped.
 
     Args:
         render: ``render(messages, add_generation_prompt=False) -> str`` with the template to inspect.
