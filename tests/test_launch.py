@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import dflash_lab.sweeps
 from dflash_lab.launch import (
     LaunchConfigError,
+    SlurmNode,
     check_launcher,
     check_sampler,
     check_sweep,
@@ -144,6 +145,47 @@ def test_no_partition_means_cluster_default():
     cfg = _compose(["hydra/launcher=slurm"])
     assert cfg.hydra.launcher.partition is None
     assert check_launcher(cfg.hydra.launcher, partitions=["debug"]) == []
+
+
+# Node lists as `sinfo -N` reports them (parse_sinfo_nodes has its own doctest).
+DEBUG_2CPU = [SlurmNode("n1", "debug", True, 2, 20000, 0)]
+MIXED = [SlurmNode("c1", "cpu", True, 32, 128000, 0), SlurmNode("c2", "cpu", True, 16, 64000, 0),
+         SlurmNode("g1", "gpu", False, 64, 512000, 8), SlurmNode("g2", "gpu", False, 64, 512000, 8)]
+
+
+def test_cpu_request_larger_than_the_nodes_is_refused_with_the_numbers_and_the_fix():
+    # The commonest mistake: a CPU job with 2 tasks keeps the GPU default of 8 CPUs per task (16 > 2 per node).
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2"])
+    (msg,) = check_launcher(cfg.hydra.launcher, cluster_nodes=DEBUG_2CPU)
+    assert "asks 16 CPUs per node; nodes in partition debug have 2: set hydra.launcher.cpus_per_task=1" in msg
+    assert msg.startswith("hydra.launcher.tasks_per_node=2 x hydra.launcher.cpus_per_task=8")
+    fixed = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2",
+                      "hydra.launcher.cpus_per_task=1"])
+    assert check_launcher(fixed.hydra.launcher, cluster_nodes=DEBUG_2CPU) == []
+    more_tasks_than_cpus = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+                                     "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=1"])
+    (msg,) = check_launcher(more_tasks_than_cpus.hydra.launcher, cluster_nodes=DEBUG_2CPU)
+    assert "asks 4 CPUs per node" in msg and "set hydra.launcher.tasks_per_node=2 hydra.launcher.cpus_per_task=1" in msg
+
+
+def test_gpu_memory_and_node_count_requests_are_checked_against_the_partition():
+    # Default partition (cpu) has no GPUs: the 8-GPU default is refused and the GPU partition is suggested.
+    cfg = _compose(["hydra/launcher=slurm"])
+    problems = check_launcher(cfg.hydra.launcher, cluster_nodes=MIXED)
+    assert any("asks 64 CPUs per node; nodes in partition cpu have at most 32" in m for m in problems)
+    (gpu_msg,) = [m for m in problems if "GPUs per node" in m]
+    assert "nodes in partition cpu have 0" in gpu_msg and "hydra.launcher.partition=gpu" in gpu_msg
+    # ... and fits the GPU partition, on one node or two.
+    on_gpu = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu"]
+    assert check_launcher(_compose(on_gpu).hydra.launcher, cluster_nodes=MIXED) == []
+    assert check_launcher(_compose([*on_gpu, "hydra.launcher.nodes=2"]).hydra.launcher, cluster_nodes=MIXED) == []
+    (msg,) = check_launcher(_compose([*on_gpu, "hydra.launcher.nodes=3"]).hydra.launcher, cluster_nodes=MIXED)
+    assert "hydra.launcher.nodes=3 asks 3 nodes" in msg and "has 2 such node(s): set hydra.launcher.nodes=2" in msg
+    (msg,) = check_launcher(_compose([*on_gpu, "hydra.launcher.mem_gb=600"]).hydra.launcher, cluster_nodes=MIXED)
+    assert "asks 600 GB per node; nodes in partition gpu have 500 GB: set hydra.launcher.mem_gb=500" in msg
+    # A list of partitions: fine when one of them can run the job.
+    either = ["hydra/launcher=slurm", "hydra.launcher.partition='cpu,gpu'"]
+    assert check_launcher(_compose(either).hydra.launcher, cluster_nodes=MIXED) == []
 
 
 def test_signal_delay_longer_than_time_limit_is_rejected():
