@@ -533,20 +533,22 @@ class QueueWatch:
                     continue
                 strikes[job_id] = strikes.get(job_id, 0) + 1
                 if strikes[job_id] >= 2 and not self._has_results(job_id, folder):
-                    self.message = self._describe(job_id, folder, *state)
+                    others = [j for j in self._job_folders() if j != job_id and strikes.get(j) != -1]
+                    self.message = self._describe(job_id, folder, *state, others)
                     _thread.interrupt_main(signal.SIGUSR1)
                     return
 
-    def _describe(self, job_id: str, folder: Path, state: str, reason: str) -> str:
+    def _describe(self, job_id: str, folder: Path, state: str, reason: str, others: list[str]) -> str:
         logs = sorted(folder.glob(f"{job_id}_*_log.err"))
         tail = ""
         if logs:
             lines = [line for line in logs[0].read_text(errors="replace").splitlines() if line.strip()]
             tail = "; its log ends:\n    " + "\n    ".join(lines[-5:]) if lines else "; its log is empty"
         shown = "gone from the queue" if state == "GONE" else f"state {state}"
+        running = (f"\nOther jobs of this sweep may still be queued or running ({', '.join(sorted(others))}): "
+                   f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
         return (f"Slurm job {job_id} left the queue without a result ({shown}, reason: {reason}); the launcher "
-                f"stops waiting for it. Job files: {folder}{tail}\n"
-                f"Other jobs of this sweep keep running (squeue; scancel {job_id.split('_')[0]} cancels them).")
+                f"stops waiting for it. Job files: {folder}{tail}{running}")
 
 
 class ValidateLaunch(Callback):
@@ -578,6 +580,11 @@ class ValidateLaunch(Callback):
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.stop()
+
+    def __getstate__(self) -> dict:
+        # submitit pickles the launcher, and with it the Hydra callbacks, into every job: the watch (a thread)
+        # belongs to the submitting process only.
+        return {k: v for k, v in self.__dict__.items() if k != "_watch"}
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Without -m Hydra runs the app in this process and never calls the launcher: say so, since the
