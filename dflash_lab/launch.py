@@ -181,15 +181,14 @@ def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[
         return (node.cpus >= want_cpus and node.gpus >= want_gpus
                 and (want_mb is None or node.mem_mb >= want_mb))
 
+    def have(values: list, unit: str = "") -> str:
+        most = max(values)
+        return f"{'' if min(values) == most else 'at most '}{most:g}{unit}"
+
     if not by_partition or any(sum(map(fits, members)) >= want_nodes for members in by_partition.values()):
         return []
     problems = []
     for partition, members in by_partition.items():
-
-        def have(values: list, unit: str = "") -> str:
-            most = max(values)
-            return f"{'' if min(values) == most else 'at most '}{most:g}{unit}"
-
         cpus = [n.cpus for n in members]
         if max(cpus) < want_cpus:
             if max(cpus) >= tasks:
@@ -202,10 +201,10 @@ def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[
         gpus = [n.gpus for n in members]
         if max(gpus) < want_gpus:
             with_gpus = sorted({n.partition for n in nodes if n.gpus >= want_gpus})
+            fix = (f"{key}gpus_per_node=0 {key}tasks_per_node=N for a CPU run" if max(gpus) == 0
+                   else f"{key}gpus_per_node={max(gpus)}")
             problems.append(f"{key}gpus_per_node={want_gpus} asks {want_gpus} GPUs per node; nodes in partition "
-                            f"{partition} have {have(gpus)}: set {key}gpus_per_node={max(gpus)}"
-                            + (f" ({key}gpus_per_node=0 and {key}tasks_per_node=N for a CPU run)" if max(gpus) == 0
-                               else "")
+                            f"{partition} have {have(gpus)}: set {fix}"
                             + (f", or {key}partition={with_gpus[0]} (has such nodes)" if with_gpus else ""))
         mems = [n.mem_mb / 1024 for n in members]
         if want_mb is not None and max(mems) * 1024 < want_mb:
@@ -214,10 +213,13 @@ def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[
                             f"or less (or {key}mem_gb=null for the partition's default)")
         fitting = sum(map(fits, members))
         if (max(cpus) >= want_cpus and max(gpus) >= want_gpus
-                and (want_mb is None or max(mems) * 1024 >= want_mb)):  # each fits somewhere, not enough together
-            problems.append(f"{key}nodes={want_nodes} asks {want_nodes} nodes with {want_cpus} CPUs and "
-                            f"{want_gpus} GPUs each; partition {partition} has {fitting} such node(s): "
-                            f"set {key}nodes={max(fitting, 1)}")
+                and (want_mb is None or max(mems) * 1024 >= want_mb)):  # each fits somewhere, not all together
+            asked = f"{want_cpus} CPUs and {want_gpus} GPUs" + (f" and {mem_gb:g} GB" if want_mb else "")
+            problems.append(
+                f"{key}nodes={want_nodes} asks {want_nodes} nodes with {asked} each; partition {partition} has "
+                f"{fitting} such node(s): set {key}nodes={fitting}" if fitting else
+                f"the job asks {asked} on one node; no node of partition {partition} has all of them: lower "
+                f"{key}cpus_per_task, {key}gpus_per_node or {key}mem_gb")
     return problems
 
 

@@ -183,6 +183,10 @@ def test_gpu_memory_and_node_count_requests_are_checked_against_the_partition():
     assert "hydra.launcher.nodes=3 asks 3 nodes" in msg and "has 2 such node(s): set hydra.launcher.nodes=2" in msg
     (msg,) = check_launcher(_compose([*on_gpu, "hydra.launcher.mem_gb=600"]).hydra.launcher, cluster_nodes=MIXED)
     assert "asks 600 GB per node; nodes in partition gpu have 500 GB: set hydra.launcher.mem_gb=500" in msg
+    # Each resource exists somewhere, but no node has them all.
+    split = [SlurmNode("fat", "mix", True, 64, 256000, 0), SlurmNode("thin", "mix", True, 8, 64000, 8)]
+    (msg,) = check_launcher(_compose(["hydra/launcher=slurm"]).hydra.launcher, cluster_nodes=split)
+    assert "asks 64 CPUs and 8 GPUs on one node; no node of partition mix has all of them" in msg
     # A list of partitions: fine when one of them can run the job.
     either = ["hydra/launcher=slurm", "hydra.launcher.partition='cpu,gpu'"]
     assert check_launcher(_compose(either).hydra.launcher, cluster_nodes=MIXED) == []
