@@ -477,10 +477,11 @@ def squeue_state(job_id: str, timeout_s: float = 20.0) -> tuple[str, str] | None
 class QueueWatch:
     """Ends the launcher's wait when a submitted Slurm job leaves the queue without its results.
 
-    A thread finds the sweep's jobs in submitit's folders (``.submitit/<job id>/``), polls ``squeue`` every
-    ``poll_s`` seconds, and when a job is gone (a final state, or unknown to Slurm) on two polls in a row while
-    one of its ``tasks`` result files is missing, it interrupts the waiting main thread, which exits with an
-    error naming the job, its last state and reason, and its log.
+    A thread finds the sweep's jobs in submitit's folders (``.submitit/<job id>/<job id>_submitted.pkl``; an
+    array element's id is ``<array id>_<index>``), polls ``squeue`` every ``poll_s`` seconds, and when a job is
+    gone (a final state, or unknown to Slurm) on two polls in a row while one of its ``tasks`` result files is
+    missing, it interrupts the waiting main thread, which exits with an error naming the job, its last state and
+    reason, and its log.
 
     Args:
         submitit_folder: ``hydra.launcher.submitit_folder`` (``%j`` stands for the job id).
@@ -517,13 +518,16 @@ class QueueWatch:
             return {}
         parent = Path(self.pattern.split("%j")[0])
         found = parent.glob("*") if parent.is_dir() else []
-        return {p.name: p for p in found if p.is_dir() and re.fullmatch(r"\d+(_\d+)?", p.name)}
+        # A job's folder holds its pickled task; an array's own folder (its sbatch file only) is not a job.
+        return {p.name: p for p in found
+                if re.fullmatch(r"\d+(_\d+)?", p.name) and (p / f"{p.name}_submitted.pkl").exists()}
 
     def _has_results(self, job_id: str, folder: Path) -> bool:
         return all((folder / f"{job_id}_{task}_result.pkl").exists() for task in range(self.tasks))
 
     def _run(self) -> None:
         strikes: dict[str, int] = {}
+        last_seen: dict[str, tuple[str, str]] = {}  # the last live state, for jobs Slurm forgets at once
         while not self._stop.wait(self.poll_s):
             for job_id, folder in sorted(self._job_folders().items()):
                 if strikes.get(job_id) == -1 or self._has_results(job_id, folder):
@@ -532,25 +536,32 @@ class QueueWatch:
                 state = squeue_state(job_id)
                 if state is None or state[0] not in _GONE_STATES | {"GONE"}:
                     strikes[job_id] = 0
+                    if state is not None:
+                        last_seen[job_id] = state
                     continue
                 strikes[job_id] = strikes.get(job_id, 0) + 1
                 if strikes[job_id] >= 2 and not self._has_results(job_id, folder):
                     others = [j for j in self._job_folders() if j != job_id and strikes.get(j) != -1]
-                    self.message = self._describe(job_id, folder, *state, others)
+                    self.message = self._describe(job_id, folder, state, last_seen.get(job_id), others)
                     _thread.interrupt_main(signal.SIGUSR1)
                     return
 
-    def _describe(self, job_id: str, folder: Path, state: str, reason: str, others: list[str]) -> str:
+    def _describe(self, job_id: str, folder: Path, state: tuple[str, str], last_seen: tuple[str, str] | None,
+                  others: list[str]) -> str:
         logs = sorted(folder.glob(f"{job_id}_*_log.err"))
         tail = ""
         if logs:
             lines = [line for line in logs[0].read_text(errors="replace").splitlines() if line.strip()]
             tail = "; its log ends:\n    " + "\n    ".join(lines[-5:]) if lines else "; its log is empty"
-        shown = "gone from the queue" if state == "GONE" else f"state {state}"
+        if state[0] != "GONE":
+            shown = f"state {state[0]}, reason: {state[1]}"
+        else:
+            before = f"last seen {last_seen[0]} ({last_seen[1]}); " if last_seen else ""
+            shown = f"{before}Slurm no longer knows it: cancelled, or ended and purged"
         running = (f"\nOther jobs of this sweep may still be queued or running ({', '.join(sorted(others))}): "
                    f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
-        return (f"Slurm job {job_id} left the queue without a result ({shown}, reason: {reason}); the launcher "
-                f"stops waiting for it. Job files: {folder}{tail}{running}")
+        return (f"Slurm job {job_id} left the queue without a result ({shown}); the launcher stops waiting for it. "
+                f"Job files: {folder}{tail}{running}")
 
 
 class ValidateLaunch(Callback):

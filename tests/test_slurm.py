@@ -175,28 +175,38 @@ def test_cpu_request_larger_than_the_node_is_refused_before_submission(tmp_path)
 
 
 def test_cancelled_pending_job_ends_the_launcher_wait_with_an_error(tmp_path):
-    # A job held PENDING (begin time in an hour) and then cancelled never writes a result; without accounting
-    # storage submitit cannot see that (sacct fails), so the launcher would wait forever.
+    # A 2-job sweep held PENDING (begin time in an hour); cancelling one job means it never writes a result.
+    # Without accounting storage submitit cannot see that (sacct fails), so the launcher would wait forever.
     name = _experiment()
     sweep_dir = tmp_path / "multirun"
-    args = ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}",
+    args = ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}", "seed=0,1",
             "++hydra.launcher.additional_parameters.begin=now+3600", "trainer.max_steps=1", *TINY]
     proc = subprocess.Popen([sys.executable, "-m", "dflash_lab.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+    def elements() -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-r", "-n", f"dflash_{name}", "-o", "%i"], capture_output=True,
+                             text=True)
+        return sorted(out.stdout.split())
+
     try:
-        _wait_for(lambda: _jobs(name), 120, "the job to be queued", proc)
-        (job,) = _jobs(name)
-        subprocess.run(["scancel", job], check=True)
+        _wait_for(lambda: len(elements()) == 2, 120, "the two jobs to be queued", proc)
+        first, second = elements()
+        subprocess.run(["scancel", first], check=True)
         cancelled_at = time.time()
         output, _ = proc.communicate(timeout=120)
-    except BaseException:
+        waited = time.time() - cancelled_at
+        assert elements() == [second]  # the other job is left alone
+    finally:
         _cancel(name)
         proc.kill()
-        raise
-    waited = time.time() - cancelled_at
     assert proc.returncode != 0, output[-3000:]
     assert waited < 60, waited
-    assert f"Slurm job {job}" in output and "left the queue without a result (state CANCELLED" in output, output[-3000:]
+    # A cancelled pending array element vanishes from Slurm at once (the message adds its last state when the
+    # watch saw it pending before).
+    assert f"Slurm job {first} left the queue without a result (" in output, output[-3000:]
+    assert "Slurm no longer knows it: cancelled, or ended and purged); the launcher stops waiting" in output
+    assert f"Other jobs of this sweep may still be queued or running ({second})" in output
 
 
 def test_two_rank_cpu_ddp_training_job(tmp_path):
