@@ -66,13 +66,22 @@ def _installed_from(bin_dir: Path, cwd: Path) -> Path:
     return Path(out.stdout.strip()).resolve()
 
 
-def _check_help_and_sweeps(bin_dir: Path, cwd: Path) -> None:
-    """train's --help lists only train's groups; a shipped sweep is a primary config from any directory."""
+def _check_configs(bin_dir: Path, cwd: Path) -> None:
+    """train's --help lists only train's groups; a shipped sweep is a primary config from any directory; a
+    user's --config-dir extends the shipped configs."""
     groups = _run([bin_dir / "dflash-train", "--help"], cwd).stdout.split("== Config ==")[0]
     assert "sampler: bucketed" in groups and "trainer: cpu" in groups
     assert "cost" not in groups and "lengths" not in groups
     sweep = _run([bin_dir / "dflash-train", "--config-name", "boundaries_grid", "--cfg", "hydra"], cwd).stdout
     assert "[0,96,152,216,304,412,1024]" in sweep and "dflash_lab.launch.ValidateLaunch" in sweep
+    mine = cwd / "my_configs"
+    (mine / "sampler").mkdir(parents=True)
+    (mine / "my_run.yaml").write_text("defaults:\n  - train\n  - _self_\nexperiment: mine\n")
+    (mine / "sampler" / "my_buckets.yaml").write_text("defaults:\n  - bucketed\n  - _self_\n"
+                                                      "boundaries: [0, 128, 1024]\n")
+    job = _run([bin_dir / "dflash-train", "--config-dir", mine, "--config-name", "my_run", "sampler=my_buckets",
+                "--cfg", "job"], cwd).stdout
+    assert "experiment: mine" in job and "- 128" in job and "name: bucketed" in job
 
 
 @pytest.mark.slow
@@ -95,7 +104,7 @@ def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path)
     work = tmp_path / "empty"
     work.mkdir()
     assert tmp_path / "venv" in _installed_from(bin_dir, work).parents  # the wheel's copy, not a checkout
-    _check_help_and_sweeps(bin_dir, work)
+    _check_configs(bin_dir, work)
 
     _run([bin_dir / "dflash-train", "hydra.run.dir=run", "trainer.max_steps=2", *SMALL], work)
     summary = json.loads((work / "run" / "summary.json").read_text())
@@ -122,7 +131,7 @@ def test_editable_install_reads_the_checkout_configs(tmp_path):
     work = tmp_path / "empty"
     work.mkdir()
     assert _installed_from(bin_dir, work) == (source / "conf" / "__init__.py").resolve()
-    _check_help_and_sweeps(bin_dir, work)
+    _check_configs(bin_dir, work)
 
 
 def test_checkout_on_pythonpath_runs_from_any_directory(tmp_path):
