@@ -258,5 +258,3 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
 
 # Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).
 DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters if name not in ("tokenizer", "unknown"))
-
-
