@@ -8,8 +8,10 @@ composed and before the sweeper hands anything to the launcher. It checks:
 * the launcher (``hydra.launcher.*``, submitit slurm or local):
   ``tasks_per_node`` must not exceed ``gpus_per_node`` when GPUs are requested (one rank drives one GPU;
   ``gpus_per_node=0`` with several tasks is a valid CPU run, which is how CI tests DDP), positive counts,
-  a ``signal_delay_s`` shorter than the job's time limit, and (Slurm) that a named ``partition`` exists
-  (``sinfo -h -a -o %P``; no partition named means the cluster default);
+  a ``signal_delay_s`` shorter than the job's time limit, and (Slurm) that a named ``partition`` exists and that
+  its nodes can hold the request per node (CPUs = ``tasks_per_node`` x ``cpus_per_task``, ``mem_gb``,
+  ``gpus_per_node``; ``sinfo -N``, the default partition when none is named): Slurm would otherwise leave the job
+  PENDING forever while the launcher waits;
 * every job of the sweep, composed exactly as the job will compose it (same overrides as Hydra's
   ``BasicSweeper`` expands them): ``sampler.boundaries`` must be a valid boundary list (strictly increasing
   integers starting at 0, or a preset name), and ``sampler.num_buckets`` a positive integer that does not
@@ -17,6 +19,11 @@ composed and before the sweeper hands anything to the launcher. It checks:
 
 Every problem is reported at once, each naming the key, the offending value and the fix, in a
 :class:`LaunchConfigError`; Hydra prints it and exits non-zero, and nothing is submitted.
+
+After submission (Slurm), :class:`QueueWatch` polls ``squeue`` while the launcher waits for results: a job that
+leaves the queue without writing its results (cancelled, failed before start, killed) ends the wait with an
+error naming the job, its last state and its log, instead of a wait that never ends (submitit learns job states
+from ``sacct``, which clusters without accounting storage do not answer).
 
 Example (what a user sees)::
 
@@ -27,9 +34,15 @@ Example (what a user sees)::
 
 from __future__ import annotations
 
+import _thread
 import logging
+import re
 import shutil
+import signal
 import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
@@ -93,12 +106,132 @@ def slurm_partitions(timeout_s: float = 30.0) -> list[str]:
     return sorted({line.strip().rstrip("*") for line in out.stdout.splitlines() if line.strip()})
 
 
-def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class SlurmNode:
+    """One node of one partition, as ``sinfo -N`` lists it (a node in two partitions appears twice)."""
+
+    name: str
+    partition: str
+    default: bool      # the partition is the cluster's default (``*`` in sinfo)
+    cpus: int
+    mem_mb: int        # RealMemory, MB (Slurm's "GB" is 1024 MB)
+    gpus: int          # GPUs in the node's generic resources
+
+
+def parse_sinfo_nodes(text: str) -> list[SlurmNode]:
+    """Nodes from ``sinfo -h -N -a -o %N|%P|%c|%m|%G`` output.
+
+    Example:
+        >>> parse_sinfo_nodes("n1|gpu*|64|512000|gpu:a100:4(S:0-1),gpu:h100:2\\nn2|debug|2|20000|(null)")
+        ... # doctest: +NORMALIZE_WHITESPACE
+        [SlurmNode(name='n1', partition='gpu', default=True, cpus=64, mem_mb=512000, gpus=6),
+         SlurmNode(name='n2', partition='debug', default=False, cpus=2, mem_mb=20000, gpus=0)]
+    """
+    nodes = []
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        name, partition, cpus, mem, gres = fields
+        gpus = sum(int(count) for count in re.findall(r"gpu(?::[^:,()]+)?:(\d+)", gres))
+        nodes.append(SlurmNode(name, partition.rstrip("*"), partition.endswith("*"), int(cpus.rstrip("+")),
+                               int(mem.rstrip("+")), gpus))
+    return nodes
+
+
+def slurm_nodes(timeout_s: float = 30.0) -> list[SlurmNode]:
+    """Every node of every partition of the reachable Slurm cluster (``sinfo -N``).
+
+    Raises:
+        LaunchConfigError: sinfo is not installed or the controller does not answer.
+    """
+    slurm_partitions(timeout_s)  # the same clear errors when Slurm is missing or down
+    out = subprocess.run(["sinfo", "-h", "-N", "-a", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True,
+                         timeout=timeout_s)
+    return parse_sinfo_nodes(out.stdout) if out.returncode == 0 else []
+
+
+def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[str]:
+    """Problems when no partition the job may use has enough nodes that hold its per-node request.
+
+    Per node the job asks ``tasks_per_node x cpus_per_task`` CPUs (Slurm's default: 1 per task), ``mem_gb`` and
+    ``gpus_per_node``; it may use the named partitions (comma-separated), else the default one.
+
+    Example:
+        >>> (problem,) = check_node_resources({"tasks_per_node": 2, "cpus_per_task": 8, "gpus_per_node": 0},
+        ...                                   [SlurmNode("n1", "debug", True, 2, 20000, 0)])
+        >>> print(problem)  # doctest: +ELLIPSIS
+        hydra.launcher.tasks_per_node=2 x hydra.launcher.cpus_per_task=8 asks 16 CPUs per node; nodes in
+        partition debug have 2: set hydra.launcher.cpus_per_task=1 (or choose a partition with bigger nodes: ...)
+    """
+    key = "hydra.launcher."
+    tasks, per_task = int(_get(launcher_cfg, "tasks_per_node", 1)), int(_get(launcher_cfg, "cpus_per_task", 1))
+    want_cpus, want_gpus = tasks * per_task, int(_get(launcher_cfg, "gpus_per_node", 0))
+    want_nodes, mem_gb = int(_get(launcher_cfg, "nodes", 1)), _get(launcher_cfg, "mem_gb")
+    want_mb = None if mem_gb is None else float(mem_gb) * 1024
+    named = _get(launcher_cfg, "partition")
+    if named:
+        allowed = [p.strip() for p in str(named).split(",")]
+    else:
+        allowed = sorted({n.partition for n in nodes if n.default}) or sorted({n.partition for n in nodes})
+    by_partition = {p: [n for n in nodes if n.partition == p] for p in allowed}
+    by_partition = {p: members for p, members in by_partition.items() if members}  # unknown: reported elsewhere
+
+    def fits(node: SlurmNode) -> bool:
+        return (node.cpus >= want_cpus and node.gpus >= want_gpus
+                and (want_mb is None or node.mem_mb >= want_mb))
+
+    def have(values: list, unit: str = "") -> str:
+        most = max(values)
+        return f"{'' if min(values) == most else 'at most '}{most:g}{unit}"
+
+    if not by_partition or any(sum(map(fits, members)) >= want_nodes for members in by_partition.values()):
+        return []
+    problems = []
+    for partition, members in by_partition.items():
+        cpus = [n.cpus for n in members]
+        if max(cpus) < want_cpus:
+            if max(cpus) >= tasks:
+                fix = f"set {key}cpus_per_task={max(cpus) // tasks}"
+            else:
+                fix = f"set {key}tasks_per_node={max(cpus)} {key}cpus_per_task=1"
+            problems.append(f"{key}tasks_per_node={tasks} x {key}cpus_per_task={per_task} asks {want_cpus} CPUs per "
+                            f"node; nodes in partition {partition} have {have(cpus)}: {fix} (or choose a partition "
+                            f"with bigger nodes: {key}partition=...)")
+        gpus = [n.gpus for n in members]
+        if max(gpus) < want_gpus:
+            with_gpus = sorted({n.partition for n in nodes if n.gpus >= want_gpus})
+            fix = (f"{key}gpus_per_node=0 {key}tasks_per_node=N for a CPU run" if max(gpus) == 0
+                   else f"{key}gpus_per_node={max(gpus)}")
+            problems.append(f"{key}gpus_per_node={want_gpus} asks {want_gpus} GPUs per node; nodes in partition "
+                            f"{partition} have {have(gpus)}: set {fix}"
+                            + (f", or {key}partition={with_gpus[0]} (has such nodes)" if with_gpus else ""))
+        mems = [n.mem_mb / 1024 for n in members]
+        if want_mb is not None and max(mems) * 1024 < want_mb:
+            problems.append(f"{key}mem_gb={mem_gb:g} asks {mem_gb:g} GB per node; nodes in partition {partition} "
+                            f"have {have([round(m, 1) for m in mems], ' GB')}: set {key}mem_gb={int(max(mems))} "
+                            f"or less (or {key}mem_gb=null for the partition's default)")
+        fitting = sum(map(fits, members))
+        if (max(cpus) >= want_cpus and max(gpus) >= want_gpus
+                and (want_mb is None or max(mems) * 1024 >= want_mb)):  # each fits somewhere, not all together
+            asked = f"{want_cpus} CPUs and {want_gpus} GPUs" + (f" and {mem_gb:g} GB" if want_mb else "")
+            problems.append(
+                f"{key}nodes={want_nodes} asks {want_nodes} nodes with {asked} each; partition {partition} has "
+                f"{fitting} such node(s): set {key}nodes={fitting}" if fitting else
+                f"the job asks {asked} on one node; no node of partition {partition} has all of them: lower "
+                f"{key}cpus_per_task, {key}gpus_per_node or {key}mem_gb")
+    return problems
+
+
+def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None,
+                   cluster_nodes: Sequence[SlurmNode] | None = None) -> list[str]:
     """Problems with a submitit launcher config (empty list when it is fine).
 
     Args:
         launcher_cfg: ``cfg.hydra.launcher`` (DictConfig or dict).
-        partitions: the cluster's partitions; queried with :func:`slurm_partitions` when needed and not given.
+        partitions: the cluster's partitions (tests); with ``cluster_nodes`` both None, Slurm is asked (``sinfo``).
+        cluster_nodes: the cluster's nodes (tests), for the per-node resource check; skipped when only
+            ``partitions`` is given.
 
     Returns:
         One message per problem, each naming the key and the fix.
@@ -171,9 +304,13 @@ def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None) -
         max_num_timeout = _get(launcher_cfg, "max_num_timeout")
         if isinstance(max_num_timeout, int) and max_num_timeout < 0:
             problems.append(f"{key}max_num_timeout={max_num_timeout}: must be >= 0 (requeues after a timeout)")
+        if partitions is None and cluster_nodes is None:
+            cluster_nodes = slurm_nodes()  # also fails early, with a clear message, when Slurm is unreachable
+        if partitions is None:
+            partitions = sorted({n.partition for n in cluster_nodes})
         partition = _get(launcher_cfg, "partition")
         if partition not in (None, ""):
-            known = list(partitions) if partitions is not None else slurm_partitions()
+            known = list(partitions)
             for name in str(partition).split(","):
                 if name.strip() not in known:
                     problems.append(
@@ -181,8 +318,8 @@ def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None) -
                         f"(sinfo lists: {', '.join(known) or 'none'}). Fix: {key}partition=<one of those>, or "
                         f"{key}partition=null for the cluster's default partition"
                     )
-        elif partitions is None:
-            slurm_partitions()  # fail early, with a clear message, when Slurm itself is unreachable
+        if cluster_nodes is not None and not problems:  # counts are valid integers here
+            problems += check_node_resources(launcher_cfg, cluster_nodes)
     return problems
 
 
@@ -296,20 +433,135 @@ def check_sweep(config: DictConfig) -> list[str]:
     return problems
 
 
-def validate_multirun(config: DictConfig, partitions: Sequence[str] | None = None) -> None:
+def validate_multirun(config: DictConfig, partitions: Sequence[str] | None = None,
+                      cluster_nodes: Sequence[SlurmNode] | None = None) -> None:
     """Run every pre-submission check on a composed multirun config.
 
     Args:
         config: the config Hydra passes to ``on_multirun_start`` (with its ``hydra`` node).
-        partitions: override the partition list (tests); default: ask ``sinfo`` when a partition is named.
+        partitions, cluster_nodes: override what ``sinfo`` reports (tests); default: ask Slurm (Slurm only).
 
     Raises:
         LaunchConfigError: listing every problem found.
     """
-    problems = check_launcher(config.hydra.launcher, partitions)
+    problems = check_launcher(config.hydra.launcher, partitions, cluster_nodes)
     problems += check_sweep(config)
     if problems:
         raise LaunchConfigError(problems)
+
+
+# ------------------------------------------------------------------------------------- waiting for submitted jobs
+
+# squeue states of a job that will not run (again); a requeued or preempted job goes back to PENDING instead.
+_GONE_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+                "REVOKED", "SPECIAL_EXIT", "TIMEOUT"}
+
+
+def squeue_state(job_id: str, timeout_s: float = 20.0) -> tuple[str, str] | None:
+    """(state, reason) of one job or array element from ``squeue -t all``; ``("GONE", ...)`` when Slurm no
+    longer knows it; None when squeue does not answer (try again later)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-r", "-j", job_id.split("_")[0], "-o", "%i|%T|%r"],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return ("GONE", "no longer known to Slurm") if "Invalid job id" in out.stderr else None
+    for line in out.stdout.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) == 3 and fields[0] == job_id:
+            return fields[1], fields[2]
+    return "GONE", "no longer known to Slurm"
+
+
+class QueueWatch:
+    """Ends the launcher's wait when a submitted Slurm job leaves the queue without its results.
+
+    A thread finds the sweep's jobs in submitit's folders (``.submitit/<job id>/<job id>_submitted.pkl``; an
+    array element's id is ``<array id>_<index>``), polls ``squeue`` every ``poll_s`` seconds, and when a job is
+    gone (a final state, or unknown to Slurm) on two polls in a row while one of its ``tasks`` result files is
+    missing, it interrupts the waiting main thread, which exits with an error naming the job, its last state and
+    reason, and its log.
+
+    Args:
+        submitit_folder: ``hydra.launcher.submitit_folder`` (``%j`` stands for the job id).
+        tasks: tasks per job (``nodes x tasks_per_node``); each writes ``<job id>_<task>_result.pkl``.
+        poll_s: seconds between polls.
+    """
+
+    def __init__(self, submitit_folder: str, tasks: int, poll_s: float = 5.0):
+        self.pattern, self.tasks, self.poll_s = str(submitit_folder), int(tasks), float(poll_s)
+        self.message: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-queue-watch", daemon=True)
+        self._previous_handler = None
+
+    def start(self) -> QueueWatch:
+        """Install the main thread's handler (call from the main thread) and start polling."""
+        self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main_thread)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling and restore the previous SIGUSR1 handler."""
+        self._stop.set()
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._previous_handler)
+            self._previous_handler = None
+
+    def _raise_in_main_thread(self, signum, frame) -> None:
+        self.stop()
+        raise SystemExit(f"Error: {self.message}")
+
+    def _job_folders(self) -> dict[str, Path]:
+        if "%j" not in self.pattern:
+            return {}
+        parent = Path(self.pattern.split("%j")[0])
+        found = parent.glob("*") if parent.is_dir() else []
+        # A job's folder holds its pickled task; an array's own folder (its sbatch file only) is not a job.
+        return {p.name: p for p in found
+                if re.fullmatch(r"\d+(_\d+)?", p.name) and (p / f"{p.name}_submitted.pkl").exists()}
+
+    def _has_results(self, job_id: str, folder: Path) -> bool:
+        return all((folder / f"{job_id}_{task}_result.pkl").exists() for task in range(self.tasks))
+
+    def _run(self) -> None:
+        strikes: dict[str, int] = {}
+        last_seen: dict[str, tuple[str, str]] = {}  # the last live state, for jobs Slurm forgets at once
+        while not self._stop.wait(self.poll_s):
+            for job_id, folder in sorted(self._job_folders().items()):
+                if strikes.get(job_id) == -1 or self._has_results(job_id, folder):
+                    strikes[job_id] = -1  # finished with its results: the launcher will collect them
+                    continue
+                state = squeue_state(job_id)
+                if state is None or state[0] not in _GONE_STATES | {"GONE"}:
+                    strikes[job_id] = 0
+                    if state is not None:
+                        last_seen[job_id] = state
+                    continue
+                strikes[job_id] = strikes.get(job_id, 0) + 1
+                if strikes[job_id] >= 2 and not self._has_results(job_id, folder):
+                    others = [j for j in self._job_folders() if j != job_id and strikes.get(j) != -1]
+                    self.message = self._describe(job_id, folder, state, last_seen.get(job_id), others)
+                    _thread.interrupt_main(signal.SIGUSR1)
+                    return
+
+    def _describe(self, job_id: str, folder: Path, state: tuple[str, str], last_seen: tuple[str, str] | None,
+                  others: list[str]) -> str:
+        logs = sorted(folder.glob(f"{job_id}_*_log.err"))
+        tail = ""
+        if logs:
+            lines = [line for line in logs[0].read_text(errors="replace").splitlines() if line.strip()]
+            tail = "; its log ends:\n    " + "\n    ".join(lines[-5:]) if lines else "; its log is empty"
+        if state[0] != "GONE":
+            shown = f"state {state[0]}, reason: {state[1]}"
+        else:
+            before = f"last seen {last_seen[0]} ({last_seen[1]}); " if last_seen else ""
+            shown = f"{before}Slurm no longer knows it: cancelled, or ended and purged"
+        running = (f"\nOther jobs of this sweep may still be queued or running ({', '.join(sorted(others))}): "
+                   f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
+        return (f"Slurm job {job_id} left the queue without a result ({shown}); the launcher stops waiting for it. "
+                f"Job files: {folder}{tail}{running}")
 
 
 class ValidateLaunch(Callback):
@@ -333,6 +585,19 @@ class ValidateLaunch(Callback):
                 "launch checks passed: submitit %s, %s node(s) x %s task(s), gpus_per_node=%s",
                 kind, _get(launcher, "nodes", 1), _get(launcher, "tasks_per_node", 1), _get(launcher, "gpus_per_node"),
             )
+        if kind == "slurm" and _get(config.hydra.launcher, "submitit_folder"):
+            tasks = int(_get(launcher, "nodes", 1)) * int(_get(launcher, "tasks_per_node", 1))
+            self._watch = QueueWatch(_get(launcher, "submitit_folder"), tasks).start()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()
+
+    def __getstate__(self) -> dict:
+        # submitit pickles the launcher, and with it the Hydra callbacks, into every job: the watch (a thread)
+        # belongs to the submitting process only.
+        return {k: v for k, v in self.__dict__.items() if k != "_watch"}
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Without -m Hydra runs the app in this process and never calls the launcher: say so, since the

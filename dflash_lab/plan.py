@@ -16,7 +16,7 @@ Cost model (explicit, per rank and step; a step lasts as long as its slowest ran
     step time = c0 + c1 x padded tokens + c2 x attention tokens
 
 with the token counts of ``metrics.throughput.batch_token_counts`` (the trainer logs the same numbers). Coefficients
-come from config (``conf/cost/``), are fitted by non-negative least squares on a run's ``metrics.jsonl``
+come from config (``conf_plan/cost/``), are fitted by non-negative least squares on a run's ``metrics.jsonl``
 (``cost.from_run=RUN_DIR``), or are calibrated by a short micro-benchmark of the configured model
 (``cost.calibrate=true``). Predicted Ktok/s uses the trainer's definition (median over steps of real tokens / step
 time); ETA = epochs x steps per epoch x mean step time.
@@ -41,7 +41,8 @@ from .sampling import (
 )
 from .sampling.stats import plan_padding, plan_stats
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data (dflash_lab.conf), in a checkout and a wheel
+PLAN_CONF_DIR = Path(__file__).resolve().parent / "conf_plan"  # groups only the planner uses (cost, data=lengths)
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
 SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "drop_last", "overlong")
 BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
@@ -351,11 +352,12 @@ def plot_k_sweep(sweep: pd.DataFrame, path: Path) -> None:
 
 
 def conf_keys(group: str) -> dict[Any, list[str]]:
-    """Keys of every ``conf/<group>/*.yaml`` file, by the file's ``kind`` (or its name when it has none)."""
+    """Keys of every ``conf/<group>/*.yaml`` and ``conf_plan/<group>/*.yaml`` file, by the file's ``kind`` (or its
+    name when it has none)."""
     from omegaconf import OmegaConf
 
     files = {}
-    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+    for path in sorted([*(CONF_DIR / group).glob("*.yaml"), *(PLAN_CONF_DIR / group).glob("*.yaml")]):
         keys = OmegaConf.to_container(OmegaConf.load(path))
         files[keys.get("kind", path.stem)] = list(keys)
     return files
@@ -517,7 +519,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
+    @hydra.main(config_path="pkg://dflash_lab.conf", config_name="plan", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
         run_plan(OmegaConf.to_container(cfg, resolve=True))
 

@@ -342,7 +342,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     policy = policy_from_config(config["sampler"], train_ds.lengths, seed=seed, world_size=env.world_size,
                                 rank=env.rank)
     longest = int(policy.lengths.max())
-    if longest > probe_cfg.bands[-1]:
+    if (probe_cfg.every or probe_cfg.presentations) and longest > probe_cfg.bands[-1]:
         raise ValueError(f"probes.bands={probe_cfg.bands} end at {probe_cfg.bands[-1]} but training samples reach "
                          f"{longest} tokens: extend probes.bands (e.g. append {longest})")
     loader = torch.utils.data.DataLoader(
@@ -425,6 +425,8 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     decode_new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
     identity = {"sampler": policy.name, "seed": seed, "epochs": trainer.epochs, "world_size": env.world_size}
     data_skipped = dict(train_ds.stats.get("skipped", {}))
+    if any(data_skipped.values()):
+        log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")
     setup_time_s = time.perf_counter() - t_setup
 
     def run_probes(at_step: int) -> None:
@@ -662,7 +664,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
         cfg.logger.group = cfg.logger.group or f"{cfg.experiment}/{Path(launch).name}"
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path="pkg://dflash_lab.conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """``python -m dflash_lab.train [overrides]``: run :func:`train`; exit 1 when the run failed."""
     name_wandb_run(cfg)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from dflash_lab.data.lengths import reference_lengths
+from dflash_lab.plan import CONF_DIR
 from dflash_lab.sampling import POLICIES, policy_from_config
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = CONF_DIR  # the shipped configs (package dflash_lab.conf)
 SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))
 
 
@@ -22,7 +21,7 @@ def test_config_groups_mirror_code():
 @pytest.mark.parametrize("config_name", ["train", "plan"])
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_compose_and_build(config_name, sampler):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=[f"sampler={sampler}"])
     sampler_cfg = OmegaConf.to_container(cfg.sampler, resolve=True)
     assert sampler_cfg["name"] == sampler
@@ -38,7 +37,7 @@ def test_every_config_file_starts_with_its_command():
 
 @pytest.mark.parametrize("override", ["sampler.boundaries=[0,300,200,1024]", "sampler.overlong=ignore"])
 def test_bad_sampler_values_fail_at_build(override):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=["sampler=bucketed", override])
     with pytest.raises(ValueError, match="sampler"):
         policy_from_config(OmegaConf.to_container(cfg.sampler), reference_lengths("cpu", 500), seed=0)

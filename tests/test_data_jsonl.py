@@ -1,4 +1,4 @@
-"""JSONL chat data: both formats, loss only on assistant tokens, malformed lines skipped/counted/refused."""
+"""JSONL chat data: both formats, loss only on assistant tokens, unusable lines skipped/counted by reason/refused."""
 
 import json
 
@@ -27,7 +27,11 @@ def test_formats_and_assistant_only_loss(tmp_path):
     _write(file, 300, bad_lines=[(5, "{not json"), (50, json.dumps({"messages": [{"role": "user", "content": "x"}]}))])
     ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.01)
     assert len(ds) == 300
-    assert ds.stats["bad"] == 2 and ds.stats["bad_line_numbers"] == [6, 51] and ds.stats["total_lines"] == 302
+    assert ds.stats["total_lines"] == 302 and ds.stats["kept"] == 300
+    assert ds.stats["skipped"] == {"invalid_utf8": 0, "malformed_json": 1, "no_assistant_turn": 1,
+                                   "template_error": 0, "too_long": 0}
+    assert [line for line, _ in ds.stats["skipped_examples"]["malformed_json"]] == [6]
+    assert [line for line, _ in ds.stats["skipped_examples"]["no_assistant_turn"]] == [51]
     tok = ByteTokenizer()
     first, second = ds[0], ds[1]
     assert tok.decode(first["input_ids"][first["loss_mask"]]) == "reply 0 here"
@@ -41,10 +45,11 @@ def test_too_many_bad_lines_is_an_error_naming_file_lines_and_key(tmp_path):
     with pytest.raises(ValueError) as err:
         build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.05)
     message = str(err.value)
-    assert "bad.jsonl" in message and "1, 4, 8" in message and "data.max_bad_fraction" in message
+    assert "bad.jsonl" in message and "3 of 23 lines" in message and "data.max_bad_fraction=0.05" in message
+    assert "commonest reason malformed_json (3 lines, e.g. line 1: not JSON" in message
     # Nothing was cached: a later call with a laxer threshold reads the file again and succeeds.
     ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.2)
-    assert len(ds) == 20 and ds.stats["bad"] == 3
+    assert len(ds) == 20 and ds.stats["skipped"]["malformed_json"] == 3
 
 
 def test_missing_path_names_the_key(tmp_path):

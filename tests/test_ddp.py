@@ -50,7 +50,7 @@ TINY = [
 def _harness_main(out_dir: str, overrides: list[str]) -> None:
     """Run train(cfg) on this rank, observing batches and parameters (see the module docstring)."""
     import torch
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
     import dflash_lab.data as data_module
     import dflash_lab.model as model_module
@@ -100,7 +100,7 @@ def _harness_main(out_dir: str, overrides: list[str]) -> None:
     for module in (train_module, model_module):
         module.build_model = build_and_keep
 
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"run_dir={out / 'run'}"])
     summary = train_module.train(cfg)
 

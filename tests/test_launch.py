@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+import dflash_lab.sweeps
 from dflash_lab.launch import (
     LaunchConfigError,
+    SlurmNode,
     check_launcher,
     check_sampler,
     check_sweep,
@@ -28,8 +30,7 @@ from dflash_lab.launch import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-SWEEPS = ROOT / "sweeps"
+SWEEPS = Path(dflash_lab.sweeps.__file__).parent  # the shipped sweep files (package dflash_lab.sweeps)
 SEED_BOUNDARIES = [0, 770, 1216, 1728, 2432, 3296, 8192]
 CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]
 
@@ -37,19 +38,15 @@ CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]
 def _compose(overrides=(), config_name="train"):
     """Compose like `python -m dflash_lab.train -m ...` would (hydra node included).
 
-    A sweep file is the primary config (`--config-dir sweeps --config-name NAME` on the command line): compose it
-    from sweeps/ with conf/ on the search path, where its `train` default lives.
+    A sweep file is the primary config (`--config-name NAME` on the command line): the shipped sweeps are on the
+    search path of pkg://dflash_lab.conf (hydra_plugins/dflash_lab_sweeps), as they are for the command.
     """
-    with _hydra_context(config_name):
-        return compose(config_name, overrides=[*_search_path(config_name), *overrides], return_hydra_config=True)
+    with _hydra_context():
+        return compose(config_name, overrides=list(overrides), return_hydra_config=True)
 
 
-def _hydra_context(config_name):
-    return initialize_config_dir(str(CONF if config_name == "train" else SWEEPS), version_base="1.3")
-
-
-def _search_path(config_name):
-    return [] if config_name == "train" else [f"hydra.searchpath=[file://{CONF}]"]
+def _hydra_context():
+    return initialize_config_module("dflash_lab.conf", version_base="1.3")
 
 
 def _with_sweep_checks(config_name, overrides=()):
@@ -57,10 +54,10 @@ def _with_sweep_checks(config_name, overrides=()):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    with _hydra_context(config_name):
+    with _hydra_context():
         # compose() composes for a single run, where a sweep value such as a=1,2 is an error: compose as -m does.
         cfg = GlobalHydra.instance().hydra.compose_config(
-            config_name, [*_search_path(config_name), *overrides], run_mode=RunMode.MULTIRUN,
+            config_name, list(overrides), run_mode=RunMode.MULTIRUN,
         )
         return cfg, expand_sweep(cfg), check_sweep(cfg)
 
@@ -148,6 +145,51 @@ def test_no_partition_means_cluster_default():
     cfg = _compose(["hydra/launcher=slurm"])
     assert cfg.hydra.launcher.partition is None
     assert check_launcher(cfg.hydra.launcher, partitions=["debug"]) == []
+
+
+# Node lists as `sinfo -N` reports them (parse_sinfo_nodes has its own doctest).
+DEBUG_2CPU = [SlurmNode("n1", "debug", True, 2, 20000, 0)]
+MIXED = [SlurmNode("c1", "cpu", True, 32, 128000, 0), SlurmNode("c2", "cpu", True, 16, 64000, 0),
+         SlurmNode("g1", "gpu", False, 64, 512000, 8), SlurmNode("g2", "gpu", False, 64, 512000, 8)]
+
+
+def test_cpu_request_larger_than_the_nodes_is_refused_with_the_numbers_and_the_fix():
+    # The commonest mistake: a CPU job with 2 tasks keeps the GPU default of 8 CPUs per task (16 > 2 per node).
+    cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2"])
+    (msg,) = check_launcher(cfg.hydra.launcher, cluster_nodes=DEBUG_2CPU)
+    assert "asks 16 CPUs per node; nodes in partition debug have 2: set hydra.launcher.cpus_per_task=1" in msg
+    assert msg.startswith("hydra.launcher.tasks_per_node=2 x hydra.launcher.cpus_per_task=8")
+    fixed = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2",
+                      "hydra.launcher.cpus_per_task=1"])
+    assert check_launcher(fixed.hydra.launcher, cluster_nodes=DEBUG_2CPU) == []
+    more_tasks_than_cpus = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+                                     "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=1"])
+    (msg,) = check_launcher(more_tasks_than_cpus.hydra.launcher, cluster_nodes=DEBUG_2CPU)
+    assert "asks 4 CPUs per node" in msg and "set hydra.launcher.tasks_per_node=2 hydra.launcher.cpus_per_task=1" in msg
+
+
+def test_gpu_memory_and_node_count_requests_are_checked_against_the_partition():
+    # Default partition (cpu) has no GPUs: the 8-GPU default is refused and the GPU partition is suggested.
+    cfg = _compose(["hydra/launcher=slurm"])
+    problems = check_launcher(cfg.hydra.launcher, cluster_nodes=MIXED)
+    assert any("asks 64 CPUs per node; nodes in partition cpu have at most 32" in m for m in problems)
+    (gpu_msg,) = [m for m in problems if "GPUs per node" in m]
+    assert "nodes in partition cpu have 0" in gpu_msg and "hydra.launcher.partition=gpu" in gpu_msg
+    # ... and fits the GPU partition, on one node or two.
+    on_gpu = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu"]
+    assert check_launcher(_compose(on_gpu).hydra.launcher, cluster_nodes=MIXED) == []
+    assert check_launcher(_compose([*on_gpu, "hydra.launcher.nodes=2"]).hydra.launcher, cluster_nodes=MIXED) == []
+    (msg,) = check_launcher(_compose([*on_gpu, "hydra.launcher.nodes=3"]).hydra.launcher, cluster_nodes=MIXED)
+    assert "hydra.launcher.nodes=3 asks 3 nodes" in msg and "has 2 such node(s): set hydra.launcher.nodes=2" in msg
+    (msg,) = check_launcher(_compose([*on_gpu, "hydra.launcher.mem_gb=600"]).hydra.launcher, cluster_nodes=MIXED)
+    assert "asks 600 GB per node; nodes in partition gpu have 500 GB: set hydra.launcher.mem_gb=500" in msg
+    # Each resource exists somewhere, but no node has them all.
+    split = [SlurmNode("fat", "mix", True, 64, 256000, 0), SlurmNode("thin", "mix", True, 8, 64000, 8)]
+    (msg,) = check_launcher(_compose(["hydra/launcher=slurm"]).hydra.launcher, cluster_nodes=split)
+    assert "asks 64 CPUs and 8 GPUs on one node; no node of partition mix has all of them" in msg
+    # A list of partitions: fine when one of them can run the job.
+    either = ["hydra/launcher=slurm", "hydra.launcher.partition='cpu,gpu'"]
+    assert check_launcher(_compose(either).hydra.launcher, cluster_nodes=MIXED) == []
 
 
 def test_signal_delay_longer_than_time_limit_is_rejected():
@@ -270,8 +312,8 @@ def test_sweep_jobs_get_distinct_directories():
     from hydra.core.hydra_config import HydraConfig
 
     for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds"):
-        with _hydra_context(name):
-            master = compose(name, overrides=_search_path(name), return_hydra_config=True)
+        with _hydra_context():
+            master = compose(name, return_hydra_config=True)
             loader = GlobalHydra.instance().config_loader()
             jobs = expand_sweep(master)
             subdirs = set()

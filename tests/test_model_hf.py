@@ -51,8 +51,9 @@ def test_hf_model_and_chat_template_data(hf_dir, tmp_path):
     file.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     ds = build_dataset("jsonl", tokenizer=tok, path=str(file), cache_dir=str(tmp_path))
     sample = ds[3]
-    assert tok.decode(sample["input_ids"][sample["loss_mask"]].tolist(), show_special=True) == "ok 3!<|im_end|>\n"
-    assert tok.decode(sample["input_ids"][~sample["loss_mask"]].tolist()).endswith("hi 3\nassistant\n")
+    # Loss: the reply and its end marker; the newline the template writes after <|im_end|> is never generated.
+    assert tok.decode(sample["input_ids"][sample["loss_mask"]].tolist(), show_special=True) == "ok 3!<|im_end|>"
+    assert tok.decode(sample["input_ids"][~sample["loss_mask"]].tolist()).endswith("hi 3\nassistant\n\n")
     out = model(Collator(tok.pad_token_id, packed=True)([ds[i] for i in range(4)]), torch.Generator().manual_seed(0))
     assert torch.isfinite(out.loss) and out.count > 0
     result = measure_acceptance(model, [sample["input_ids"][:5]], max_new_tokens=8)

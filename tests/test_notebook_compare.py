@@ -108,11 +108,10 @@ def test_notebook_executes_under_nbmake_against_the_multirun(trained_multirun, t
 def test_ablation_sweep_composes_every_policy_with_train_yaml():
     """sweeps/ablation_policies.yaml, as `--config-dir sweeps --config-name ablation_policies` loads it: the 5 x 3
     grid, and each sweep point composes with conf/train.yaml (the search path order of that command is mirrored)."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    with initialize_config_dir(config_dir=str(REPO / "sweeps"), version_base="1.3"):
-        base = ["hydra.searchpath=[file://" + str(REPO / "conf") + "]", "hydra.job.num=0",
-                "hydra.runtime.output_dir=/tmp/unused"]
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):  # the shipped sweeps are on its path
+        base = ["hydra.job.num=0", "hydra.runtime.output_dir=/tmp/unused"]
         cfg = compose(config_name="ablation_policies", overrides=base, return_hydra_config=True)
         params = cfg.hydra.sweeper.params
         assert tuple(params["sampler"].split(",")) == ABLATION_POLICIES

@@ -7,6 +7,8 @@ steps of the tiny CPU model, 1 CPU per rank) because the test machine may have o
 
 What is checked:
     * a named partition is validated against the live ``sinfo`` before submission (nothing is queued);
+    * a CPU request larger than the nodes hold is refused before submission, with the numbers and the fix;
+    * a submitted job cancelled while pending ends the launcher's wait with an error within a minute;
     * a 2-task CPU DDP training job runs to the end: both ranks took part, metrics cover every step once;
     * a 2-point boundary sweep (the sweep file, its grid replaced on the command line) gives two finished runs,
       each in its own directory with its own boundaries;
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_lab.launch import slurm_partitions
+from dflash_lab.launch import slurm_nodes, slurm_partitions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,6 +153,60 @@ def test_partition_is_checked_against_the_live_cluster(tmp_path):
     assert "hydra.launcher.partition='no_such_part'" in out.stderr
     assert ", ".join(partitions) in out.stderr
     assert not sweep_dir.exists() and _jobs(name) == []  # nothing was submitted
+
+
+def test_cpu_request_larger_than_the_node_is_refused_before_submission(tmp_path):
+    # tasks_per_node=2 with the GPU default of 8 CPUs per task asks 16 CPUs of a 2-CPU node: Slurm would keep the
+    # job PENDING forever while the launcher waits. The check refuses it with the numbers and the fix.
+    cpus = max(n.cpus for n in slurm_nodes() if n.default)
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    oversized = [a for a in SLURM_CPU if not a.startswith("hydra.launcher.cpus_per_task")]
+    per_task = cpus + 1  # more than the node holds, whatever its size
+    out = _run_cli(
+        ["-m", *oversized, f"hydra.launcher.cpus_per_task={per_task}", f"hydra.launcher.name=dflash_{name}",
+         f"hydra.sweep.dir={sweep_dir}", "trainer.max_steps=1", *TINY],
+        timeout=120, name=name,
+    )
+    assert out.returncode != 0
+    fix = f"set hydra.launcher.cpus_per_task={cpus // 2}" if cpus >= 2 else "set hydra.launcher.tasks_per_node=1"
+    assert f"asks {2 * per_task} CPUs per node; nodes in partition debug have {cpus}: {fix}" in out.stderr, out.stderr
+    assert not sweep_dir.exists() and _jobs(name) == []  # nothing was submitted
+
+
+def test_cancelled_pending_job_ends_the_launcher_wait_with_an_error(tmp_path):
+    # A 2-job sweep held PENDING (begin time in an hour); cancelling one job means it never writes a result.
+    # Without accounting storage submitit cannot see that (sacct fails), so the launcher would wait forever.
+    name = _experiment()
+    sweep_dir = tmp_path / "multirun"
+    args = ["-m", *SLURM_CPU, f"hydra.launcher.name=dflash_{name}", f"hydra.sweep.dir={sweep_dir}", "seed=0,1",
+            "++hydra.launcher.additional_parameters.begin=now+3600", "trainer.max_steps=1", *TINY]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_lab.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def elements() -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-r", "-n", f"dflash_{name}", "-o", "%i"], capture_output=True,
+                             text=True)
+        return sorted(out.stdout.split())
+
+    try:
+        _wait_for(lambda: len(elements()) == 2, 120, "the two jobs to be queued", proc)
+        first, second = elements()
+        subprocess.run(["scancel", first], check=True)
+        cancelled_at = time.time()
+        output, _ = proc.communicate(timeout=120)
+        waited = time.time() - cancelled_at
+        assert elements() == [second]  # the other job is left alone
+    finally:
+        _cancel(name)
+        proc.kill()
+    assert proc.returncode != 0, output[-3000:]
+    assert waited < 60, waited
+    # A cancelled pending array element vanishes from Slurm at once (the message adds its last state when the
+    # watch saw it pending before).
+    assert f"Slurm job {first} left the queue without a result (" in output, output[-3000:]
+    assert "Slurm no longer knows it: cancelled, or ended and purged); the launcher stops waiting" in output
+    assert f"Other jobs of this sweep may still be queued or running ({second})" in output
 
 
 def test_two_rank_cpu_ddp_training_job(tmp_path):

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from dflash_lab.plan import CONF_DIR
 from dflash_lab.train import LRSchedule, ProbeSettings, TrainerSettings, format_eta
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = CONF_DIR  # the shipped configs (package dflash_lab.conf)
 SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))
 
 
 def _compose(overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         return compose(config_name="train", overrides=["run_dir=/tmp/unused", *overrides])
 
 

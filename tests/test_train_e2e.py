@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from dflash_lab import checkpoint as ckpt
 from dflash_lab import record
@@ -25,7 +25,6 @@ from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, S
 from dflash_lab.train import TrainHooks, train
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 SMALL = [
     "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
@@ -37,7 +36,7 @@ SMALL = [
 
 
 def compose_cfg(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         return compose(config_name="train", overrides=[f"run_dir={run_dir}", *SMALL, *overrides])
 
 

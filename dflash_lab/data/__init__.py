@@ -11,7 +11,7 @@ API (stable; the training loop is written against it):
     ds[i]                       # {"input_ids": Long[L], "loss_mask": Bool[L], "index": i}
     train_ds, heldout_ds = ds.split()                 # held-out share = probe_fraction (length-stratified)
     train_ds.lengths, train_ds.source_indices         # a split is a dataset view with its own 0..n-1 indices
-    ds.stats                    # build counts, e.g. jsonl: {"total_lines", "kept", "bad", "bad_line_numbers"}
+    ds.stats                    # build counts; ds.stats["skipped"]: skipped lines per reason (jsonl: SKIP_REASONS)
 
     # collate: one function per layout, both return the CONTRACTS.md batch dict
     batch = collate_padded(samples, sample_index, lengths, pad_id)   # lengths: effective length per sample
@@ -19,7 +19,8 @@ API (stable; the training loop is written against it):
     collate_fn = Collator(pad_id=tokenizer.pad_token_id, packed=policy.packed, effective_lengths=policy.lengths)
     loader = DataLoader(train_ds, batch_sampler=policy, collate_fn=collate_fn)
 
-Tokenizers expose: encode(text) -> list[int], decode(ids) -> str, encode_chat(messages) -> (ids, loss_mask),
+Tokenizers expose: encode(text) -> list[int], decode(ids) -> str, encode_chat(messages) -> (ids, loss_mask)
+(HFTokenizerAdapter.encode_chat also takes chat_template=, the data.chat_template override),
 pad_token_id, mask_token_id, bos_token_id, eos_token_id, vocab_size, fingerprint.
 """
 

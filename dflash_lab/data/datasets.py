@@ -5,7 +5,7 @@ Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/
     loss_mask.npy bool[total]  supervised tokens
     offsets.npy int64[N + 1]   sample i is tokens[offsets[i]:offsets[i+1]]
     lengths.npy int64[N]       one length per sample: what the samplers read, without touching the samples
-    meta.json                  config, counts (e.g. skipped JSONL lines)
+    meta.json                  config, counts (``stats``: e.g. skipped JSONL lines per reason)
 The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
 them rebuilds. Arrays are opened with ``mmap_mode="r"``: start-up cost is independent of N.
 
@@ -18,6 +18,7 @@ Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -25,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_lab.config_check import refuse_unknown_keys
 from dflash_lab.data import code as code_module
 from dflash_lab.data import jsonl as jsonl_module
 from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
-from dflash_lab.data.tokenizer import ByteTokenizer
+from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
 
 KINDS = ("synthetic", "code", "jsonl")
 __all__ = ["KINDS", "TokenizedDataset", "build_dataset", "default_cache_dir"]
@@ -88,8 +90,9 @@ class TokenizedDataset:
 
     @property
     def stats(self) -> dict:
-        """Counts recorded when the cache was built (e.g. ``jsonl``: total/kept/bad lines)."""
-        return dict(self.meta.get("stats", {}))
+        """Counts recorded when the cache was built; ``stats["skipped"]``: skipped lines per reason (every kind
+        has the key; ``jsonl`` lists every reason of ``data.jsonl.SKIP_REASONS``, zeros included)."""
+        return {"skipped": {}, **self.meta.get("stats", {})}
 
     def subset(self, indices) -> TokenizedDataset:
         """A view holding samples ``indices`` of this dataset (renumbered 0..len-1)."""
@@ -166,7 +169,8 @@ def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedD
 def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | None = None,
                   probe_fraction: float = 0.05, seed: int = 0, num_samples: int | None = 3000,
                   min_length: int = 32, max_length: int = 1024, path: str | None = None,
-                  max_bad_fraction: float = 0.01, stdlib_dir: str | None = None, **unused) -> TokenizedDataset:
+                  max_bad_fraction: float = 0.01, stdlib_dir: str | None = None, chat_template: str | None = None,
+                  **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
     Args:
@@ -179,9 +183,10 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         min_length: synthetic: smallest sample; code: skip shorter samples.
         max_length: code/jsonl: cap on tokens per sample (synthetic lengths are capped at 1024 by their shape).
         path: jsonl: the file.
-        max_bad_fraction: jsonl: largest tolerated share of malformed lines.
+        max_bad_fraction: jsonl: largest tolerated share of unusable lines.
         stdlib_dir: code: override the standard-library directory.
-        **unused: other keys of the data config (e.g. ``name``) are accepted and ignored.
+        chat_template: jsonl with an HF tokenizer: a Jinja file or template text replacing the tokenizer's own.
+        **unknown: refused (ValueError listing the valid keys): a misspelt key must never keep a default.
 
     Returns:
         A TokenizedDataset whose ``lengths`` come from the cached lengths array.
@@ -191,8 +196,13 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         >>> ds.lengths.dtype                                   # doctest: +SKIP
         dtype('int64')
     """
-    del unused
+    refuse_unknown_keys("data", unknown, DATA_KEYS)
     tokenizer = tokenizer or ByteTokenizer()
+    if chat_template is not None and kind != "jsonl":
+        raise ValueError(f"data.chat_template applies to data=jsonl, not data={kind}: drop data.chat_template")
+    if chat_template is not None and isinstance(tokenizer, ByteTokenizer):
+        raise ValueError("data.chat_template needs model=hf (a Hugging Face tokenizer); the tiny model's byte "
+                         "tokenizer has its own chat format: drop data.chat_template")
     if kind == "synthetic":
         if not num_samples or num_samples <= 0:
             raise ValueError(f"data.num_samples={num_samples}: the synthetic corpus needs a positive size")
@@ -217,13 +227,16 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"data.max_bad_fraction={max_bad_fraction}: choose a share in [0, 1]")
         stat = file.stat()
+        template = load_chat_template(chat_template)
         config = {"path": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                  "max_length": int(max_length), "max_bad_fraction": float(max_bad_fraction)}
+                  "max_length": int(max_length), "max_bad_fraction": float(max_bad_fraction),
+                  "chat_template": template}
         module = jsonl_module
 
         def produce(report):
             return jsonl_module.iter_jsonl(tokenizer, path=str(file), max_length=int(max_length),
-                                           max_bad_fraction=float(max_bad_fraction), report=report)
+                                           max_bad_fraction=float(max_bad_fraction), report=report,
+                                           chat_template=template)
     else:
         raise ValueError(f"data.kind={kind!r}: choose one of {', '.join(KINDS)}")
 
@@ -243,3 +256,5 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
     return _load(directory, probe_fraction, seed)
 
 
+# Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).
+DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters if name not in ("tokenizer", "unknown"))
