@@ -154,7 +154,7 @@ class Sweep:
     """The swept keys of a set of runs and each run's values.
 
     Attributes:
-        keys: swept keys, "sampler" first, then in order of first appearance.
+        keys: swept keys: "sampler", its options (sampler.*), then the others, each in order of first appearance.
         values: index run_id, one column per key (format_value text; UNSET when a run has no such key).
         overridden: run_id -> the swept keys its overrides set explicitly.
         source: "overrides" or "config" (how the keys were found).
@@ -218,7 +218,9 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
         rows[record.run_id] = {key: _value(record, key, given.get(key)) for key in ["sampler", *candidates]}
     values = pd.DataFrame.from_dict(rows, orient="index", columns=list(dict.fromkeys(["sampler", *candidates])))
     values = values.fillna(UNSET)
-    keys = ["sampler"] + [k for k in values.columns if k != "sampler" and values[k].nunique() > 1]
+    varied = [k for k in values.columns if k != "sampler" and values[k].nunique() > 1]
+    # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
+    keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
     values = values[keys]
     overridden = {run_id: {k for k in (items or {}) if k in keys} for run_id, items in parsed.items()}
     return Sweep(keys=keys, values=values, overridden=overridden, source=source)

@@ -37,6 +37,11 @@ def _empty(ax: plt.Axes, message: str) -> None:
     ax.set_axis_off()
 
 
+def _legend(ax: plt.Axes) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
+
+
 def _save(fig: plt.Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -168,7 +173,7 @@ def plot_tradeoff(comparison: Comparison, path: Path) -> Path:
             ax.annotate(arm, (stats["ktok_s_mean"], stats[f"{column}_mean"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="Ktok/s (steady state)", ylabel=title, title=f"Throughput vs {title}")
-    axes[0].legend(fontsize=6)
+    _legend(axes[0])
     return _save(fig, path)
 
 
@@ -197,7 +202,7 @@ def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
             ax.axvline(budget, color="grey", linestyle="--", linewidth=1)
         ax.set(xlabel=labels[axis], title=f"probe loss at equal {labels[axis]}")
     axes[0].set_ylabel("mean probe loss over bands")
-    axes[0].legend(fontsize=6)
+    _legend(axes[0])
     return _save(fig, path)
 
 

@@ -129,7 +129,7 @@ def probes_from_history(history: pd.DataFrame) -> pd.DataFrame:
         >>> named = pd.DataFrame({"step": [5], "probe/96-152/loss": [2.0], "probe/0-96/loss": [1.5]})
         >>> probes = probes_from_history(named)
         >>> probes["band"].tolist(), probes["band_hi"].tolist(), probes["loss"].tolist()
-        ([0, 1], [96.0, 152.0], [1.5, 2.0])
+        ([0, 1], [96, 152], [1.5, 2.0])
     """
     probe_columns = {c: PROBE_KEY.match(str(c)) for c in history.columns}
     probe_columns = {c: m for c, m in probe_columns.items() if m}
