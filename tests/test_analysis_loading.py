@@ -96,7 +96,7 @@ def write_run(
             for sample in range(40):
                 length = int(rng.integers(20, 900))
                 records.append({
-                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 3) + sample,
+                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 3) + sample + 1,
                     "length": length, "band": int(np.searchsorted(BANDS, length, side="left") - 1),
                     "acc": float(rng.uniform(0, 1)),
                 })

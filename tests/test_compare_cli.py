@@ -193,3 +193,18 @@ def test_help_documents_the_baseline_selector_and_strata():
     for phrase in ("--baseline", "strata", "sign-flip", "--margins", "--cost", "comparison_groups.csv",
                    "paired.csv"):
         assert phrase in result.stdout, phrase
+
+
+def test_two_options_of_a_config_group_with_one_name_are_two_arms():
+    """A variant defined as its own sampler file (conf/sampler/full_random_equal.yaml, name: full_random) is a
+    different setting from plain full_random, although both report the sampler name full_random."""
+    from dflash_lab.analysis.arms import arm_label, pair_arms, sweep_of
+    from dflash_lab.analysis.schema import RunRecord
+
+    records = [RunRecord(f"{option}{seed}", "local", "/nonexistent", config={"sampler": {"name": "full_random"}},
+                         overrides=[f"sampler={option}", f"seed={seed}"])
+               for option in ("full_random", "full_random_equal") for seed in (0, 1)]
+    sweep = sweep_of(records)
+    labels = sweep.values.apply(arm_label, axis=1)
+    assert sorted(set(labels)) == ["full_random", "full_random_equal"]
+    assert set(pair_arms(sweep, labels, "full_random").arms["baseline"]) == {"full_random"}

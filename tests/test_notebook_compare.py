@@ -24,13 +24,13 @@ POLICIES = ("bucketed", "full_random", "packed")
 SEEDS = (0, 1)
 # Small enough for CI on 2 cores, big enough that every comparison column of a shuffled order is defined: three
 # epochs (every example presented 3 times: forgetting events), >= 33 steps (spike score; a 2048-token budget doubles
-# the steps for the same tokens), probes every 2 steps (amplitude, own-share slope and cross effect need >= 8 evals
-# after the loss's steady-state start), a short tau measurement.
+# the steps for the same tokens; packed takes 20 steps per epoch), probes every 3 steps (amplitude and own-share slope
+# need >= 8 evals after the loss's steady-state start, the cross effect with 6 bands 11), a short tau measurement.
 TRAIN_OVERRIDES = (
     "data.num_samples=160",
     "sampler.max_tokens=2048",
     "trainer.epochs=3",
-    "probes.every=2",
+    "probes.every=3",
     "probes.per_band=2",
     "model.decode_num_prompts=4",  # tau: 16 prompts x 64 tokens would cost more than the training itself
     "model.decode_max_new_tokens=16",

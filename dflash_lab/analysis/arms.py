@@ -4,8 +4,8 @@ Swept keys. A run's setting is its sampler plus every key the sweep varied, read
 overrides (`.hydra/overrides.yaml`; a W&B run's config key `overrides` when the trainer logged it). The seed is not a
 key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch details, not settings. A key whose
 value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
-a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default), with
-`sampler=bucketed` read as the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
+a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
+config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
 swept keys are the config keys whose values differ between runs, leaving out keys of a config group whose `name`
 differs (a `sampler.*` key only counts among runs of the same sampler) and bookkeeping keys (run_dir, experiment,
 logger, analysis, overrides).
@@ -184,12 +184,15 @@ def _config_keys(records: list[RunRecord]) -> list[str]:
 
 
 def _value(record: RunRecord, key: str, override_text: str | None) -> str:
-    if key == "sampler" and record.sampler:
-        return record.sampler
     try:
-        return format_value(config_value(record.config, key))
+        value = config_value(record.config, key)
     except KeyError:
-        return parse_value(override_text) if override_text is not None else UNSET
+        value = record.sampler if key == "sampler" and record.sampler else None
+        if value is None:
+            return parse_value(override_text) if override_text is not None else UNSET
+    if isinstance(value, dict) and override_text is not None:
+        return parse_value(override_text)  # a config group: the option chosen (two options may share a name)
+    return format_value(value)
 
 
 def sweep_of(records: list[RunRecord]) -> Sweep:

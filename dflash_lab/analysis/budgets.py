@@ -45,8 +45,9 @@ def compute_axes(steps: pd.DataFrame, cost: tuple[float, float, float] | None = 
     Example:
         >>> rows = pd.DataFrame({"step": [1, 2, 4], "real_tokens": [10, 20, 30], "padded_tokens": [20, 20, 40],
         ...                      "attn_tokens": [0, 0, 0]})
-        >>> compute_axes(rows, cost=(1.0, 0.5, 0.0)).to_dict("list")  # step 4 stands for steps 3 and 4
-        {'steps': [0.0, 1.0, 2.0, 4.0], 'real_tokens': [0.0, 10.0, 30.0, 90.0], 'modelled_time_s': [0.0, 11.0, 22.0, 64.0]}
+        >>> axes = compute_axes(rows, cost=(1.0, 0.5, 0.0))  # the row of step 4 stands for steps 3 and 4
+        >>> axes["real_tokens"].tolist(), axes["modelled_time_s"].tolist()
+        ([0.0, 10.0, 30.0, 90.0], [0.0, 11.0, 22.0, 64.0])
     """
     step = _numeric(steps, "step")
     if step is None:

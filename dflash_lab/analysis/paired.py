@@ -6,6 +6,7 @@ analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline
     effect            diff = mean(d)
     t interval        diff +- t_(1 - alpha/2, n - 1) sd(d) / sqrt(n)                       (ci_low, ci_high)
     bootstrap         percentiles alpha/2, 1 - alpha/2 of mean(d*) over 10,000 resamples of the seeds with replacement
+                      (NaN below 5 pairs: the resampled means then take too few distinct values to form an interval)
     p_value           exact sign-flip permutation test: share of the 2^n sign patterns s with |mean(s d)| >= |mean(d)|
                       (random patterns beyond n = 16). The smallest attainable value is 2 / 2^n (p_min).
     p_holm            Holm's step-down adjustment of p_value over the endpoints of one arm (its family)
@@ -31,6 +32,7 @@ PAIRED_COLUMNS = ("policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", 
                   "p_min", "arm_mean", "baseline_mean", "seeds")
 EXACT_UP_TO = 16
 BOOTSTRAP_RESAMPLES = 10_000
+MIN_BOOTSTRAP_PAIRS = 5
 
 
 def _clean(diffs) -> np.ndarray:
@@ -57,12 +59,14 @@ def bootstrap_interval(diffs, alpha: float = 0.05, resamples: int = BOOTSTRAP_RE
     """Percentile bootstrap interval of mean(d), resampling the seeds with replacement (seeded: reproducible).
 
     Example:
-        >>> low, high = bootstrap_interval([1.0, 2.0, 3.0, 4.0])
-        >>> 1.0 <= low < 2.5 < high <= 4.0
+        >>> low, high = bootstrap_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+        >>> 1.0 <= low < 3.0 < high <= 5.0
         True
+        >>> bootstrap_interval([1.0, 2.0])  # two seeds: no interval
+        (nan, nan)
     """
     d = _clean(diffs)
-    if d.size < 2:
+    if d.size < MIN_BOOTSTRAP_PAIRS:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)

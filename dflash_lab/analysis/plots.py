@@ -200,7 +200,7 @@ def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
         budget = comparison.budgets.get(axis, float("nan"))
         if np.isfinite(budget):
             ax.axvline(budget, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel=labels[axis], title=f"probe loss at equal {labels[axis]}")
+        ax.set(xlabel=labels[axis], title=f"probe loss at equal {labels[axis]}", yscale="log")
     axes[0].set_ylabel("mean probe loss over bands")
     _legend(axes[0])
     return _save(fig, path)

@@ -7,7 +7,7 @@ seeing them:
     analysis:
       baseline: full_random     # arm selector (analysis.arms.parse_selector); null: no paired comparison
       endpoints: null           # columns compared with the baseline, Holm-corrected together; null: DEFAULT_ENDPOINTS
-      margins: {}               # endpoint -> equivalence margin in the endpoint's units (TOST); none: never "equivalent"
+      margins: {}               # endpoint -> equivalence margin, endpoint units (TOST); none: never "equivalent"
       cost: null                # {c0, c1, c2}: step time = c0 + c1 padded + c2 attention tokens (seconds, per rank)
                                 # for the equal-modelled-time endpoint; null: that endpoint is NaN
       alpha: 0.05               # level of the tests and 1 - alpha the confidence of the intervals

@@ -54,10 +54,13 @@ def _column(steps: pd.DataFrame, name: str) -> np.ndarray | None:
     return None if np.all(np.isnan(values)) else values
 
 
-def _steps_per_epoch(steps: pd.DataFrame) -> int | None:
-    """Median number of training steps in the run's complete epochs (None if epochs are not logged)."""
-    epoch = _column(steps, "epoch")
-    step = _column(steps, "step")
+def _steps_per_epoch(record: RunRecord) -> int | None:
+    """Steps per epoch: exact from summary.json (the trainer knows its plan), else estimated from the logged epochs
+    (runs written before the trainer recorded it, or W&B runs without the summary field)."""
+    exact = record.summary.get("steps_per_epoch")
+    if isinstance(exact, list) and exact and all(isinstance(n, int) for n in exact):
+        return int(np.median(exact))
+    epoch, step = _column(record.steps, "epoch"), _column(record.steps, "step")
     if epoch is None or step is None:
         return None
     spans = pd.DataFrame({"epoch": epoch, "step": step}).dropna().groupby("epoch")["step"].agg(["min", "max"])
@@ -71,11 +74,6 @@ def _step_band_tokens(record: RunRecord, notes: list[str]) -> pd.DataFrame | Non
     """Real tokens per (training step, probe band): exact from presentations, else approximated from mean_len."""
     presentations = record.presentations
     if not presentations.empty and presentations[["step", "band", "length"]].notna().all().all():
-        # the trainer tags a presentation with the step count *before* its update (0-based) while metrics.jsonl
-        # and probes.jsonl use the count after it; align presentations to the metrics convention
-        first_metric_step = _column(record.steps, "step")
-        if presentations["step"].min() == 0 and first_metric_step is not None and np.nanmin(first_metric_step) >= 1:
-            presentations = presentations.assign(step=presentations["step"] + 1)
         return forgetting.step_band_tokens_from_presentations(presentations)
     probes = record.probes
     edges = probes[["band", "band_lo", "band_hi"]].dropna().drop_duplicates("band").sort_values("band")
@@ -166,7 +164,7 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         row["max_final_drop"] = float(bands["final_drop"].max())
         probe_loss = probes.pivot_table(index="step", columns="band", values="loss", aggfunc="last").sort_index()
         probe_loss = probe_loss.dropna(axis=1, how="all")  # a band whose blocks could never be scored
-        period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(steps))
+        period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
         dynamics = forgetting.probe_dynamics(probe_loss, _step_band_tokens(record, notes),
                                              start_step=steady_start_step, period_steps=period)
         row.update(
@@ -275,22 +273,23 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     """
     unique_run_ids(records)
     protocol = protocol if protocol is not None else resolve_protocol(records)
-    analyses = [analyse_run(record, theta, protocol.cost) for record in records]
-    runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
-    notes: list[str] = []
-    swept: list[str] = []
-    if records:
+    pairing, swept = None, []
+    if records:  # settle arms and the baseline first: a bad selector fails before any run is analysed
         sweep = arms_module.sweep_of(records)
         labels = sweep.values.apply(arms_module.arm_label, axis=1)
         settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
         swept = ["sampler", *settings.columns]
+        if protocol.baseline:
+            pairing = arms_module.pair_arms(sweep, labels, protocol.baseline)
+    analyses = [analyse_run(record, theta, protocol.cost) for record in records]
+    runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
+    if records:
         runs["arm"] = runs["run_id"].map(labels)
         runs = runs.join(settings, on="run_id")
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
-    paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
-    if protocol.baseline and records:
-        pairing = arms_module.pair_arms(sweep, labels, protocol.baseline)
+    paired, notes = pd.DataFrame(columns=list(PAIRED_COLUMNS)), []
+    if pairing is not None:
         runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
         paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha)
         notes += pairing.notes + paired_notes
