@@ -1,4 +1,4 @@
-"""Forgetting metrics on hand-made tables and synthetic series with known answers (METRICS.md, "Forgetting")."""
+"""Forgetting metrics on hand-made tables and synthetic series with known answers (metrics.forgetting)."""
 
 import doctest
 

@@ -1,4 +1,4 @@
-"""Jumpiness metrics on synthetic series with known answers (METRICS.md, "Loss jumpiness")."""
+"""Jumpiness metrics on synthetic series with known answers (metrics.jumpiness)."""
 
 import doctest
 

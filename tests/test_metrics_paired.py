@@ -1,4 +1,4 @@
-"""Paired statistics of the policy comparison (METRICS.md, "Comparing policies"): known answers, calibration under a
+"""Paired statistics of the policy comparison (analysis.paired): known answers, calibration under a
 planted null, power under a planted effect, pairing by seed, Holm, TOST verdicts, and the equal-compute axes."""
 
 import doctest

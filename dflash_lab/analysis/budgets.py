@@ -1,5 +1,5 @@
 """Quality at equal compute: a run's probe loss read at a given optimizer step, number of real tokens, or modelled
-GPU time (METRICS.md, "Comparing policies": never only at equal epochs).
+GPU time: policies are compared at equal compute, never only at equal epochs.
 
 Axes, from metrics.jsonl (one row per logged step; a row stands for the steps since the previous logged row, which
 is exact when every step is logged):

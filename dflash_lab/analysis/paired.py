@@ -1,4 +1,4 @@
-"""Paired comparison of arms with a baseline arm, seed by seed (METRICS.md, "Comparing policies").
+"""Paired comparison of arms with a baseline arm, seed by seed.
 
 Runs with the same seed share the draft init and the data, so an arm is compared with its baseline (same stratum,
 analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline(seed i), i = 1..n:

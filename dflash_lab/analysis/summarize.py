@@ -259,7 +259,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
 
     Args:
         records: loaded runs (any source).
-        theta: learned threshold of example forgetting events (METRICS.md default 0.5).
+        theta: learned threshold of example forgetting events (default 0.5).
         protocol: baseline / endpoints / margins / cost / alpha; default: what the runs declared
             (`protocol.resolve_protocol`).
 

@@ -1,4 +1,4 @@
-"""Forgetting: the one definition of every forgetting figure (METRICS.md, "Forgetting").
+"""Forgetting: the one definition of every forgetting figure, from probe bands and example presentations.
 
 Inputs are the run-directory tables (docs/CONTRACTS.md): `probes.jsonl` rows (step, band, band_lo, band_hi, loss,
 acc, tokens: one per eval and length band, each probe example scored on fixed anchors), `presentations.parquet` rows

@@ -1,4 +1,4 @@
-"""Loss jumpiness: the one definition of how "jumpy" a per-step training loss is (METRICS.md, "Loss jumpiness").
+"""Loss jumpiness: the one definition of how "jumpy" a per-step training loss is.
 
 All functions take the per-step training loss L_t (1-D, consumption order) and are vectorized numpy/pandas.
 
