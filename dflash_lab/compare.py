@@ -1,13 +1,37 @@
-"""Compare training runs across batching policies: `python -m dflash_lab.compare PATH... [--wandb E/P --group G]`.
+"""Compare training runs across batching policies and sweep settings: `python -m dflash_lab.compare PATH...`.
 
-    python -m dflash_lab.compare multirun/ablation_policies --out docs/ablation
-    python -m dflash_lab.compare --wandb my-entity/dflash_lab --group ablation_policies --out /tmp/cmp
+    python -m dflash_lab.compare multirun/ablation/<time> --baseline full_random --out docs/ablation
+    python -m dflash_lab.compare --wandb my-entity/dflash_lab --group ablation --baseline full_random
 
 PATH may be a run directory, a multirun directory (expanded to every run below it) or a folder of offline W&B runs.
-Writes to --out (default ./comparison): comparison.csv (one row per run, every column of
-dflash_lab.analysis.schema.RUN_COLUMNS), comparison_policies.csv (per-policy mean/std over seeds), comparison.md
-(the tables, printed too), bands.csv (per-band forgetting, loop and example-forgetting figures), interference.csv
-(I[a, b] per run) and PNG plots. Bad inputs are reported and skipped; the exit code is 1 only if no run loaded.
+
+Arms. Runs are grouped by setting: the sampler plus every key the sweep varied, read from each run's recorded Hydra
+overrides (.hydra/overrides.yaml; seeds are replicates, not settings). A boundaries sweep gives one arm per
+boundary list (columns `boundaries`, `K`); an ablation gives arms such as `bucketed run_length=8
+band_skills=aligned`.
+
+Baseline and strata. --baseline names the arm every other arm is compared with: a sampler name (`full_random`) or
+comma-separated key=value terms (`sampler=full_random,sampler.some_option=false`). The selector's keys and the swept
+keys below them (`sampler.*` below `sampler`) are compared; every other swept key (e.g. `data.band_skills`) defines
+strata, and an arm is paired only with the baseline of its own stratum: bucket_sequential on independent data
+against full_random on independent data. When several arms of a stratum match, the one overriding the fewest
+compared keys is the baseline (plain full_random over a full_random variant); a tie is an error.
+
+Paired statistics. Runs pair by seed (same seed = same init and data). Per arm and endpoint: the mean paired
+difference (arm - baseline), its t and bootstrap intervals, an exact sign-flip permutation p-value, Holm's
+correction over the arm's endpoints, and a verdict: "equivalent" (TOST inside the declared margin), "better" /
+"worse" (Holm-significant, by the endpoint's better direction), else "inconclusive". Baseline, endpoints, margins,
+cost model and alpha are read from the `analysis` section every run recorded (declared in the sweep file before
+the runs); the options below override them.
+
+Equal compute. probe_loss_at_steps / _at_tokens / _at_time: the mean probe loss over bands, read at the largest
+optimizer-step, real-token and modelled-time budget every finished run reaches (modelled time needs a cost model).
+
+Writes to --out (default ./comparison): comparison.csv (one row per run: every column of
+dflash_lab.analysis.schema.RUN_COLUMNS, then the swept keys), comparison_groups.csv (one row per setting, mean/std
+over seeds), paired.csv (with a baseline), comparison.md (all tables, printed too), bands.csv, cross_effects.csv,
+curves.csv (probe loss on the compute axes) and PNG plots. Bad paths are reported and skipped; exit code 1 if no run
+loaded, 2 for an invalid option or protocol.
 """
 
 from __future__ import annotations
@@ -18,19 +42,60 @@ from pathlib import Path
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.plots import write_all_plots
+from dflash_lab.analysis.protocol import resolve_protocol
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
 
+def _endpoints(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _margins(text: str) -> dict[str, float]:
+    margins = {}
+    for term in text.split(","):
+        name, _, value = term.partition("=")
+        try:
+            margins[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--margins {text!r}: write endpoint=margin pairs separated by commas, "
+                                             "e.g. --margins jumpiness=0.01,ktok_s=2") from None
+    return margins
+
+
+def _cost(text: str) -> dict[str, float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--cost {text!r}: write C0,C1[,C2] (seconds, seconds per padded token, "
+                                         "seconds per attention token), e.g. --cost 0.02,5e-5,0")
+    return dict(zip(("c0", "c1", "c2"), values))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dflash_lab.compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_lab.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", help="run directories, multirun directories or offline W&B run folders")
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also load runs from this W&B project")
     parser.add_argument("--group", help="W&B group (experiment name) to restrict --wandb to")
     parser.add_argument("--out", default="comparison", help="output directory (default: ./comparison)")
+    parser.add_argument("--baseline", metavar="SELECTOR",
+                        help="baseline arm: a sampler name or key=value terms (default: analysis.baseline)")
+    parser.add_argument("--endpoints", type=_endpoints, metavar="A,B,...",
+                        help="endpoints of the paired comparison (default: analysis.endpoints, else "
+                             "ktok_s,jumpiness,residual_amplitude,own_share_slope,band_forgetting,"
+                             "probe_loss_at_tokens)")
+    parser.add_argument("--margins", type=_margins, metavar="ENDPOINT=M,...",
+                        help="equivalence margins for TOST (default: analysis.margins)")
+    parser.add_argument("--cost", type=_cost, metavar="C0,C1[,C2]",
+                        help="step-time model c0 + c1 x padded + c2 x attention tokens, per rank, for the "
+                             "modelled-time axis (default: analysis.cost)")
+    parser.add_argument("--alpha", type=float, help="test level (default: analysis.alpha, else 0.05)")
     parser.add_argument("--theta", type=float, default=LEARNED_THRESHOLD,
                         help="block accuracy at which a training example counts as learned, for forgetting events "
-                             f"(default {LEARNED_THRESHOLD}, METRICS.md)")
+                             f"(default {LEARNED_THRESHOLD})")
     parser.add_argument("--no-plots", action="store_true", help="write the tables only")
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
@@ -41,12 +106,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def write_outputs(comparison: Comparison, out: Path) -> list[Path]:
     """The comparison's CSV and markdown files in `out`; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "comparison.csv", out / "comparison_policies.csv", out / "comparison.md"]
+    written = [out / "comparison.csv", out / "comparison_groups.csv", out / "comparison.md"]
     comparison.runs.to_csv(written[0], index=False)
-    comparison.policies.to_csv(written[1])
+    comparison.groups.to_csv(written[1])
     written[2].write_text(markdown_tables(comparison) + "\n")
-    for name, table in (("bands.csv", comparison.bands), ("interference.csv", comparison.interference)):
-        if not table.empty:
+    tables = (("paired.csv", comparison.paired if comparison.protocol.baseline else None),
+              ("bands.csv", comparison.bands), ("cross_effects.csv", comparison.cross),
+              ("curves.csv", comparison.curves))
+    for name, table in tables:
+        if table is not None and (not table.empty or name == "paired.csv"):
             table.to_csv(out / name, index=False)
             written.append(out / name)
     return written
@@ -60,15 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     if not report.runs:
         print("no runs loaded; nothing to compare", file=sys.stderr)
         return 1
-    comparison = compare_records(report.runs, theta=args.theta)
+    try:
+        protocol = resolve_protocol(report.runs, baseline=args.baseline, endpoints=args.endpoints,
+                                    margins=args.margins, cost=args.cost, alpha=args.alpha)
+        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     written = write_outputs(comparison, out)
     if not args.no_plots:
         written += write_all_plots(report.runs, comparison, out)
     partial = int(comparison.runs["partial"].sum())
     print(markdown_tables(comparison))
-    print(f"\n{len(report.runs)} run(s) ({partial} partial); wrote {', '.join(str(p) for p in written)}",
-          file=sys.stderr)
+    print(f"\n{len(report.runs)} run(s) ({partial} partial) in {len(comparison.groups)} setting(s); wrote "
+          f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 
 

@@ -207,7 +207,8 @@ class TrainHooks:
     after_step: Callable[[dict[str, Any]], None] | None = None
 
 
-LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "group", "job_type", "name", "tags")}
+LOGGER_KEYS = {"none": ("kind",),
+               "wandb": ("kind", "mode", "project", "entity", "group", "job_type", "name", "tags", "overrides")}
 
 
 def logger_settings(values: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -401,7 +402,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         k = len(policy.boundaries) - 1 if policy.boundaries else None
         wandb_settings["tags"] = list(dict.fromkeys([*(wandb_settings.get("tags") or []), policy.name,
                                                      *([f"K{k}"] if k else []), f"seed{seed}"]))
-        wandb_config = {**config, "resolved": {"boundaries": str(policy.boundaries), "num_buckets": k,
+        wandb_config = {**config, "overrides": list(wandb_settings.get("overrides") or []), "resolved": {"boundaries": str(policy.boundaries), "num_buckets": k,
                                                "steps_per_epoch": plan.steps_per_epoch[0], "end_step": plan.end_step}}
     run_logger = RunLogger(run_dir, is_main=env.is_main, resume_step=loaded_step, log=log, run_id=run_id,
                            wandb_settings=wandb_settings, config=wandb_config if wandb_settings else config)
@@ -423,7 +424,8 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     prompts = heldout_prompts(heldout_ds, num_prompts=int(model_cfg.get("decode_num_prompts", 16)),
                               max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
     decode_new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
-    identity = {"sampler": policy.name, "seed": seed, "epochs": trainer.epochs, "world_size": env.world_size}
+    identity = {"sampler": policy.name, "seed": seed, "epochs": trainer.epochs, "world_size": env.world_size,
+                "boundaries": policy.boundaries}
     data_skipped = dict(train_ds.stats.get("skipped", {}))
     if any(data_skipped.values()):
         log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")
@@ -662,6 +664,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
     with open_dict(cfg):
         cfg.logger.name = cfg.logger.name or hydra_cfg.job.override_dirname or f"{cfg.sampler.name}_s{cfg.seed}"
         cfg.logger.group = cfg.logger.group or f"{cfg.experiment}/{Path(launch).name}"
+        cfg.logger.overrides = list(hydra_cfg.overrides.task)  # what compare groups W&B runs by
 
 
 @hydra.main(config_path="pkg://dflash_lab.conf", config_name="train", version_base="1.3")

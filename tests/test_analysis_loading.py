@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.local import find_run_dirs, load_local_run
 from dflash_lab.analysis.schema import (
+    NUMERIC_RUN_COLUMNS,
     PROBE_COLUMNS,
     RUN_COLUMNS,
     STEP_COLUMNS,
@@ -33,23 +35,43 @@ def write_run(
     presentations: bool = True,
     drop_fields: tuple[str, ...] = (),
     torn_tail: bool = False,
+    settings: dict | None = None,
+    analysis: dict | None = None,
+    effects: dict | None = None,
 ) -> Path:
-    """A small run directory in the docs/CONTRACTS.md format (a test fixture, not a result)."""
+    """A small run directory in the docs/CONTRACTS.md format (a test fixture, not a result).
+
+    settings: dotted key -> value, recorded in .hydra/config.yaml and as Hydra task overrides (a swept key);
+    analysis: the run's `analysis` config section; effects: column -> value added to every logged loss /
+    probe loss / summary figure, to plant a difference between arms.
+    """
     rng = np.random.default_rng(seed + 100 * len(sampler))
+    effects = effects or {}
     run_dir.mkdir(parents=True)
     (run_dir / ".hydra").mkdir()
-    (run_dir / ".hydra" / "config.yaml").write_text(
-        f"sampler:\n  name: {sampler}\n  max_tokens: 4096\nseed: {seed}\nexperiment: test_ablation\n"
-        "run_dir: ${hydra:runtime.output_dir}\n"
-    )
+    config = {"sampler": {"name": sampler, "max_tokens": 4096}, "seed": seed, "experiment": "test_ablation",
+              "run_dir": "${hydra:runtime.output_dir}", "data": {"num_samples": 160}}
+    for key, value in (settings or {}).items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    if analysis is not None:
+        config["analysis"] = analysis
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    overrides = [f"sampler={sampler}", f"seed={seed}", "data.num_samples=160"]
+    overrides += [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                  for key, value in (settings or {}).items()]
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     rows = []
     for step in range(1, steps + 1):
         mean_len = float(rng.uniform(30, 600))
         row = {
-            "step": step, "epoch": (step - 1) // (steps // 2), "loss": 3.0 * math.exp(-step / 80) + 1.0
-            + 0.05 * rng.standard_normal(), "acc": min(0.9, step / steps), "lr": 6e-4, "grad_norm": 1.0,
-            "real_tokens": 3000, "padded_tokens": 4000, "pad_eff": 0.75, "batch_size": 8,
-            "max_len": int(mean_len * 1.3), "mean_len": mean_len, "bucket": int(rng.integers(0, 3)),
+            "step": step, "epoch": (step - 1) // (steps // 3), "loss": 3.0 * math.exp(-step / 20) + 1.0
+            + 0.05 * rng.standard_normal() + effects.get("final_loss", 0.0), "acc": min(0.9, step / steps),
+            "lr": 6e-4, "grad_norm": 1.0, "real_tokens": 3000, "padded_tokens": 4000, "pad_eff": 0.75,
+            "batch_size": 8, "max_len": int(mean_len * 1.3), "mean_len": mean_len, "bucket": int(rng.integers(0, 3)),
             "attn_tokens": 10, "step_time_s": 0.1, "compute_time_s": 0.09, "ktok_s": 30.0 + rng.uniform(-1, 1),
             "eta_s": 0.1 * (steps - step),
         }
@@ -60,29 +82,30 @@ def write_run(
     (run_dir / "metrics.jsonl").write_text(text)
     if probes:
         probe_rows = []
-        for step in range(0, steps + 1, 10):
+        for step in range(0, steps + 1, 5):
             for band in range(len(BANDS) - 1):
                 probe_rows.append({
                     "step": step, "band": band, "band_lo": BANDS[band], "band_hi": BANDS[band + 1],
-                    "loss": 3.0 - 0.01 * step + 0.05 * rng.standard_normal(),
+                    "loss": 3.0 - 0.01 * step + 0.05 * rng.standard_normal() + effects.get("probe_loss", 0.0),
                     "acc": min(1.0, 0.1 + 0.004 * step + 0.05 * rng.standard_normal()), "tokens": 64,
                 })
         (run_dir / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe_rows))
     if presentations:
         records = []
-        for epoch in range(2):
+        for epoch in range(3):
             for sample in range(40):
                 length = int(rng.integers(20, 900))
                 records.append({
-                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 2) + sample,
+                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 3) + sample + 1,
                     "length": length, "band": int(np.searchsorted(BANDS, length, side="left") - 1),
                     "acc": float(rng.uniform(0, 1)),
                 })
         pd.DataFrame(records).to_parquet(run_dir / "presentations.parquet")
     if summary:
         (run_dir / "summary.json").write_text(json.dumps({
-            "sampler": sampler, "seed": seed, "steps": steps, "epochs": 2, "ktok_s": 30.0, "pad_eff": 0.75,
-            "eta_s": 0.0, "full_run_eta_s": 12.0, "final_loss": rows[-1]["loss"], "final_acc": 0.9, "tau": 2.5,
+            "sampler": sampler, "seed": seed, "steps": steps, "epochs": 3,
+            "ktok_s": 30.0 + effects.get("ktok_s", 0.0) + 0.1 * seed, "pad_eff": 0.75, "eta_s": 0.0,
+            "full_run_eta_s": 12.0, "final_loss": rows[-1]["loss"], "final_acc": 0.9, "tau": 2.5,
             "tau_baseline": 1.1, "overhead_frac": 0.03, "world_size": 1, "status": "finished",
         }))
     return run_dir
@@ -110,7 +133,7 @@ def test_local_run_matches_the_contract_schema(multirun):
     record = load_local_run(find_run_dirs(multirun)[0])
     assert tuple(record.steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
     assert tuple(record.probes.columns[: len(PROBE_COLUMNS)]) == PROBE_COLUMNS
-    assert len(record.steps) == 120 and len(record.presentations) == 80
+    assert len(record.steps) == 120 and len(record.presentations) == 120
     assert (record.sampler, record.seed, record.status, record.partial) == ("bucketed", 0, "finished", False)
     assert record.group == "test_ablation"
 
@@ -167,17 +190,40 @@ def test_runs_with_different_metric_sets_compare_without_crash(tmp_path):
 def test_every_comparison_column_is_filled_for_complete_runs(multirun):
     comparison = compare_records(load_runs([multirun]).runs)
     finished = comparison.runs[~comparison.runs["partial"]]
-    for column in ("ktok_s", "pad_eff", "eta_s", "jumpiness", "robust_jumpiness", "resid_lag1_acf", "spike_score",
-                   "length_r2", "residual_jumpiness", "band_forgetting", "final_drop",
-                   "forgetting_events_per_example", "frac_ever_forgotten", "frac_never_learned",
-                   "interference_cross", "loop_score", "final_loss", "final_acc", "tau"):
-        assert finished[column].notna().all(), column
-    policies = comparison.policies
-    assert policies.loc["bucketed", "n_runs"] == 2
-    assert policies.loc["full_random", "n_partial"] == 1
-    assert policies.loc["bucketed", "ktok_s_std"] == pytest.approx(0.0)
+    shuffled_only = {"loop_score", "loop_lag_evals", "order_period_steps"}  # periodic orders only
+    no_cost_model = {"modelled_time_s", "probe_loss_at_time"}
+    for column in NUMERIC_RUN_COLUMNS:
+        if column not in shuffled_only | no_cost_model:
+            assert finished[column].notna().all(), (column, finished["notes"].tolist())
+    for column in shuffled_only | no_cost_model:
+        assert finished[column].isna().all(), column
+    groups = comparison.groups
+    assert groups.loc["bucketed", "n_runs"] == 2 and groups.loc["bucketed", "seeds"] == "0 1"
+    assert groups.loc["full_random", "n_partial"] == 1
+    assert groups.loc["bucketed", "pad_eff_std"] == pytest.approx(0.0)
     assert not comparison.bands.empty and set(comparison.bands["band"]) == {0, 1, 2}
-    assert set(comparison.interference.columns) >= {"train_band", "probe_band", "interference", "run_id"}
+    assert {"residual_amplitude", "loop", "own_share_slope", "forgetting"} <= set(comparison.bands.columns)
+    assert set(comparison.cross.columns) >= {"train_band", "probe_band", "cross_effect", "run_id", "arm"}
+    assert comparison.paired.empty  # no baseline declared or given
+
+
+def test_steady_state_start_and_forgetting_window_follow_the_loss_descent(multirun):
+    row = compare_records(load_runs([multirun]).runs).runs.iloc[0]
+    # loss 3 exp(-step / 20) + 1: 90% of the EMA's descent is covered near step 20 ln 10 = 46, plus the EMA's lag
+    assert 40 <= row["steady_start_step"] <= 65
+    evals_after = len(range(0, 121, 5)) - int(np.ceil(row["steady_start_step"] / 5))
+    assert row["forgetting_window_evals"] == evals_after
+    assert row["real_tokens_total"] == 120 * 3000
+
+
+def test_a_periodic_order_gets_a_loop_score_and_a_shuffled_one_does_not(tmp_path):
+    write_run(tmp_path / "m" / "0", "bucket_sequential", 0, steps=240)
+    write_run(tmp_path / "m" / "1", "bucketed", 0, steps=240)
+    runs = compare_records(load_runs([tmp_path / "m"]).runs).runs.set_index("sampler")
+    assert runs.loc["bucket_sequential", "order_period_steps"] == 80  # 240 steps in 3 logged epochs
+    assert runs.loc["bucket_sequential", "loop_lag_evals"] == 16  # 80 steps / an eval every 5
+    assert np.isfinite(runs.loc["bucket_sequential", "loop_score"])
+    assert np.isnan(runs.loc["bucketed", "loop_score"]) and np.isnan(runs.loc["bucketed", "order_period_steps"])
 
 
 def test_duplicate_run_names_from_two_multiruns_stay_distinct(tmp_path):
@@ -346,3 +392,49 @@ def test_record_defaults_are_schema_shaped():
     record = RunRecord(run_id="r", source="local", location="r")
     assert tuple(record.steps.columns) == STEP_COLUMNS and record.steps.empty
     assert record.partial and record.sampler is None and record.seed is None
+
+
+# ------------------------------------------------------------------------------------------------- W&B sweeps
+def _wandb_sweep_run(run_id: str, sampler: str, seed: int, config_extra: dict, with_overrides: bool):
+    config = {"sampler": {"value": {"name": sampler, "max_tokens": 4096, **config_extra.get("sampler", {})}},
+              "seed": {"value": seed}, "run_dir": {"value": f"/runs/{run_id}"}, "experiment": {"value": "sweep"},
+              "data": {"value": {"name": "synthetic", **config_extra.get("data", {})}}}
+    if sampler == "bucketed":
+        config["sampler"]["value"]["boundaries"] = [0, 96, 1024]  # a key full_random has no use for
+    if with_overrides:
+        config["overrides"] = {"value": [f"sampler={sampler}", f"seed={seed}"]
+                               + [f"{group}.{k}={v}" for group, keys in config_extra.items() for k, v in keys.items()]}
+    run = FakePublicRun(_history_like_run_logger(), {"final_loss": 2.0, "status": "finished"}, config)
+    run.id = run.name = run_id
+    return wandb_run_to_record(run)
+
+
+@pytest.mark.parametrize("with_overrides", [True, False])
+def test_wandb_sweep_runs_group_into_arms_from_their_configs(with_overrides):
+    """A W&B sweep: bucketed / full_random x data.band_skills, two seeds each. With the overrides the trainer logs,
+    or, without them, from the differences between the run configs, the arms are the same four settings."""
+    records = [
+        _wandb_sweep_run(f"{sampler[0]}{skills[0]}{seed}", sampler, seed, {"data": {"band_skills": skills}},
+                         with_overrides)
+        for sampler in ("bucketed", "full_random") for skills in ("aligned", "independent") for seed in (0, 1)
+    ]
+    comparison = compare_records(records)
+    assert comparison.swept == ["sampler", "data.band_skills"]
+    assert sorted(comparison.groups.index) == [
+        "bucketed band_skills=aligned", "bucketed band_skills=independent",
+        "full_random band_skills=aligned", "full_random band_skills=independent"]
+    assert (comparison.groups["n_runs"] == 2).all()
+    assert "boundaries" not in comparison.runs.columns  # bucketed's preset list is part of choosing bucketed
+
+
+def test_wandb_metric_names_of_the_new_logger_are_read():
+    history = pd.DataFrame([
+        {"step": 1, "train/loss": 2.5, "train/ktok_s": 10.0},
+        {"step": 2, "train/loss": 2.4, "train/ktok_s": 11.0},
+        {"step": 2, "probe/0-96/loss": 3.0, "probe/0-96/acc": 0.2, "probe/96-216/loss": 3.5, "probe/96-216/acc": 0.1},
+    ])
+    summary = {"final/ktok_s": 10.5, "ktok_s": 11.0, "final/status": "finished", "final/final_loss": 2.4}
+    record = wandb_run_to_record(FakePublicRun(history, summary, {"seed": 1}))
+    assert record.steps["loss"].tolist() == [2.5, 2.4]
+    assert record.summary["ktok_s"] == 10.5 and record.status == "finished"
+    assert record.probes[["band", "band_lo", "band_hi"]].values.tolist() == [[0, 0, 96], [1, 96, 216]]

@@ -1,4 +1,4 @@
-"""Jumpiness metrics on synthetic series with known answers (METRICS.md, "Loss jumpiness")."""
+"""Jumpiness metrics on synthetic series with known answers (metrics.jumpiness)."""
 
 import doctest
 
@@ -68,16 +68,6 @@ def test_pure_sine_has_lag1_autocorrelation_cos_2pi_over_period(period):
     assert jm.autocorrelation(residual, 1) == pytest.approx(np.cos(2 * np.pi / period), abs=0.02)
 
 
-def test_autocorrelation_function_agrees_with_single_lag_estimator():
-    rng = np.random.default_rng(3)
-    x = np.cumsum(rng.standard_normal(500))
-    acf = jm.autocorrelation_function(x, 30)
-    assert acf[0] == pytest.approx(1.0)
-    for lag in (1, 5, 30):
-        assert acf[lag] == pytest.approx(jm.autocorrelation(x, lag), abs=1e-9)
-    assert np.isnan(jm.autocorrelation(np.ones(10), 1))
-
-
 def test_white_noise_residuals_are_negatively_autocorrelated_and_slow_wave_positive():
     rng = np.random.default_rng(4)
     noise = 2.0 + 0.05 * rng.standard_normal(4000)
@@ -105,11 +95,51 @@ def test_spike_window_excludes_the_current_step_and_is_128_long():
     assert np.nansum(jm.spike_flags(shifted)[190:]) == 0
 
 
-def test_steady_state_skips_warmup_unless_too_short():
-    assert jm.steady_state_start(1000) == 100
-    assert jm.steady_state_start(50) == 10
-    assert jm.steady_state_start(15) == 0
-    assert jm.steady_state(np.arange(1000.0))[0] == 100
+def test_steady_state_starts_after_90_percent_of_the_descent():
+    steps = np.arange(3000)
+    loss = 2.0 + 3.0 * np.exp(-steps / 300)  # the EMA covers 90% of its 3.0 descent near step 300 ln 10 = 691
+    start = jm.steady_state_start(loss)
+    assert 691 <= start <= 691 + 12  # + the EMA's lag of about 9 steps
+    assert jm.steady_state(loss)[0] == loss[start]
+
+
+def test_steady_state_never_starts_before_10_percent_and_keeps_a_few_steps():
+    assert jm.steady_state_start(np.full(1000, 2.0)) == 100  # no descent at all
+    assert jm.steady_state_start(np.r_[5.0, np.full(999, 2.0)]) == 100  # descent done at once
+    rising = np.linspace(2.0, 3.0, 500)  # a diverging run has no descent either
+    assert jm.steady_state_start(rising) == 50
+    assert jm.steady_state_start(np.linspace(5.0, 2.0, 20)) == 12  # at least min_keep = 8 steps stay
+    assert jm.steady_state_start(np.linspace(5.0, 2.0, 5)) == 0
+
+
+def test_lag1_autocorrelation_no_longer_tracks_run_length():
+    """The same learning curve and noise, run 4x longer: with a 10%-of-steps warm-up the short run's steady state
+    still holds the descent (the EMA lags it: positive residual autocorrelation); from the 90% point it does not."""
+    rng = np.random.default_rng(9)
+
+    def run(n_steps):
+        steps = np.arange(n_steps)
+        return 2.0 + 3.0 * np.exp(-steps / 150) + 0.03 * rng.standard_normal(n_steps)
+
+    short, long_ = run(600), run(2400)
+    old = [jm.autocorrelation(jm.ema_residuals(loss)[int(0.1 * loss.size):], 1) for loss in (short, long_)]
+    assert old[0] - old[1] > 0.1  # the old rule: the figure moves with run length
+    new = [jm.jumpiness_report(loss).resid_lag1_acf for loss in (short, long_)]
+    assert abs(new[0] - new[1]) < 0.06
+    assert max(new) < 0  # only step-to-step noise is left
+
+
+def test_report_uses_steady_state_only():
+    rng = np.random.default_rng(8)
+    warm = np.linspace(10.0, 2.0, 100)  # fast early learning: huge log-differences
+    steady = 2.0 + 0.01 * rng.standard_normal(900)
+    report = jm.jumpiness_report(np.r_[warm, steady])
+    assert 95 <= report.steady_start <= 110
+    assert report.steady_steps == 1000 - report.steady_start
+    assert report.jumpiness == pytest.approx(jm.jumpiness(np.r_[warm, steady][report.steady_start:]), rel=1e-9)
+    assert report.jumpiness < 0.02
+    assert np.isnan(report.length_r2)
+    assert jm.jumpiness_report(np.r_[warm, steady], steady_start=500).steady_steps == 500
 
 
 def test_length_confound_recovers_a_planted_length_effect():
@@ -135,16 +165,6 @@ def test_length_confound_is_near_zero_without_a_length_effect_and_nan_without_fe
     assert jm.length_confound(loss, mean_len, bucket=np.full(n, -1)).r2 < 0.01
     assert np.isnan(jm.length_confound(loss).r2)
     assert np.isnan(jm.length_confound(loss, bucket=np.full(n, -1)).r2)  # one level: no feature at all
-
-
-def test_report_uses_steady_state_only():
-    rng = np.random.default_rng(8)
-    warm = np.linspace(10.0, 2.0, 100)  # fast early learning: huge log-differences
-    steady = 2.0 + 0.01 * rng.standard_normal(900)
-    report = jm.jumpiness_report(np.r_[warm, steady])
-    assert report.steady_start == 100
-    assert report.jumpiness == pytest.approx(jm.jumpiness(steady), rel=1e-9)
-    assert np.isnan(report.length_r2)
 
 
 @settings(max_examples=60, deadline=None)

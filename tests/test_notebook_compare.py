@@ -22,14 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "multirun" / "notebook_ci"
 POLICIES = ("bucketed", "full_random", "packed")
 SEEDS = (0, 1)
-# Small enough for CI on 2 cores, big enough that every comparison column is defined: two full epochs (each example
-# presented twice), >= 33 steps (spike score; a 2048-token budget doubles the steps for the same tokens), probes
-# every 4 steps (the loop-score lag of one epoch must fit in half the evals), a short tau measurement.
+# Small enough for CI on 2 cores, big enough that every comparison column of a shuffled order is defined: three
+# epochs (every example presented 3 times: forgetting events), >= 33 steps (spike score; a 2048-token budget doubles
+# the steps for the same tokens; packed takes 20 steps per epoch), probes every 3 steps (amplitude and own-share slope
+# need >= 8 evals after the loss's steady-state start, the cross effect with 6 bands 11), a short tau measurement.
 TRAIN_OVERRIDES = (
     "data.num_samples=160",
     "sampler.max_tokens=2048",
-    "trainer.epochs=2",
-    "probes.every=4",
+    "trainer.epochs=3",
+    "probes.every=3",
     "probes.per_band=2",
     "model.decode_num_prompts=4",  # tau: 16 prompts x 64 tokens would cost more than the training itself
     "model.decode_max_new_tokens=16",
@@ -72,7 +73,8 @@ def test_multirun_holds_one_finished_run_per_policy_and_seed(trained_multirun):
 def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
     out = tmp_path / "comparison"
     result = subprocess.run(
-        [sys.executable, "-m", "dflash_lab.compare", str(trained_multirun), "--out", str(out)],
+        [sys.executable, "-m", "dflash_lab.compare", str(trained_multirun), "--out", str(out),
+         "--baseline", "full_random"],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -80,29 +82,40 @@ def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
     assert sorted(runs["sampler"].unique()) == sorted(POLICIES)
     assert sorted(runs["seed"].unique()) == list(SEEDS)
     assert not runs["partial"].any(), runs[["run_id", "status", "notes"]].to_string()
-    missing = {c: runs.loc[runs[c].isna(), "run_id"].tolist() for c in COMPARISON_COLUMNS if runs[c].isna().any()}
+    periodic_only = {"loop_score"}  # every policy here shuffles its order: no period, no loop score
+    missing = {c: runs.loc[runs[c].isna(), "run_id"].tolist() for c in COMPARISON_COLUMNS
+               if c not in periodic_only and runs[c].isna().any()}
     assert not missing, f"empty comparison columns {missing}; notes: {runs['notes'].tolist()}"
-    for name in ("comparison.md", "loss_curves.png", "band_accuracy.png", "metric_bars.png",
-                 "throughput_vs_forgetting.png", "bands.csv", "interference.csv"):
+    assert runs["loop_score"].isna().all()
+    for name in ("comparison.md", "comparison_groups.csv", "paired.csv", "loss_curves.png", "band_accuracy.png",
+                 "metric_bars.png", "tradeoff.png", "equal_compute.png", "bands.csv", "cross_effects.csv"):
         assert (out / name).is_file(), name
     # throughput figures are the trainer's (summary.json), computed with metrics.throughput
     assert (runs["pad_eff"] > 0).all() and (runs["pad_eff"] <= 1).all()
     packed = runs[runs["sampler"] == "packed"]["pad_eff"]
     full_random = runs[runs["sampler"] == "full_random"]["pad_eff"]
     assert packed.mean() > full_random.mean()  # packing leaves no padding inside rows; random batches pad a lot
-    assert "## Per policy" in result.stdout
+    groups = pd.read_csv(out / "comparison_groups.csv", index_col="arm")
+    assert sorted(groups.index) == sorted(POLICIES) and (groups["n_runs"] == len(SEEDS)).all()
+    paired = pd.read_csv(out / "paired.csv")
+    assert list(paired.columns[:8]) == ["policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", "p_holm",
+                                        "verdict"]
+    assert set(paired["policy"]) == {"bucketed", "packed"} and (paired["n_pairs"] == len(SEEDS)).all()
+    assert "## Per setting" in result.stdout and "## Paired differences" in result.stdout
 
 
 @pytest.mark.slow
 def test_notebook_executes_under_nbmake_against_the_multirun(trained_multirun, tmp_path):
-    env = _env() | {"DFLASH_RUNS": str(trained_multirun), "DFLASH_NOTEBOOK_FIGURES": str(tmp_path / "figures")}
+    env = _env() | {"DFLASH_RUNS": str(trained_multirun), "DFLASH_NOTEBOOK_FIGURES": str(tmp_path / "figures"),
+                    "DFLASH_BASELINE": "full_random"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=600",
          "notebooks/compare_policies.ipynb"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert (tmp_path / "figures" / "throughput_vs_forgetting.png").is_file()
+    assert (tmp_path / "figures" / "tradeoff.png").is_file()
+    assert (tmp_path / "figures" / "equal_compute.png").is_file()
 
 
 def test_ablation_sweep_composes_every_policy_with_train_yaml():

@@ -1,8 +1,8 @@
-"""Analysis: load runs (local run directories, W&B, offline W&B) into one schema, compare policies, plot.
+"""Analysis: load runs (local run directories, W&B, offline W&B) into one schema, compare arms, plot.
 
     records = load_runs(["multirun/ablation_policies"]).runs      # or wandb="entity/project", group="..."
-    comparison = compare_records(records)                           # comparison.runs / .policies / .bands
-    print(markdown_tables(comparison))
+    comparison = compare_records(records, protocol=resolve_protocol(records, baseline="full_random"))
+    print(markdown_tables(comparison))                              # comparison.runs / .groups / .paired / .bands
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_lab.analysis.local import LoadReport, find_run_dirs, load_local_paths, load_local_run
+from dflash_lab.analysis.protocol import Protocol, resolve_protocol
 from dflash_lab.analysis.schema import RUN_COLUMNS, RunRecord
 from dflash_lab.analysis.summarize import Comparison, analyse_run, compare_records, markdown_tables
 from dflash_lab.analysis.wandb_runs import OfflineRun, load_offline_runs, load_wandb_runs, wandb_run_to_record
@@ -41,7 +42,7 @@ def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str
 
 
 __all__ = [
-    "RUN_COLUMNS", "Comparison", "LoadReport", "OfflineRun", "RunRecord", "analyse_run", "compare_records",
-    "find_run_dirs", "load_local_paths", "load_local_run", "load_offline_runs", "load_runs", "load_wandb_runs",
-    "markdown_tables", "wandb_run_to_record",
+    "RUN_COLUMNS", "Comparison", "LoadReport", "OfflineRun", "Protocol", "RunRecord", "analyse_run",
+    "compare_records", "find_run_dirs", "load_local_paths", "load_local_run", "load_offline_runs", "load_runs",
+    "load_wandb_runs", "markdown_tables", "resolve_protocol", "wandb_run_to_record",
 ]

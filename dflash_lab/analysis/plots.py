@@ -1,6 +1,7 @@
-"""Comparison plots (matplotlib, Agg backend, PNG): loss curves, per-band probe accuracy, jumpiness and forgetting
-bars, throughput versus forgetting. Each function takes the loaded records / comparison tables and a path, draws
-one figure, and returns the path; a figure with nothing to draw says so on the canvas instead of failing.
+"""Comparison plots (matplotlib, Agg backend, PNG): loss curves, per-band probe accuracy, per-arm metric bars, the
+throughput trade-off (one point per setting) and probe loss on the three compute axes. Each function takes the
+loaded records / comparison tables and a path, draws one figure, and returns the path; a figure with nothing to
+draw says so on the canvas instead of failing. Colours follow the arm (setting), the same in every plot.
 """
 
 from __future__ import annotations
@@ -14,25 +15,31 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from dflash_lab.analysis.budgets import AXES  # noqa: E402
 from dflash_lab.analysis.schema import RunRecord  # noqa: E402
 from dflash_lab.analysis.summarize import Comparison  # noqa: E402
 from dflash_lab.metrics.jumpiness import ema  # noqa: E402
 
 
-KNOWN_POLICIES = ("sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed")
+def _colours(labels: list[str]) -> dict[str, tuple]:
+    """One colour per arm label, in name order (tab10, or tab20 beyond 10 arms)."""
+    names = sorted(set(labels))
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: palette(i % palette.N) for i, name in enumerate(names)}
 
 
-def _colours(samplers: list[str]) -> dict[str, tuple]:
-    """One colour per policy, the same in every plot: known policies first, others after in name order."""
-    palette = plt.get_cmap("tab10")
-    others = sorted(set(samplers) - set(KNOWN_POLICIES))
-    order = list(KNOWN_POLICIES) + others
-    return {name: palette(order.index(name) % 10) for name in set(samplers)}
+def _arm(record: RunRecord, arms: dict[str, str] | None) -> str:
+    return (arms or {}).get(record.run_id) or record.sampler or "unknown"
 
 
 def _empty(ax: plt.Axes, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
     ax.set_axis_off()
+
+
+def _legend(ax: plt.Axes) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -43,32 +50,37 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def plot_loss_curves(records: list[RunRecord], path: Path, smooth_alpha: float = 0.1) -> Path:
-    """Training loss per step, every run overlaid (EMA-smoothed, faint raw), one colour per sampler."""
+def plot_loss_curves(records: list[RunRecord], path: Path, arms: dict[str, str] | None = None,
+                     smooth_alpha: float = 0.1) -> Path:
+    """Training loss per step, every run overlaid (EMA-smoothed, faint raw), one colour per arm.
+
+    Args:
+        arms: run_id -> arm label (`comparison.runs`); default: the sampler.
+    """
     fig, ax = plt.subplots(figsize=(8, 4.5))
     drawable = [r for r in records if not r.steps.empty and r.steps["loss"].notna().any()]
     if not drawable:
         _empty(ax, "no training losses logged")
         return _save(fig, path)
-    colours = _colours([r.sampler or "unknown" for r in drawable])
+    colours = _colours([_arm(r, arms) for r in drawable])
     labelled: set[str] = set()
     for record in drawable:
         steps = record.steps.dropna(subset=["step", "loss"])
-        sampler = record.sampler or "unknown"
-        ax.plot(steps["step"], steps["loss"], color=colours[sampler], alpha=0.15, linewidth=0.6)
+        arm = _arm(record, arms)
+        ax.plot(steps["step"], steps["loss"], color=colours[arm], alpha=0.15, linewidth=0.6)
         ax.plot(
-            steps["step"], ema(steps["loss"].to_numpy(), smooth_alpha), color=colours[sampler], linewidth=1.2,
-            linestyle="--" if record.partial else "-", label=None if sampler in labelled else sampler,
+            steps["step"], ema(steps["loss"].to_numpy(), smooth_alpha), color=colours[arm], linewidth=1.2,
+            linestyle="--" if record.partial else "-", label=None if arm in labelled else arm,
         )
-        labelled.add(sampler)
+        labelled.add(arm)
     ax.set(xlabel="step", ylabel="training loss", title="Training loss (EMA; dashed = partial run)")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 
-def plot_band_accuracy(records: list[RunRecord], path: Path) -> Path:
-    """Probe accuracy over steps, one panel per band, one line per run, coloured by sampler."""
+def plot_band_accuracy(records: list[RunRecord], path: Path, arms: dict[str, str] | None = None) -> Path:
+    """Probe accuracy over steps, one panel per band, one line per run, coloured by arm."""
     with_probes = [r for r in records if not r.probes.empty and r.probes["acc"].notna().any()]
     bands = sorted({b for r in with_probes for b in r.probes["band"].dropna().unique()}, key=str)
     if not bands:
@@ -78,17 +90,17 @@ def plot_band_accuracy(records: list[RunRecord], path: Path) -> Path:
     columns = min(len(bands), 3)
     rows = int(np.ceil(len(bands) / columns))
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False, sharey=True)
-    colours = _colours([r.sampler or "unknown" for r in with_probes])
+    colours = _colours([_arm(r, arms) for r in with_probes])
     for ax, band in zip(axes.flat, bands):
         labelled: set[str] = set()
         for record in with_probes:
             probes = record.probes[record.probes["band"] == band].sort_values("step")
             if probes.empty:
                 continue
-            sampler = record.sampler or "unknown"
-            ax.plot(probes["step"], probes["acc"], color=colours[sampler], linewidth=1,
-                    label=None if sampler in labelled else sampler)
-            labelled.add(sampler)
+            arm = _arm(record, arms)
+            ax.plot(probes["step"], probes["acc"], color=colours[arm], linewidth=1,
+                    label=None if arm in labelled else arm)
+            labelled.add(arm)
         lo, hi = record_band_edges(with_probes, band)
         ax.set_title(f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))  # lengths in (lo, hi]
         ax.set_xlabel("step")
@@ -108,61 +120,100 @@ def record_band_edges(records: list[RunRecord], band) -> tuple[float, float]:
     return float("nan"), float("nan")
 
 
-def _bar_panel(ax: plt.Axes, policies: pd.DataFrame, column: str, title: str) -> None:
+def _bar_panel(ax: plt.Axes, groups: pd.DataFrame, column: str, title: str) -> None:
     mean_col, std_col = f"{column}_mean", f"{column}_std"
-    if policies.empty or mean_col not in policies or not policies[mean_col].notna().any():
+    if groups.empty or mean_col not in groups or not groups[mean_col].notna().any():
         _empty(ax, f"{title}: n/a")
         return
-    means = policies[mean_col]
-    errors = policies[std_col].fillna(0.0)
-    ax.bar(range(len(means)), means.fillna(0.0), yerr=errors, capsize=3,
-           color=[_colours(list(policies.index))[s] for s in policies.index])
-    ax.set_xticks(range(len(means)), policies.index, rotation=30, ha="right", fontsize=8)
+    colours = _colours(list(groups.index))
+    ax.bar(range(len(groups)), groups[mean_col].fillna(0.0), yerr=groups[std_col].fillna(0.0), capsize=3,
+           color=[colours[arm] for arm in groups.index])
+    ax.set_xticks(range(len(groups)), groups.index, rotation=30, ha="right", fontsize=7)
     ax.set_title(title, fontsize=9)
 
 
 def plot_metric_bars(comparison: Comparison, path: Path) -> Path:
-    """Per-policy mean +- std (over seeds) of jumpiness, spike score, length R^2, band forgetting, forgetting events
-    per example, loop score."""
+    """Per-arm mean +- std (over seeds) of jumpiness, spike score, residual amplitude A, own-share slope beta,
+    band forgetting and forgetting events per example."""
     panels = [
         ("jumpiness", "jumpiness std(d log L)"),
         ("spike_score", "spike score"),
-        ("length_r2", "length confound R²"),
+        ("residual_amplitude", "residual amplitude A"),
+        ("own_share_slope", "own-share slope beta (< 0: recency)"),
         ("band_forgetting", "band forgetting F_b"),
         ("forgetting_events_per_example", "forgetting events / example"),
-        ("loop_score", "loop score"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (column, title) in zip(axes.flat, panels):
-        _bar_panel(ax, comparison.policies, column, title)
+        _bar_panel(ax, comparison.groups, column, title)
     return _save(fig, path)
 
 
-def plot_throughput_vs_forgetting(comparison: Comparison, path: Path) -> Path:
-    """Each run: Ktok/s (x) against band forgetting (y), coloured by sampler; partial runs hollow."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    runs = comparison.runs.dropna(subset=["ktok_s", "band_forgetting"])
-    if runs.empty:
-        _empty(ax, "needs Ktok/s and band forgetting for at least one run")
+def plot_tradeoff(comparison: Comparison, path: Path) -> Path:
+    """One point per setting (arm): Ktok/s (x) against jumpiness, residual amplitude and band forgetting (y),
+    mean +- std over seeds: what a policy or boundary sweep is run to draw."""
+    panels = [("jumpiness", "jumpiness"), ("residual_amplitude", "residual amplitude A"),
+              ("band_forgetting", "band forgetting F_b")]
+    groups = comparison.groups
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    if groups.empty or not groups["ktok_s_mean"].notna().any():
+        for ax in axes:
+            _empty(ax, "needs Ktok/s for at least one setting")
         return _save(fig, path)
-    colours = _colours(list(runs["sampler"].fillna("unknown")))
-    for sampler, group in runs.groupby(runs["sampler"].fillna("unknown")):
-        finished = group[~group["partial"].astype(bool)]
-        partial = group[group["partial"].astype(bool)]
-        ax.scatter(finished["ktok_s"], finished["band_forgetting"], color=colours[sampler], label=sampler)
-        ax.scatter(partial["ktok_s"], partial["band_forgetting"], facecolors="none", edgecolors=colours[sampler])
-    ax.set(xlabel="Ktok/s (steady state)", ylabel="band forgetting F_b (mean over bands)",
-           title="Throughput vs forgetting (hollow = partial run)")
-    ax.legend(fontsize=8)
+    colours = _colours(list(groups.index))
+    for ax, (column, title) in zip(axes, panels):
+        drawable = groups.dropna(subset=["ktok_s_mean", f"{column}_mean"])
+        if drawable.empty:
+            _empty(ax, f"{title}: n/a")
+            continue
+        for arm, stats in drawable.iterrows():
+            ax.errorbar(stats["ktok_s_mean"], stats[f"{column}_mean"], xerr=np.nan_to_num(stats["ktok_s_std"]),
+                        yerr=np.nan_to_num(stats[f"{column}_std"]), fmt="o", color=colours[arm], capsize=3,
+                        label=arm)
+            ax.annotate(arm, (stats["ktok_s_mean"], stats[f"{column}_mean"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set(xlabel="Ktok/s (steady state)", ylabel=title, title=f"Throughput vs {title}")
+    _legend(axes[0])
+    return _save(fig, path)
+
+
+def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
+    """Mean probe loss per run against optimizer steps, real tokens and modelled time, with the common budgets
+    (dashed) where the equal-compute endpoints are read."""
+    labels = {"steps": "optimizer steps", "real_tokens": "real tokens", "modelled_time_s": "modelled time (s)"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    curves = comparison.curves
+    if curves.empty:
+        for ax in axes:
+            _empty(ax, "no probe evaluations logged")
+        return _save(fig, path)
+    colours = _colours(list(curves["arm"].fillna("unknown")))
+    for ax, axis in zip(axes, AXES):
+        if not curves[axis].notna().any():
+            _empty(ax, f"{labels[axis]}: n/a" + (" (no cost model)" if axis == "modelled_time_s" else ""))
+            continue
+        labelled: set[str] = set()
+        for (_, arm), curve in curves.groupby(["run_id", curves["arm"].fillna("unknown")], sort=False):
+            ax.plot(curve[axis], curve["probe_loss"], color=colours[arm], linewidth=1,
+                    label=None if arm in labelled else arm)
+            labelled.add(arm)
+        budget = comparison.budgets.get(axis, float("nan"))
+        if np.isfinite(budget):
+            ax.axvline(budget, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel=labels[axis], title=f"probe loss at equal {labels[axis]}", yscale="log")
+    axes[0].set_ylabel("mean probe loss over bands")
+    _legend(axes[0])
     return _save(fig, path)
 
 
 def write_all_plots(records: list[RunRecord], comparison: Comparison, out_dir: Path) -> list[Path]:
     """Every comparison plot into `out_dir`; returns the written paths."""
     out = Path(out_dir)
+    arms = dict(zip(comparison.runs["run_id"], comparison.runs["arm"])) if len(comparison.runs) else {}
     return [
-        plot_loss_curves(records, out / "loss_curves.png"),
-        plot_band_accuracy(records, out / "band_accuracy.png"),
+        plot_loss_curves(records, out / "loss_curves.png", arms),
+        plot_band_accuracy(records, out / "band_accuracy.png", arms),
         plot_metric_bars(comparison, out / "metric_bars.png"),
-        plot_throughput_vs_forgetting(comparison, out / "throughput_vs_forgetting.png"),
+        plot_tradeoff(comparison, out / "tradeoff.png"),
+        plot_equal_compute(comparison, out / "equal_compute.png"),
     ]

@@ -7,8 +7,9 @@ whose columns are the run-directory contract (`dflash_lab.record`):
     probes         one row per (eval, band)           PROBE_COLUMNS   (probes.jsonl)
     presentations  one row per example presentation  PRESENTATION_COLUMNS (presentations.parquet)
 
-Analysis turns records into the comparison table: one row per run with exactly RUN_COLUMNS (see `RUN_COLUMN_DOCS`
-for the formula behind each column), and per-policy aggregates (mean and std over seeds).
+Analysis turns records into the comparison table: one row per run with RUN_COLUMNS first (see `RUN_COLUMN_DOCS`
+for the formula behind each column; the swept keys follow), per-arm aggregates (mean and std over seeds), and paired
+differences against a baseline arm (`BETTER` says which way each endpoint improves).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "group": "experiment / W&B group",
     "sampler": "summary.sampler, else config sampler.name",
     "seed": "summary.seed, else config seed",
+    "arm": "the run's setting: sampler plus every swept key (analysis.arms), seeds aggregated",
+    "stratum": "the swept keys an arm is not compared on (e.g. data.band_skills=aligned); pairs stay inside one",
     "status": "summary.status (finished | failed | running), else no_summary",
     "partial": "True unless status == finished",
     "steps": "summary.steps, else last logged step",
@@ -45,6 +48,7 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "eta_s": "summary.eta_s, else the last logged eta_s",
     "full_run_eta_s": "summary.full_run_eta_s",
     "overhead_frac": "summary.overhead_frac",
+    "steady_start_step": "jumpiness.steady_state_start: first step after 90% of the loss EMA's descent (>= 10%)",
     "jumpiness": "jumpiness.jumpiness: std(d_t), d_t = log L_t - log L_(t-1), steady state",
     "robust_jumpiness": "jumpiness.robust_jumpiness: 1.4826 median(|d - median d|), steady state",
     "resid_lag1_acf": "jumpiness.autocorrelation(L_t - EMA_t, lag 1), steady state",
@@ -54,13 +58,29 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "band_forgetting": "forgetting.band_forgetting: F_b averaged over probe bands",
     "final_drop": "forgetting.final_drop: drop_b averaged over probe bands",
     "max_final_drop": "forgetting.final_drop: the largest drop_b over probe bands",
-    "forgetting_events_per_example": "forgetting.example_forgetting: mean learned->not-learned events per example",
+    "forgetting_window_evals": "forgetting.probe_dynamics: probe evals at or after the steady-state start",
+    "residual_amplitude": "forgetting.residual_amplitude: A, std of band-relative detrended log probe loss, "
+                          "mean over bands",
+    "own_share_slope": "forgetting.own_share_slope: beta, slope of a band's probe log-loss change on its own "
+                       "token share (token-weighted over bands); < 0: the model follows what it saw recently",
+    "own_share_slope_se": "forgetting.own_share_slope: standard error of beta",
+    "cross_band_effect": "forgetting.cross_band_effects: mean over pairs of the slope of band b's change on s_a "
+                         "against the reference band r(b), own share held; > 0: interference",
+    "order_period_steps": "forgetting.order_period_steps: steps per epoch for a periodic order, else NaN",
+    "loop_score": "forgetting.loop_score: autocorrelation of band residuals at the order's period (periodic "
+                  "orders only, else NaN)",
+    "loop_lag_evals": "forgetting.loop_score: lag L in evals",
+    "forgetting_events_per_example": "forgetting.example_forgetting: mean learned->not-learned events per example "
+                                     "(examples presented >= 3 times)",
     "frac_ever_forgotten": "forgetting.example_forgetting: share of examples with >= 1 event",
     "frac_never_learned": "forgetting.example_forgetting: share of examples never at acc >= 0.5",
-    "interference_cross": "forgetting.interference_matrix: mean of I[a, b] over a != b (learning curve partialled out)",
-    "loop_score": "forgetting.loop_score: mean over bands of the autocorrelation of band-relative, detrended probe "
-                  "log-loss at the bucket-cycle lag",
-    "loop_lag_evals": "forgetting.loop_score: lag L in evals",
+    "real_tokens_total": "budgets.compute_axes: real training tokens over the run",
+    "modelled_time_s": "budgets.compute_axes: modelled step time summed over the run (cost model c0 + c1 padded "
+                       "+ c2 attention, per rank)",
+    "probe_loss_final": "budgets.mean_probe_loss at the last eval (mean over bands)",
+    "probe_loss_at_steps": "budgets: mean probe loss interpolated at the comparison's common optimizer-step budget",
+    "probe_loss_at_tokens": "budgets: mean probe loss interpolated at the common real-token budget",
+    "probe_loss_at_time": "budgets: mean probe loss interpolated at the common modelled-time budget",
     "final_loss": "summary.final_loss, else the last logged loss",
     "final_acc": "summary.final_acc, else the last logged acc",
     "tau": "summary.tau: acceptance length of greedy speculative decoding",
@@ -69,25 +89,43 @@ RUN_COLUMN_DOCS: dict[str, str] = {
 }
 RUN_COLUMNS: tuple[str, ...] = tuple(RUN_COLUMN_DOCS)
 
-# Columns of the comparison table (comparison.md), in order: the figures the ablation is judged on.
+# Columns of the comparison tables (comparison.md), in order: the figures the ablation is judged on.
 COMPARISON_COLUMNS: tuple[str, ...] = (
     "ktok_s",
     "pad_eff",
-    "eta_s",
     "jumpiness",
     "spike_score",
-    "length_r2",
+    "residual_amplitude",
+    "own_share_slope",
+    "cross_band_effect",
+    "loop_score",
     "band_forgetting",
     "forgetting_events_per_example",
-    "loop_score",
+    "probe_loss_at_tokens",
     "final_loss",
-    "final_acc",
     "tau",
 )
-NUMERIC_RUN_COLUMNS: tuple[str, ...] = tuple(
-    c
-    for c in RUN_COLUMNS
-    if c not in {"run_id", "name", "source", "location", "group", "sampler", "status", "partial", "notes"}
+TEXT_RUN_COLUMNS = frozenset(
+    {"run_id", "name", "source", "location", "group", "sampler", "arm", "stratum", "status", "partial", "notes"}
+)
+NUMERIC_RUN_COLUMNS: tuple[str, ...] = tuple(c for c in RUN_COLUMNS if c not in TEXT_RUN_COLUMNS)
+
+# Which way is better for each column a paired comparison may use as an endpoint ("higher" or "lower").
+BETTER: dict[str, str] = {
+    "ktok_s": "higher", "pad_eff": "higher", "eta_s": "lower", "full_run_eta_s": "lower", "overhead_frac": "lower",
+    "jumpiness": "lower", "robust_jumpiness": "lower", "resid_lag1_acf": "lower", "spike_score": "lower",
+    "length_r2": "lower", "residual_jumpiness": "lower", "band_forgetting": "lower", "final_drop": "lower",
+    "max_final_drop": "lower", "residual_amplitude": "lower", "own_share_slope": "higher",
+    "cross_band_effect": "lower", "loop_score": "lower", "forgetting_events_per_example": "lower",
+    "frac_ever_forgotten": "lower", "frac_never_learned": "lower", "modelled_time_s": "lower",
+    "probe_loss_final": "lower", "probe_loss_at_steps": "lower", "probe_loss_at_tokens": "lower",
+    "probe_loss_at_time": "lower", "final_loss": "lower", "final_acc": "higher", "tau": "higher",
+}
+
+# Endpoints of the paired comparison when the sweep declares none (analysis.endpoints). Holm's correction runs over
+# these, so the list is short: one throughput, one jumpiness, the shuffled-order forgetting figures, one quality.
+DEFAULT_ENDPOINTS: tuple[str, ...] = (
+    "ktok_s", "jumpiness", "residual_amplitude", "own_share_slope", "band_forgetting", "probe_loss_at_tokens",
 )
 
 
@@ -122,6 +160,8 @@ class RunRecord:
         config: resolved training config (nested dict; empty if unknown).
         summary: summary.json contents (empty if the run has none).
         steps / probes / presentations: the contract tables (probes / presentations may be empty).
+        overrides: the run's Hydra task overrides ("key=value" strings) when the source recorded them, else None
+            (`analysis.arms.recorded_overrides` then reads .hydra/overrides.yaml of a local run).
         messages: human-readable notes on anything missing or repaired while loading.
     """
 
@@ -135,6 +175,7 @@ class RunRecord:
     steps: pd.DataFrame = field(default_factory=lambda: conform(None, STEP_COLUMNS)[0])
     probes: pd.DataFrame = field(default_factory=lambda: conform(None, PROBE_COLUMNS)[0])
     presentations: pd.DataFrame = field(default_factory=lambda: conform(None, PRESENTATION_COLUMNS)[0])
+    overrides: list[str] | None = None
     messages: list[str] = field(default_factory=list)
 
     @property

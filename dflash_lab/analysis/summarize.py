@@ -1,9 +1,11 @@
-"""RunRecords -> the comparison tables: one row per run (schema.RUN_COLUMNS), per-band details, per-policy means.
+"""RunRecords -> the comparison tables: one row per run (schema.RUN_COLUMNS, then the swept keys), per-band details,
+per-arm means, and paired differences against the baseline arm.
 
-Every figure is computed by the one function that defines it (dflash_lab.metrics.*); this module only feeds those
-functions the right columns and records what was missing. Finished runs take throughput and final figures from
-summary.json (the trainer computed them with `metrics.throughput`); partial runs recompute them from metrics.jsonl
-with the same functions.
+Every figure is computed by the one function that defines it (dflash_lab.metrics.*, analysis.budgets,
+analysis.paired); this module only feeds those functions the right columns and records what was missing. Finished
+runs take throughput and final figures from summary.json (the trainer computed them with `metrics.throughput`);
+partial runs recompute them from metrics.jsonl with the same functions. Arms, strata and the baseline follow
+analysis.arms; what is tested (baseline, endpoints, margins, cost model) follows analysis.protocol.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from dflash_lab.analysis import arms as arms_module
+from dflash_lab.analysis import budgets
+from dflash_lab.analysis.paired import PAIRED_COLUMNS, paired_table
+from dflash_lab.analysis.protocol import Protocol, resolve_protocol
 from dflash_lab.analysis.schema import (
     COMPARISON_COLUMNS,
     NUMERIC_RUN_COLUMNS,
@@ -24,11 +30,12 @@ from dflash_lab.metrics import forgetting, jumpiness, throughput
 
 @dataclass
 class RunAnalysis:
-    """One run's comparison row plus its per-band table and interference matrix."""
+    """One run's comparison row, its per-band table, cross-band matrix and probe-loss curve on every compute axis."""
 
     row: dict
     bands: pd.DataFrame
-    interference: pd.DataFrame = field(default_factory=pd.DataFrame)
+    cross: pd.DataFrame = field(default_factory=pd.DataFrame)
+    curve: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _finite_or_nan(value) -> float:
@@ -80,12 +87,35 @@ def _step_band_tokens(record: RunRecord, notes: list[str]) -> pd.DataFrame | Non
     )
 
 
-def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD) -> RunAnalysis:
-    """Compute every comparison column for one run.
+def _throughput_and_final(row: dict, steps: pd.DataFrame) -> None:
+    """Fill figures a partial run (or a summary lacking them) did not report from the logged steps."""
+    step, loss, acc = _column(steps, "step"), _column(steps, "loss"), _column(steps, "acc")
+    if step is not None and not np.isfinite(row["steps"]):
+        row["steps"] = float(np.nanmax(step))
+    ktok = _column(steps, "ktok_s")
+    if not np.isfinite(row["ktok_s"]) and ktok is not None:
+        row["ktok_s"] = throughput.steady_state_ktok_s(ktok)
+    real, padded = _column(steps, "real_tokens"), _column(steps, "padded_tokens")
+    if not np.isfinite(row["pad_eff"]) and real is not None and padded is not None:
+        both = np.isfinite(real) & np.isfinite(padded)
+        row["pad_eff"] = throughput.padding_efficiency(real[both], padded[both])
+    eta = _column(steps, "eta_s")
+    if not np.isfinite(row["eta_s"]) and eta is not None and np.isfinite(eta).any():
+        row["eta_s"] = float(eta[np.isfinite(eta)][-1])
+    if not np.isfinite(row["final_loss"]) and loss is not None and np.isfinite(loss).any():
+        row["final_loss"] = float(loss[np.isfinite(loss)][-1])
+    if not np.isfinite(row["final_acc"]) and acc is not None and np.isfinite(acc).any():
+        row["final_acc"] = float(acc[np.isfinite(acc)][-1])
+
+
+def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
+                cost: tuple[float, float, float] | None = None) -> RunAnalysis:
+    """Compute every per-run comparison column for one run (the budget columns need all runs: `compare_records`).
 
     Args:
         record: a loaded run (any source).
         theta: learned threshold for example forgetting events.
+        cost: (c0, c1, c2) of the step-time model for the modelled-time axis (None: that axis is NaN).
 
     Returns:
         RunAnalysis with `row` holding exactly schema.RUN_COLUMNS.
@@ -100,55 +130,32 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD) 
     steps = record.steps
     row: dict = {name: np.nan for name in RUN_COLUMNS}
     row.update(
-        run_id=record.run_id,
-        name=record.name or record.run_id,
-        source=record.source,
-        location=record.location,
-        group=record.group,
-        sampler=record.sampler,
-        seed=record.seed,
-        status=record.status,
+        run_id=record.run_id, name=record.name or record.run_id, source=record.source, location=record.location,
+        group=record.group, sampler=record.sampler, seed=record.seed, arm=None, stratum=None, status=record.status,
         partial=record.partial,
     )
     for key in ("ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "overhead_frac", "final_loss", "final_acc", "tau",
                 "tau_baseline", "steps"):
         row[key] = _finite_or_nan(summary.get(key))
+    _throughput_and_final(row, steps)
 
-    loss = _column(steps, "loss")
-    step = _column(steps, "step")
-    if step is not None and not np.isfinite(row["steps"]):
-        row["steps"] = float(np.nanmax(step))
-    # partial runs (or summaries lacking a figure): recompute from the logged steps with the shared definitions
-    ktok = _column(steps, "ktok_s")
-    if not np.isfinite(row["ktok_s"]) and ktok is not None:
-        row["ktok_s"] = throughput.steady_state_ktok_s(ktok)
-    real, padded = _column(steps, "real_tokens"), _column(steps, "padded_tokens")
-    if not np.isfinite(row["pad_eff"]) and real is not None and padded is not None:
-        both = np.isfinite(real) & np.isfinite(padded)
-        row["pad_eff"] = throughput.padding_efficiency(real[both], padded[both])
-    eta = _column(steps, "eta_s")
-    if not np.isfinite(row["eta_s"]) and eta is not None and np.isfinite(eta).any():
-        row["eta_s"] = float(eta[np.isfinite(eta)][-1])
-    acc = _column(steps, "acc")
-    if not np.isfinite(row["final_loss"]) and loss is not None and np.isfinite(loss).any():
-        row["final_loss"] = float(loss[np.isfinite(loss)][-1])
-    if not np.isfinite(row["final_acc"]) and acc is not None and np.isfinite(acc).any():
-        row["final_acc"] = float(acc[np.isfinite(acc)][-1])
-
+    loss, step = _column(steps, "loss"), _column(steps, "step")
+    steady_start_step = 0.0
     if loss is not None and np.isfinite(loss).sum() >= 3:
         report = jumpiness.jumpiness_report(
             loss, _column(steps, "mean_len"), _column(steps, "max_len"), _bucket_column(steps)
         )
         row.update({k: v for k, v in report.as_dict().items() if k in row})
-        if report.steady_start == 0:
-            notes.append(f"jumpiness: only {loss.size} steps, no warm-up skipped")
+        steady_start_step = float(step[report.steady_start]) if step is not None else float(report.steady_start)
+        row["steady_start_step"] = steady_start_step
+        if report.steady_steps < 8:
+            notes.append(f"jumpiness: only {report.steady_steps} steady-state steps")
         if not np.isfinite(report.spike_score):
             notes.append("spike_score: fewer than 33 steps")
     else:
         notes.append("no loss series: jumpiness NaN")
 
-    bands = pd.DataFrame()
-    interference = pd.DataFrame()
+    bands, cross = pd.DataFrame(), pd.DataFrame()
     probes = record.probes.dropna(subset=["step", "band"])
     if not probes.empty:
         bands = forgetting.band_forgetting_table(probes.dropna(subset=["acc"]))
@@ -157,31 +164,26 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD) 
         row["max_final_drop"] = float(bands["final_drop"].max())
         probe_loss = probes.pivot_table(index="step", columns="band", values="loss", aggfunc="last").sort_index()
         probe_loss = probe_loss.dropna(axis=1, how="all")  # a band whose blocks could never be scored
-        step_tokens = _step_band_tokens(record, notes)
-        if step_tokens is not None and len(probe_loss) >= 4:
-            fractions = forgetting.interval_band_fractions(step_tokens, probe_loss.index.to_numpy())
-            interference = forgetting.interference_matrix(probe_loss, fractions)
-            row["interference_cross"] = forgetting.mean_cross_interference(interference)
-        else:
-            notes.append("interference: needs >= 4 evals and band token counts")
-        composition = _column(steps, "mean_len")
-        composition = composition if composition is not None else _column(steps, "max_len")
-        cycle = forgetting.estimate_cycle_lag(
-            np.log(np.maximum(composition, 1.0)) if composition is not None else np.array([]),
-            _steps_per_epoch(record),
+        period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
+        dynamics = forgetting.probe_dynamics(probe_loss, _step_band_tokens(record, notes),
+                                             start_step=steady_start_step, period_steps=period)
+        row.update(
+            forgetting_window_evals=dynamics.window_evals, residual_amplitude=dynamics.residual_amplitude,
+            own_share_slope=dynamics.own_share_slope, own_share_slope_se=dynamics.own_share_slope_se,
+            cross_band_effect=dynamics.cross_band_effect, loop_score=dynamics.loop_score,
+            loop_lag_evals=float(dynamics.loop_lag_evals) if dynamics.loop_lag_evals else np.nan,
+            order_period_steps=float(period) if period else np.nan,
         )
-        stride = float(np.median(np.diff(step))) if step is not None and step.size > 1 else 1.0
-        if cycle.source == "composition" and stride > 1:
-            cycle = forgetting.CycleLag(int(round(cycle.steps * stride)), cycle.source)
-        loop = forgetting.loop_score(probe_loss, cycle)
-        row["loop_score"] = loop.score
-        row["loop_lag_evals"] = float(loop.lag_evals) if loop.lag_evals else np.nan
-        if not np.isfinite(loop.score):
-            notes.append(
-                f"loop_score: cycle of {cycle.steps} steps ({cycle.source}) needs more than "
-                f"{len(probe_loss)} evals"
-            )
-        bands = bands.join(pd.Series(loop.per_band, name="loop", dtype=np.float64), how="left")
+        if dynamics.window_evals < forgetting.MIN_EVALS:
+            notes.append(f"forgetting: {dynamics.window_evals} probe evals from the steady-state start (step "
+                         f"{steady_start_step:.0f}); amplitude, slope and cross effect need {forgetting.MIN_EVALS}")
+        elif not np.isfinite(dynamics.own_share_slope):
+            notes.append("own_share_slope: no per-step band token counts")
+        if period and not np.isfinite(dynamics.loop_score):
+            notes.append(f"loop_score: a period of {period} steps needs at least 2 periods of probe evals "
+                         "after the steady-state start")
+        bands = bands.join(dynamics.per_band, how="left")
+        cross = dynamics.cross_matrix
 
     presentations = record.presentations.dropna(subset=["sample_index", "step", "acc"])
     if not presentations.empty:
@@ -190,11 +192,21 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD) 
         row["frac_ever_forgotten"] = summary_all.frac_ever_forgotten
         row["frac_never_learned"] = summary_all.frac_never_learned
         if summary_all.n_examples == 0:
-            notes.append("forgetting events: no example presented twice (needs >= 2 epochs)")
+            notes.append(f"forgetting events: no example presented {forgetting.MIN_PRESENTATIONS} times "
+                         f"(needs >= {forgetting.MIN_PRESENTATIONS} epochs)")
         by_band = forgetting.example_forgetting_by_band(presentations, theta).add_prefix("examples_")
         bands = by_band if bands.empty else bands.join(by_band, how="outer")
+
+    world = _finite_or_nan(summary.get("world_size"))
+    axes = budgets.compute_axes(steps, cost, int(world) if np.isfinite(world) and world >= 1 else 1)
+    curve = budgets.probe_curve(record.probes, axes)
+    if len(axes):
+        row["real_tokens_total"] = float(axes["real_tokens"].iloc[-1])
+        row["modelled_time_s"] = float(axes["modelled_time_s"].iloc[-1])
+    if len(curve):
+        row["probe_loss_final"] = float(curve["probe_loss"].iloc[-1])
     row["notes"] = "; ".join(dict.fromkeys(notes))
-    return RunAnalysis(row=row, bands=bands, interference=interference)
+    return RunAnalysis(row=row, bands=bands, cross=cross, curve=curve)
 
 
 def _bucket_column(steps: pd.DataFrame) -> np.ndarray | None:
@@ -214,67 +226,140 @@ def unique_run_ids(records: list[RunRecord]) -> None:
 
 @dataclass
 class Comparison:
-    """All tables of one comparison."""
+    """All tables of one comparison.
+
+    Attributes:
+        runs: one row per run: RUN_COLUMNS, then the swept keys (and boundaries / K when buckets are swept).
+        groups: one row per arm (setting): its swept values, n_runs, n_partial, seeds, <col>_mean / <col>_std.
+        bands: per run and band: forgetting, probe dynamics and example-forgetting figures.
+        cross: per run, the cross-band matrix C[a, b] in long form.
+        paired: paired.PAIRED_COLUMNS, one row per (arm, endpoint); empty without a baseline.
+        curves: per run, the mean probe loss at each eval with its position on every compute axis.
+        swept: the swept keys (sampler first) and the extra setting columns (boundaries, K).
+        budgets: the common budget on each compute axis (steps, real_tokens, modelled_time_s).
+        protocol: what was tested (baseline, endpoints, margins, cost, alpha).
+        notes: comparison-level notes (strata without a baseline, too few seeds, ...).
+    """
 
     runs: pd.DataFrame
-    policies: pd.DataFrame
+    groups: pd.DataFrame
     bands: pd.DataFrame
-    interference: pd.DataFrame
+    cross: pd.DataFrame
+    paired: pd.DataFrame
+    curves: pd.DataFrame
+    swept: list[str]
+    budgets: dict[str, float]
+    protocol: Protocol
+    notes: list[str]
 
 
-def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD) -> Comparison:
-    """Analyse every run and aggregate per policy (mean, std over seeds, n runs).
+def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
+                    protocol: Protocol | None = None) -> Comparison:
+    """Analyse every run, place it in its arm, read the equal-compute endpoints, and pair arms with the baseline.
 
     Args:
         records: loaded runs (any source).
-        theta: learned threshold of example forgetting events (METRICS.md default 0.5).
+        theta: learned threshold of example forgetting events (default 0.5).
+        protocol: baseline / endpoints / margins / cost / alpha; default: what the runs declared
+            (`protocol.resolve_protocol`).
+
+    Raises:
+        ValueError: runs that declare different protocols, or a baseline selector that is unknown or ambiguous.
 
     Example:
-        >>> compare_records([]).runs.columns.tolist() == list(RUN_COLUMNS)
-        True
+        >>> comparison = compare_records([])
+        >>> comparison.runs.columns.tolist() == list(RUN_COLUMNS), comparison.paired.empty
+        (True, True)
     """
     unique_run_ids(records)
-    analyses = [analyse_run(record, theta) for record in records]
+    protocol = protocol if protocol is not None else resolve_protocol(records)
+    pairing, swept = None, []
+    if records:  # settle arms and the baseline first: a bad selector fails before any run is analysed
+        sweep = arms_module.sweep_of(records)
+        labels = sweep.values.apply(arms_module.arm_label, axis=1)
+        settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
+        swept = ["sampler", *settings.columns]
+        if protocol.baseline:
+            pairing = arms_module.pair_arms(sweep, labels, protocol.baseline)
+    analyses = [analyse_run(record, theta, protocol.cost) for record in records]
     runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
+    if records:
+        runs["arm"] = runs["run_id"].map(labels)
+        runs = runs.join(settings, on="run_id")
+    curves = _budget_endpoints(runs, analyses)
+    budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
+    paired, notes = pd.DataFrame(columns=list(PAIRED_COLUMNS)), []
+    if pairing is not None:
+        runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
+        paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha)
+        notes += pairing.notes + paired_notes
+    bands, cross = _long_tables(analyses, runs)
+    return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
+                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes)
+
+
+def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.DataFrame:
+    """Fill probe_loss_at_<axis> at the common budgets of the finished runs; returns every run's curve (long)."""
+    finished = [a.curve for a, partial in zip(analyses, runs["partial"]) if not partial and len(a.curve)]
+    common = budgets.common_budgets(finished) if finished else {axis: float("nan") for axis in budgets.AXES}
+    for axis, endpoint in budgets.ENDPOINT_OF_AXIS.items():
+        runs[endpoint] = [budgets.probe_loss_at(a.curve, axis, common[axis]) for a in analyses]
+    curves = [a.curve.assign(run_id=a.row["run_id"]) for a in analyses if len(a.curve)]
+    frame = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
+    if len(frame):
+        frame = frame.merge(runs[["run_id", "arm", "seed"]], on="run_id", how="left")
+    frame.attrs["budgets"] = common
+    return frame
+
+
+def _long_tables(analyses: list[RunAnalysis], runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     band_tables, matrices = [], []
-    for analysis in analyses:
-        ident = {k: analysis.row[k] for k in ("run_id", "sampler", "seed")}
+    for analysis, arm in zip(analyses, runs["arm"]):
+        ident = {k: analysis.row[k] for k in ("run_id", "sampler", "seed")} | {"arm": arm}
         if not analysis.bands.empty:
             band_tables.append(analysis.bands.reset_index().rename(columns={"index": "band"}).assign(**ident))
-        if not analysis.interference.empty:
-            long = analysis.interference.stack(future_stack=True).rename("interference").reset_index()
+        if not analysis.cross.empty:
+            long = analysis.cross.stack(future_stack=True).rename("cross_effect").dropna().reset_index()
             matrices.append(long.assign(**ident))
     bands = pd.concat(band_tables, ignore_index=True) if band_tables else pd.DataFrame()
-    interference = pd.concat(matrices, ignore_index=True) if matrices else pd.DataFrame()
-    return Comparison(runs=runs, policies=policy_table(runs), bands=bands, interference=interference)
+    cross = pd.concat(matrices, ignore_index=True) if matrices else pd.DataFrame()
+    return bands, cross
 
 
-def policy_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per sampler: n_runs, n_partial, and <col>_mean / <col>_std (ddof 1; NaN for one seed) of numeric columns.
+def group_table(runs: pd.DataFrame, setting_columns: list[str]) -> pd.DataFrame:
+    """One row per arm: its setting columns, n_runs, n_partial, seeds, and <col>_mean / <col>_std (ddof 1; NaN for
+    one seed) of the numeric run columns.
 
     Example:
-        >>> runs = pd.DataFrame({"sampler": ["a", "a"], "partial": [False, True], "ktok_s": [1.0, 3.0]})
-        >>> policy_table(runs)[["n_runs", "ktok_s_mean", "ktok_s_std"]].round(3).to_numpy().tolist()
-        [[2.0, 2.0, 1.414]]
+        >>> runs = pd.DataFrame({"arm": ["a", "a"], "sampler": ["a", "a"], "seed": [0, 1],
+        ...                      "partial": [False, True], "ktok_s": [1.0, 3.0]})
+        >>> group_table(runs, ["sampler"])[["n_runs", "seeds", "ktok_s_mean", "ktok_s_std"]].round(3).values.tolist()
+        [[2, '0 1', 2.0, 1.414]]
     """
     if runs.empty:
         return pd.DataFrame()
-    numeric = [c for c in NUMERIC_RUN_COLUMNS if c in runs.columns and c != "seed"]
-    frame = runs.assign(sampler=runs["sampler"].fillna("unknown"))
+    frame = runs.assign(arm=runs["arm"].fillna(runs["sampler"]).fillna("unknown"))
+    numeric = [c for c in NUMERIC_RUN_COLUMNS if c in frame.columns and c != "seed"]
     values = frame[numeric].apply(pd.to_numeric, errors="coerce")
-    grouped = values.groupby(frame["sampler"], sort=True)
-    table = pd.concat([grouped.mean().add_suffix("_mean"), grouped.std(ddof=1).add_suffix("_std")], axis=1)
-    table.insert(0, "n_partial", frame.groupby("sampler")["partial"].sum().astype(int))
-    table.insert(0, "n_runs", frame.groupby("sampler").size())
-    ordered = ["n_runs", "n_partial"] + [f"{c}_{s}" for c in numeric for s in ("mean", "std")]
-    return table[ordered]
+    grouped = values.groupby(frame["arm"], sort=False)
+    stats = pd.concat([grouped.mean().add_suffix("_mean"), grouped.std(ddof=1).add_suffix("_std")], axis=1)
+    by_arm = frame.groupby("arm", sort=False)
+    settings = by_arm[[c for c in [*setting_columns, "stratum"] if c in frame.columns]].first()
+    counts = pd.DataFrame({
+        "n_runs": by_arm.size(),
+        "n_partial": by_arm["partial"].sum().astype(int),
+        "seeds": by_arm["seed"].agg(lambda s: " ".join(str(int(v)) for v in sorted(s.dropna()))),
+    })
+    ordered = [f"{c}_{suffix}" for c in numeric for suffix in ("mean", "std")]
+    table = pd.concat([settings, counts, stats[ordered]], axis=1).rename_axis("arm")
+    return table.sort_values([c for c in ("stratum", "sampler") if c in table.columns] or ["n_runs"], kind="stable")
 
 
 # ------------------------------------------------------------------------------------------------- markdown
 def _format_number(value: float, column: str, digits: int = 4) -> str:
-    if value is None or not np.isfinite(value):
+    if value is None or pd.isna(value) or not np.isfinite(value):
         return "n/a"
-    if column in {"eta_s", "full_run_eta_s"} or abs(value) >= 1000:
+    if column in {"eta_s", "full_run_eta_s", "real_tokens"} or abs(value) >= 1000:
         return f"{value:.0f}"
     return f"{value:.{digits}g}"
 
@@ -285,40 +370,83 @@ def _markdown(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def paired_markdown(paired: pd.DataFrame) -> str:
+    """The paired table as markdown: arm, endpoint, better direction, n, diff [t CI], bootstrap CI, p, p_holm,
+    margin, verdict.
+
+    Example:
+        >>> print(paired_markdown(pd.DataFrame(columns=list(PAIRED_COLUMNS))))
+        No paired comparison (give --baseline or declare analysis.baseline).
+    """
+    if paired.empty:
+        return "No paired comparison (give --baseline or declare analysis.baseline)."
+    rows = []
+    for _, r in paired.iterrows():
+        rows.append([
+            str(r["policy"]), str(r["baseline"]), str(r["endpoint"]), f"{r['better']} is better", str(r["n_pairs"]),
+            f"{_format_number(r['diff'], r['endpoint'])} [{_format_number(r['ci_low'], '')}, "
+            f"{_format_number(r['ci_high'], '')}]",
+            f"[{_format_number(r['boot_low'], '')}, {_format_number(r['boot_high'], '')}]",
+            _format_number(r["p_value"], "", 3), _format_number(r["p_holm"], "", 3),
+            _format_number(r["margin"], ""), f"**{r['verdict']}**",
+        ])
+    headers = ["arm", "baseline", "endpoint", "direction", "pairs", "diff [t CI]", "bootstrap CI", "p", "p_holm",
+               "margin", "verdict"]
+    return _markdown(headers, rows)
+
+
 def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISON_COLUMNS) -> str:
-    """comparison.md: per-policy mean +- std over seeds, then one row per run, then notes on partial/missing data.
+    """comparison.md: per-arm mean +- std over seeds, paired differences vs the baseline, equal-compute budgets,
+    one row per run, notes.
 
     Example:
         >>> print(markdown_tables(compare_records([])))
         No runs loaded.
     """
-    runs, policies = comparison.runs, comparison.policies
+    runs, groups = comparison.runs, comparison.groups
     if runs.empty:
         return "No runs loaded."
-    parts = ["## Per policy (mean ± std over seeds)", ""]
-    policy_rows = []
-    for sampler, stats in policies.iterrows():
+    parts = ["## Per setting (mean ± std over seeds)", ""]
+    setting_columns = [c for c in comparison.swept if c != "sampler"]
+    group_rows = []
+    for arm, stats in groups.iterrows():
         partial = f" ({int(stats['n_partial'])} partial)" if stats["n_partial"] else ""
-        cells = [str(sampler), f"{int(stats['n_runs'])}{partial}"]
+        cells = [str(arm), *[str(stats.get(c, "")) for c in setting_columns], f"{int(stats['n_runs'])}{partial}"]
         for column in columns:
             mean, std = stats[f"{column}_mean"], stats[f"{column}_std"]
             text = _format_number(mean, column)
             if np.isfinite(mean) and np.isfinite(std):
                 text += f" ± {_format_number(std, column, digits=2)}"
             cells.append(text)
-        policy_rows.append(cells)
-    parts += [_markdown(["sampler", "runs", *columns], policy_rows), "", "## Per run", ""]
+        group_rows.append(cells)
+    parts += [_markdown(["arm", *setting_columns, "runs", *columns], group_rows), ""]
+    protocol = comparison.protocol
+    parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
+              f"diff = arm − baseline, mean over seed pairs; {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
+              "intervals; p: exact sign-flip permutation test, p_holm: Holm over the endpoints of an arm; verdict: "
+              "TOST against the declared margin, else the sign of a Holm-significant difference.", "",
+              paired_markdown(comparison.paired), ""]
+    budget = comparison.budgets
+    parts += ["## Equal compute", "",
+              "Mean probe loss over bands, read at the budget every finished run reaches: "
+              f"{_format_number(budget['steps'], 'steps')} optimizer steps, "
+              f"{_format_number(budget['real_tokens'], 'real_tokens')} real tokens, "
+              f"{_format_number(budget['modelled_time_s'], 'time')} s modelled time"
+              + ("" if protocol.cost else " (no cost model: give --cost or analysis.cost)") + ".", ""]
+    headers = ["arm", "probe_loss_final", "probe_loss_at_steps", "probe_loss_at_tokens", "probe_loss_at_time"]
+    budget_rows = [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
+                   for arm, stats in groups.iterrows()]
+    parts += [_markdown(headers, budget_rows), "", "## Per run", ""]
     run_rows = []
     for _, run in runs.iterrows():
         seed = "n/a" if pd.isna(run["seed"]) else str(int(run["seed"]))
         status = str(run["status"]) + (" (partial)" if run["partial"] else "")
-        run_rows.append(
-            [str(run["run_id"]), str(run["sampler"]), seed, status]
-            + [_format_number(run[c], c) for c in columns]
-        )
-    parts.append(_markdown(["run", "sampler", "seed", "status", *columns], run_rows))
+        run_rows.append([str(run["run_id"]), str(run["arm"]), seed, status]
+                        + [_format_number(run[c], c) for c in columns])
+    parts.append(_markdown(["run", "arm", "seed", "status", *columns], run_rows))
     noted = runs[runs["notes"].astype(str).str.len() > 0]
-    if len(noted):
+    if len(noted) or comparison.notes:
         parts += ["", "## Notes", ""]
+        parts += [f"- {note}" for note in comparison.notes]
         parts += [f"- `{r['run_id']}`: {r['notes']}" for _, r in noted.iterrows()]
     return "\n".join(parts)

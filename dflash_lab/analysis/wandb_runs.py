@@ -1,10 +1,14 @@
 """W&B runs -> `RunRecord`: the online public API (`wandb.Api`) and offline run directories, one mapping for both.
 
-Mapping (what `dflash_lab.run_logger` sends to W&B, with the names of `dflash_lab.record`):
-    run.config                         -> RunRecord.config (nested dict; W&B's {"value": ...} wrappers removed)
-    run.summary                        -> RunRecord.summary (contract summary keys; "_"-prefixed keys dropped)
-    history rows with "loss"           -> steps (metrics.jsonl field names; "step" else "_step")
-    history keys probe/<band>/<loss|acc> -> probes (one row per eval and band; band_lo/band_hi/tokens NaN)
+Mapping (what `dflash_lab.run_logger` sends to W&B):
+    run.config                         -> RunRecord.config (nested dict; W&B's {"value": ...} wrappers removed);
+                                          its `overrides` list (the Hydra task overrides), if logged -> overrides
+    run.summary                        -> RunRecord.summary (contract summary keys; "_"-prefixed keys dropped;
+                                          `final/<key>` read as <key> and preferred over a per-step <key>)
+    history rows with "loss" or "train/loss" -> steps (metrics.jsonl field names, a `train/` prefix removed;
+                                          "step" else "_step")
+    history keys probe/<band>/<loss|acc> or probe/<lo>-<hi>/<loss|acc> -> probes (one row per eval and band; a
+                                          <lo>-<hi> name gives band_lo/band_hi and bands numbered by lo)
     run files presentations.parquet / probes.jsonl / metrics.jsonl, when uploaded, replace the history-derived tables
     run.group, run.name, run.id        -> group, name, run_id
 
@@ -30,6 +34,9 @@ from dflash_lab.analysis.schema import PRESENTATION_COLUMNS, PROBE_COLUMNS, STEP
 from dflash_lab.record import RUN_FILES
 
 PROBE_KEY = re.compile(r"^probe/(?P<band>[^/]+)/(?P<field>loss|acc)$")
+BAND_RANGE = re.compile(r"^(?P<lo>\d+)-(?P<hi>\d+)$")
+TRAIN_PREFIX = "train/"
+FINAL_PREFIX = "final/"
 
 
 # ---------------------------------------------------------------------------------------------------- mapping
@@ -60,7 +67,10 @@ def _summary_dict(summary: Any) -> dict[str, Any]:
         items = dict(summary).items()
     except (TypeError, ValueError):
         return {}
-    return {str(k): v for k, v in items if not str(k).startswith("_")}
+    plain = {str(k): v for k, v in items if not str(k).startswith("_") and not str(k).startswith(FINAL_PREFIX)}
+    # the trainer's end-of-run figures, kept apart from the last per-step values of the same name
+    plain.update({str(k)[len(FINAL_PREFIX):]: v for k, v in items if str(k).startswith(FINAL_PREFIX)})
+    return plain
 
 
 def _history_frame(run: Any) -> pd.DataFrame:
@@ -90,7 +100,13 @@ def steps_from_history(history: pd.DataFrame) -> pd.DataFrame:
         ...                         "probe/0/acc": [None, 0.3, None]})
         >>> steps_from_history(history)[["step", "loss"]].to_numpy().tolist()
         [[1.0, 2.0], [2.0, 1.5]]
+        >>> steps_from_history(pd.DataFrame({"step": [1], "train/loss": [2.0]}))["loss"].tolist()
+        [2.0]
     """
+    prefixed = {c: c[len(TRAIN_PREFIX):] for c in history.columns if str(c).startswith(TRAIN_PREFIX)}
+    if prefixed:
+        history = history.drop(columns=[c for c in prefixed.values() if c in history.columns and c != "step"])
+        history = history.rename(columns=prefixed)
     if history.empty or "loss" not in history.columns:
         return conform(None, STEP_COLUMNS)[0]
     rows = history[history["loss"].notna()].copy()
@@ -102,7 +118,7 @@ def steps_from_history(history: pd.DataFrame) -> pd.DataFrame:
 
 
 def probes_from_history(history: pd.DataFrame) -> pd.DataFrame:
-    """probe/<band>/loss and probe/<band>/acc history keys -> probes.jsonl rows (one per eval step and band).
+    """probe/<band>/<loss|acc> (or probe/<lo>-<hi>/...) history keys -> probes.jsonl rows (one per eval and band).
 
     Example:
         >>> history = pd.DataFrame({"step": [5, 5], "probe/0/loss": [2.0, None], "probe/0/acc": [0.3, None],
@@ -110,21 +126,34 @@ def probes_from_history(history: pd.DataFrame) -> pd.DataFrame:
         >>> probes = probes_from_history(history)
         >>> probes["band"].tolist(), probes["loss"].tolist(), probes["acc"].tolist()
         ([0, 1], [2.0, 2.5], [0.3, 0.1])
+        >>> named = pd.DataFrame({"step": [5], "probe/96-152/loss": [2.0], "probe/0-96/loss": [1.5]})
+        >>> probes = probes_from_history(named)
+        >>> probes["band"].tolist(), probes["band_hi"].tolist(), probes["loss"].tolist()
+        ([0, 1], [96, 152], [1.5, 2.0])
     """
     probe_columns = {c: PROBE_KEY.match(str(c)) for c in history.columns}
     probe_columns = {c: m for c, m in probe_columns.items() if m}
     if history.empty or not probe_columns:
         return conform(None, PROBE_COLUMNS)[0]
     step = history["step"] if "step" in history.columns else history.get("_step")
+    ranges = {m["band"]: BAND_RANGE.match(m["band"]) for m in probe_columns.values()}
+    by_lo = sorted({(int(r["lo"]), int(r["hi"])) for r in ranges.values() if r})
     long = []
     for column, match in probe_columns.items():
         values = pd.DataFrame({"step": step, "value": history[column]}).dropna()
-        band = match["band"]
-        values["band"] = int(band) if band.lstrip("-").isdigit() else band
+        band, edges = match["band"], ranges[match["band"]]
+        if edges:  # probe/<lo>-<hi>/...: bands numbered by their lower edge
+            lo, hi = int(edges["lo"]), int(edges["hi"])
+            values["band"], values["band_lo"], values["band_hi"] = by_lo.index((lo, hi)), lo, hi
+        else:
+            values["band"] = int(band) if band.lstrip("-").isdigit() else band
+            values["band_lo"] = values["band_hi"] = np.nan
         values["field"] = match["field"]
         long.append(values)
     stacked = pd.concat(long, ignore_index=True)
     wide = stacked.pivot_table(index=["step", "band"], columns="field", values="value", aggfunc="last").reset_index()
+    edges = stacked.groupby("band")[["band_lo", "band_hi"]].first()
+    wide = wide.join(edges, on="band")
     wide.columns.name = None
     wide["step"] = wide["step"].astype(np.int64)
     probes, _ = conform(wide, PROBE_COLUMNS)
@@ -198,6 +227,9 @@ def wandb_run_to_record(run: Any, source: str = "wandb", location: str | None = 
         config=_unwrap_config(getattr(run, "config", {}) or {}),
         summary=_summary_dict(getattr(run, "summary", {})),
     )
+    logged_overrides = record.config.get("overrides")
+    if isinstance(logged_overrides, (list, tuple)):
+        record.overrides = [str(item) for item in logged_overrides]
     try:
         history = _history_frame(run)
     except Exception as exc:  # noqa: BLE001 - a run whose history cannot be read is still listed
@@ -233,7 +265,7 @@ def wandb_run_to_record(run: Any, source: str = "wandb", location: str | None = 
     if record.steps.empty:
         messages.append("W&B history has no training steps")
     if record.probes.empty:
-        messages.append("W&B history has no probe/<band>/* keys: band forgetting, interference, loop score NaN")
+        messages.append("W&B history has no probe/<band>/* keys: band forgetting and probe dynamics NaN")
     if record.presentations.empty:
         messages.append("no presentations.parquet among the W&B run files: example forgetting events NaN")
     record.messages = messages

@@ -1,11 +1,13 @@
-"""Loss jumpiness: the one definition of how "jumpy" a per-step training loss is (METRICS.md, "Loss jumpiness").
+"""Loss jumpiness: the one definition of how "jumpy" a per-step training loss is.
 
 All functions take the per-step training loss L_t (1-D, consumption order) and are vectorized numpy/pandas.
 
 Formulas:
-    steady state          drop the first max(min_warmup, ceil(warmup_frac x n)) steps (fast early learning and LR
-                          warm-up dominate any step-to-step statistic there); the whole series if fewer than
-                          `min_keep` steps would remain
+    steady state          starts at the first step t where the loss EMA has covered 90% of its descent from its
+                          first to its final value, EMA_0 - EMA_t >= 0.9 (EMA_0 - EMA_(n-1)), and never before
+                          ceil(0.1 n); no descent (EMA_(n-1) >= EMA_0): at ceil(0.1 n). At least `min_keep` steps
+                          (or all, if fewer) stay in it. Before it, learning itself moves the loss from step to
+                          step, so a statistic there measures the learning curve (and run length), not the policy.
     d_t                   = log L_t - log L_(t-1)
     jumpiness             = std(d_t)                                  (population std, ddof = 0)
     robust jumpiness      = 1.4826 x median(|d_t - median(d)|)        (MAD scaled to the std of a normal)
@@ -37,34 +39,61 @@ MAD_TO_STD = 1.4826
 DEFAULT_EMA_ALPHA = 0.1
 SPIKE_WINDOW = 128
 SPIKE_SIGMAS = 6.0
+STEADY_DESCENT_FRAC = 0.9
+STEADY_MIN_FRAC = 0.1
 
 
 def _as_float_array(values: ArrayLike) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).reshape(-1)
 
 
-def steady_state_start(n_steps: int, *, warmup_frac: float = 0.1, min_warmup: int = 10, min_keep: int = 8) -> int:
-    """Index of the first steady-state step: max(min_warmup, ceil(warmup_frac x n)), or 0 if too few would remain.
+def steady_state_start(
+    loss: ArrayLike,
+    *,
+    alpha: float = DEFAULT_EMA_ALPHA,
+    descent_frac: float = STEADY_DESCENT_FRAC,
+    min_frac: float = STEADY_MIN_FRAC,
+    min_keep: int = 8,
+) -> int:
+    """Index of the first steady-state step of a per-step loss series (rule in the module docstring).
+
+    Args:
+        loss: per-step training loss L_t in consumption order (non-finite values are skipped by the EMA).
+        alpha: EMA smoothing factor.
+        descent_frac: share of the EMA's first-to-final descent that must be covered (0.9).
+        min_frac: the steady state never starts before ceil(min_frac x n) (0.1).
+        min_keep: the steady state keeps at least this many steps (all of them when the series is shorter).
 
     Example:
-        >>> steady_state_start(1000)
+        >>> loss = np.r_[np.linspace(5.0, 2.0, 300), np.full(700, 2.0)]  # 90% of the descent at step 270
+        >>> steady_state_start(loss)  # the EMA lags the loss by about (1 - alpha) / alpha = 9 steps
+        279
+        >>> steady_state_start(np.full(1000, 2.0))  # no descent: the 10% floor
         100
-        >>> steady_state_start(12)
-        0
     """
-    start = max(int(min_warmup), int(math.ceil(warmup_frac * n_steps)))
-    return start if n_steps - start >= min_keep else 0
+    values = _as_float_array(loss)
+    n = values.size
+    start = int(math.ceil(min_frac * n))
+    smooth = ema(np.where(np.isfinite(values), values, np.nan), alpha)
+    finite = np.flatnonzero(np.isfinite(smooth))
+    if finite.size >= 2:
+        first, final = smooth[finite[0]], smooth[finite[-1]]
+        descent = first - final
+        if descent > 0:
+            covered = np.flatnonzero(np.isfinite(smooth) & (first - smooth >= descent_frac * descent))
+            start = max(start, int(covered[0]))
+    return int(min(start, max(n - min_keep, 0)))
 
 
 def steady_state(values: ArrayLike, **kwargs) -> np.ndarray:
-    """The steady-state part of a per-step series (see `steady_state_start` for the rule and its arguments).
+    """The steady-state part of a per-step loss series (see `steady_state_start` for the rule and its arguments).
 
     Example:
-        >>> steady_state(np.arange(100.0)).size
+        >>> steady_state(np.full(100, 2.0)).size
         90
     """
     array = _as_float_array(values)
-    return array[steady_state_start(array.size, **kwargs):]
+    return array[steady_state_start(array, **kwargs):]
 
 
 def log_loss_diffs(loss: ArrayLike) -> np.ndarray:
@@ -140,27 +169,6 @@ def autocorrelation(values: ArrayLike, lag: int = 1) -> float:
     if denominator <= 0:
         return float("nan")
     return float(np.dot(centred[: x.size - lag], centred[lag:]) / denominator)
-
-
-def autocorrelation_function(values: ArrayLike, max_lag: int) -> np.ndarray:
-    """All autocorrelations for lags 0..max_lag (same estimator as `autocorrelation`), via one FFT.
-
-    Example:
-        >>> autocorrelation_function([1.0, -1.0, 1.0, -1.0], 1).round(2).tolist()
-        [1.0, -0.75]
-    """
-    x = _as_float_array(values)
-    x = x[np.isfinite(x)]
-    max_lag = int(min(max_lag, x.size - 1))
-    if x.size < 2 or max_lag < 0:
-        return np.full(max(max_lag + 1, 0), np.nan)
-    centred = x - x.mean()
-    size = 1 << int(np.ceil(np.log2(2 * x.size)))
-    spectrum = np.fft.rfft(centred, size)
-    acov = np.fft.irfft(spectrum * np.conj(spectrum), size)[: max_lag + 1]
-    if acov[0] <= 0:
-        return np.full(max_lag + 1, np.nan)
-    return acov / acov[0]
 
 
 def residual_autocorrelation(loss: ArrayLike, lag: int = 1, alpha: float = DEFAULT_EMA_ALPHA) -> float:
@@ -316,13 +324,15 @@ def jumpiness_report(
     bucket: ArrayLike | None = None,
     *,
     alpha: float = DEFAULT_EMA_ALPHA,
-    warmup_frac: float = 0.1,
-    min_warmup: int = 10,
+    steady_start: int | None = None,
 ) -> JumpinessReport:
     """Every jumpiness metric on the steady state of one run's per-step loss (and its batch features).
 
     The EMA residuals and the spike windows use the whole series (so they are warmed up); statistics count only
     steady-state steps.
+
+    Args:
+        steady_start: index of the first steady-state step; default `steady_state_start(loss, alpha=alpha)`.
 
     Example:
         >>> rng = np.random.default_rng(1)
@@ -331,7 +341,7 @@ def jumpiness_report(
         (50, 450)
     """
     values = _as_float_array(loss)
-    start = steady_state_start(values.size, warmup_frac=warmup_frac, min_warmup=min_warmup)
+    start = steady_state_start(values, alpha=alpha) if steady_start is None else int(steady_start)
     steady_loss = values[start:]
     residual = ema_residuals(values, alpha)[start:]
     flags = spike_flags(values)[start:]

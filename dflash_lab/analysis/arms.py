@@ -1,0 +1,373 @@
+"""Arms: the settings a sweep compares, the baseline arm, and the strata inside which arms are paired.
+
+Swept keys. A run's setting is its sampler plus every key the sweep varied, read from the run's recorded Hydra
+overrides (`.hydra/overrides.yaml`; a W&B run's config key `overrides` when the trainer logged it). The seed is not a
+key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch details, not settings. A key whose
+value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
+a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
+config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
+swept keys are the config keys whose values differ between runs, leaving out keys of a config group whose `name`
+differs (a `sampler.*` key only counts among runs of the same sampler) and bookkeeping keys (run_dir, experiment,
+logger, analysis, overrides).
+
+Arm = the tuple of the run's swept values; its label reads `bucketed run_length=8 band_skills=aligned`.
+
+Baseline selector (`--baseline` / `analysis.baseline`): `full_random` (= `sampler=full_random`) or comma-separated
+`key=value` terms, e.g. `sampler=full_random,sampler.tokens_per_step=equal` (values as in the swept columns; a
+list value keeps its commas inside brackets). The selector's keys, and the swept keys below them (`sampler.*` for
+`sampler`), are the compared keys. Every other swept key is a stratum key: an arm is paired only with the baseline
+arm of its own stratum, e.g. bucket_sequential on `data.band_skills=independent` with full_random on independent
+data. Inside a stratum the baseline is the one arm matching every selector term; when several match (full_random
+and full_random with an extra sampler option), the one that overrides the fewest compared keys wins, and a tie is
+an error asking for a more specific selector. A stratum with no matching arm has no paired rows (a note says so).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from dflash_lab.analysis.schema import RunRecord
+
+SEED_KEY = "seed"
+NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume")
+BUCKET_KEYS = ("sampler.boundaries", "sampler.num_buckets")
+UNSET = "(unset)"
+
+
+# ------------------------------------------------------------------------------------------------- overrides
+def read_overrides(run_dir: Path | str) -> list[str] | None:
+    """The task overrides Hydra recorded for a run (`.hydra/overrides.yaml`), or None without that file.
+
+    Example:
+        >>> read_overrides("/nonexistent") is None
+        True
+    """
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    loaded = yaml.safe_load(path.read_text())
+    return [str(item) for item in loaded] if isinstance(loaded, list) else None
+
+
+def recorded_overrides(record: RunRecord) -> list[str] | None:
+    """record.overrides, else a local run's .hydra/overrides.yaml, else the config key `overrides`, else None."""
+    if record.overrides is not None:
+        return record.overrides
+    if record.source == "local":
+        found = read_overrides(record.location)
+        if found is not None:
+            return found
+    logged = record.config.get("overrides")
+    return [str(item) for item in logged] if isinstance(logged, (list, tuple)) else None
+
+
+def override_key(text: str) -> tuple[str, str]:
+    """("key", "value text") of one override; `+`, `++` and `~` prefixes removed.
+
+    Example:
+        >>> override_key("++sampler.boundaries=[0,96,1024]")
+        ('sampler.boundaries', '[0,96,1024]')
+    """
+    key, _, value = text.lstrip("+~").partition("=")
+    return key.strip(), value.strip()
+
+
+def _is_setting(key: str) -> bool:
+    return key != SEED_KEY and key.split(".")[0] not in NOT_SETTINGS
+
+
+# ------------------------------------------------------------------------------------------------------ values
+def format_value(value: Any) -> str:
+    """One readable, comparable text per value: lists as `[0, 96, 1024]`, None as `null`, bools lower case.
+
+    Example:
+        >>> format_value([0, 96, 1024]), format_value(None), format_value(True), format_value(8.0)
+        ('[0, 96, 1024]', 'null', 'true', '8')
+    """
+    if isinstance(value, dict) and "name" in value:
+        return format_value(value["name"])
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(item) for item in value) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def parse_value(text: str) -> str:
+    """An override or selector value text in `format_value` form (YAML-parsed first: `[0,96]` == `[0, 96]`).
+
+    Example:
+        >>> parse_value("[0,96,1024]"), parse_value("aligned"), parse_value("False")
+        ('[0, 96, 1024]', 'aligned', 'false')
+    """
+    try:
+        return format_value(yaml.safe_load(text))
+    except yaml.YAMLError:
+        return text
+
+
+def config_value(config: dict, key: str) -> Any:
+    """The value at a dotted key of a nested config; KeyError when absent.
+
+    Example:
+        >>> config_value({"sampler": {"name": "bucketed", "run_length": 8}}, "sampler.run_length")
+        8
+    """
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(key)
+        node = node[part]
+    return node
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> leaf value (lists are leaves).
+
+    Example:
+        >>> flatten({"a": {"b": 1, "c": [1, 2]}, "d": None})
+        {'a.b': 1, 'a.c': [1, 2], 'd': None}
+    """
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+# ------------------------------------------------------------------------------------------------- swept keys
+@dataclass
+class Sweep:
+    """The swept keys of a set of runs and each run's values.
+
+    Attributes:
+        keys: swept keys: "sampler", its options (sampler.*), then the others, each in order of first appearance.
+        values: index run_id, one column per key (format_value text; UNSET when a run has no such key).
+        overridden: run_id -> the swept keys its overrides set explicitly.
+        source: "overrides" or "config" (how the keys were found).
+    """
+
+    keys: list[str]
+    values: pd.DataFrame
+    overridden: dict[str, set[str]] = field(default_factory=dict)
+    source: str = "overrides"
+
+
+def _config_keys(records: list[RunRecord]) -> list[str]:
+    """Keys whose config values differ between runs (the fallback when no run recorded its overrides)."""
+    flat = {r.run_id: {k: format_value(v) for k, v in flatten(r.config).items() if _is_setting(k)} for r in records}
+    frame = pd.DataFrame.from_dict(flat, orient="index")
+    keys = [k for k in frame.columns if frame[k].fillna(UNSET).nunique() > 1]
+    # a key of a group whose name differs (sampler.boundaries of bucketed vs full_random) is part of that group's
+    # choice; it counts only if it differs between runs of the same group name
+    chosen = []
+    for key in keys:
+        group = key.rsplit(".", 1)[0] + ".name" if "." in key else None
+        if group in frame.columns and key != group:
+            if not (frame.groupby(frame[group].fillna(UNSET))[key].nunique(dropna=False) > 1).any():
+                continue
+        chosen.append(key.removesuffix(".name") if key.endswith(".name") else key)
+    return chosen
+
+
+def _value(record: RunRecord, key: str, override_text: str | None) -> str:
+    try:
+        value = config_value(record.config, key)
+    except KeyError:
+        value = record.sampler if key == "sampler" and record.sampler else None
+        if value is None:
+            return parse_value(override_text) if override_text is not None else UNSET
+    if isinstance(value, dict) and override_text is not None:
+        return parse_value(override_text)  # a config group: the option chosen (two options may share a name)
+    return format_value(value)
+
+
+def sweep_of(records: list[RunRecord]) -> Sweep:
+    """Swept keys and per-run values of a set of runs (rules in the module docstring).
+
+    Example:
+        >>> runs = [RunRecord(f"r{i}", "wandb", "x", config={"sampler": {"name": s}, "seed": i},
+        ...                   overrides=[f"sampler={s}", f"seed={i}", "data.num_samples=160"])
+        ...         for i, s in enumerate(["bucketed", "full_random"])]
+        >>> sweep = sweep_of(runs)
+        >>> sweep.keys, sweep.values["sampler"].tolist()
+        (['sampler'], ['bucketed', 'full_random'])
+    """
+    overrides = {r.run_id: recorded_overrides(r) for r in records}
+    parsed = {run_id: dict(override_key(o) for o in items) if items is not None else None
+              for run_id, items in overrides.items()}
+    if any(items is not None for items in parsed.values()):
+        source = "overrides"
+        candidates = list(dict.fromkeys(k for items in parsed.values() if items for k in items if _is_setting(k)))
+    else:
+        source = "config"
+        candidates = _config_keys(records)
+    rows = {}
+    for record in records:
+        given = parsed[record.run_id] or {}
+        rows[record.run_id] = {key: _value(record, key, given.get(key)) for key in ["sampler", *candidates]}
+    values = pd.DataFrame.from_dict(rows, orient="index", columns=list(dict.fromkeys(["sampler", *candidates])))
+    values = values.fillna(UNSET)
+    varied = [k for k in values.columns if k != "sampler" and values[k].nunique() > 1]
+    # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
+    keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
+    values = values[keys]
+    overridden = {run_id: {k for k in (items or {}) if k in keys} for run_id, items in parsed.items()}
+    return Sweep(keys=keys, values=values, overridden=overridden, source=source)
+
+
+def bucket_columns(records: list[RunRecord], sweep: Sweep) -> pd.DataFrame:
+    """`boundaries` (readable list) and `K` per run when the sweep varies bucket boundaries or their number.
+
+    Boundaries are the resolved ones (summary.json `boundaries` when the trainer recorded fitted ones, else the
+    config list); K = number of buckets (len - 1, else sampler.num_buckets). Empty frame when not swept.
+
+    Example:
+        >>> run = RunRecord("r", "local", "/r", config={"sampler": {"name": "bucketed", "boundaries": [0, 96, 1024]}})
+        >>> sweep = Sweep(["sampler", "sampler.boundaries"], pd.DataFrame({"sampler": ["bucketed"],
+        ...               "sampler.boundaries": ["[0, 96, 1024]"]}, index=["r"]))
+        >>> bucket_columns([run], sweep).to_dict("records")
+        [{'boundaries': '[0, 96, 1024]', 'K': 2}]
+    """
+    if not any(key in sweep.keys for key in BUCKET_KEYS):
+        return pd.DataFrame(index=sweep.values.index)
+    rows = {}
+    for record in records:
+        boundaries = record.summary.get("boundaries")
+        if not isinstance(boundaries, (list, tuple)):
+            try:
+                boundaries = config_value(record.config, "sampler.boundaries")
+            except KeyError:
+                boundaries = None
+        if isinstance(boundaries, (list, tuple)):
+            count = len(boundaries) - 1
+        else:
+            try:
+                count = config_value(record.config, "sampler.num_buckets")
+            except KeyError:
+                count = None
+        rows[record.run_id] = {"boundaries": format_value(boundaries) if boundaries is not None else "",
+                               "K": int(count) if isinstance(count, (int, float)) else pd.NA}
+    return pd.DataFrame.from_dict(rows, orient="index", columns=["boundaries", "K"]).reindex(sweep.values.index)
+
+
+def arm_label(values: pd.Series) -> str:
+    """`sampler key=value ...`, keys shortened to their last part unless ambiguous; keys the arm lacks left out.
+
+    Example:
+        >>> arm_label(pd.Series({"sampler": "bucketed", "sampler.run_length": "8", "data.band_skills": "aligned"}))
+        'bucketed run_length=8 band_skills=aligned'
+    """
+    others = [k for k in values.index if k != "sampler" and values[k] != UNSET]  # a key this arm's config lacks
+    short = {k: k.rsplit(".", 1)[-1] for k in others}
+    counts = pd.Series(list(short.values())).value_counts()
+    parts = [str(values.get("sampler", UNSET))]
+    parts += [f"{short[k] if counts[short[k]] == 1 else k}={values[k]}" for k in others]
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- baseline, strata
+_TERM = re.compile(r"([^,=\[\]]+)=((?:\[[^\]]*\]|[^,])*)")
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """Selector terms key -> value (format_value text); a bare name selects a sampler.
+
+    Example:
+        >>> parse_selector("full_random")
+        {'sampler': 'full_random'}
+        >>> parse_selector("sampler=bucketed,sampler.boundaries=[0,96,1024]")
+        {'sampler': 'bucketed', 'sampler.boundaries': '[0, 96, 1024]'}
+    """
+    text = text.strip()
+    if "=" not in text:
+        return {"sampler": text}
+    terms = {m.group(1).strip(): parse_value(m.group(2).strip()) for m in _TERM.finditer(text)}
+    rebuilt = ",".join(f"{m.group(0)}" for m in _TERM.finditer(text))
+    if not terms or rebuilt.replace(" ", "") != text.replace(" ", ""):
+        raise ValueError(f"--baseline / analysis.baseline={text!r}: write a sampler name (full_random) or "
+                         "key=value terms separated by commas (sampler=full_random,data.band_skills=aligned)")
+    return terms
+
+
+def compared_keys(selector: dict[str, str], keys: list[str]) -> list[str]:
+    """The selector's keys plus the swept keys below them (`sampler.run_length` below `sampler`).
+
+    Example:
+        >>> compared_keys({"sampler": "full_random"}, ["sampler", "sampler.run_length", "data.band_skills"])
+        ['sampler', 'sampler.run_length']
+    """
+    return [k for k in keys if any(k == s or k.startswith(s + ".") for s in selector)]
+
+
+@dataclass
+class Pairing:
+    """Arms with their stratum and baseline arm (None: no baseline in the stratum)."""
+
+    arms: pd.DataFrame  # index arm label: the swept values, "stratum", "baseline"
+    notes: list[str]
+
+
+def pair_arms(sweep: Sweep, arm_of_run: pd.Series, selector_text: str) -> Pairing:
+    """Stratum and baseline arm of every arm (rules in the module docstring).
+
+    Args:
+        sweep: `sweep_of` the runs.
+        arm_of_run: run_id -> arm label.
+        selector_text: the baseline selector.
+
+    Raises:
+        ValueError: a selector key that is not swept, or several equally plain matching arms in a stratum.
+
+    Example:
+        >>> values = pd.DataFrame({"sampler": ["bucketed", "full_random", "bucketed", "full_random"],
+        ...                        "data.band_skills": ["aligned", "aligned", "independent", "independent"]},
+        ...                       index=["a", "b", "c", "d"])
+        >>> sweep = Sweep(["sampler", "data.band_skills"], values)
+        >>> labels = values.apply(arm_label, axis=1)
+        >>> pair_arms(sweep, labels, "full_random").arms["baseline"].tolist()
+        ['full_random band_skills=aligned', 'full_random band_skills=aligned', \
+'full_random band_skills=independent', 'full_random band_skills=independent']
+    """
+    selector = parse_selector(selector_text)
+    unknown = [k for k in selector if k not in sweep.keys]
+    if unknown:
+        raise ValueError(f"--baseline / analysis.baseline={selector_text!r}: {unknown} is not a swept key of these "
+                         f"runs; swept keys: {', '.join(sweep.keys)}")
+    compared = compared_keys(selector, sweep.keys)
+    strata_keys = [k for k in sweep.keys if k not in compared]
+    table = sweep.values.assign(arm=arm_of_run).drop_duplicates("arm").set_index("arm")
+    table["stratum"] = table[strata_keys].apply(
+        lambda row: " ".join(f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in strata_keys), axis=1
+    ) if strata_keys else ""
+    explicit = {}
+    for run_id, arm in arm_of_run.items():
+        explicit[arm] = min(explicit.get(arm, 10**6), len(sweep.overridden.get(run_id, set()) & set(compared)))
+    table["baseline"] = None
+    notes = []
+    for stratum, arms in table.groupby("stratum", sort=False):
+        matching = arms[(arms[list(selector)] == pd.Series(selector)).all(axis=1)]
+        if matching.empty:
+            notes.append(f"stratum '{stratum or 'all runs'}': no arm matches baseline {selector_text!r}; its arms "
+                         "are not compared")
+            continue
+        plainness = matching.index.map(lambda arm: explicit.get(arm, 0))
+        plainest = matching.index[plainness == plainness.min()]
+        if len(plainest) > 1:
+            raise ValueError(f"--baseline / analysis.baseline={selector_text!r} matches {list(plainest)} in stratum "
+                             f"'{stratum or 'all runs'}': add key=value terms to pick one")
+        table.loc[arms.index, "baseline"] = plainest[0]
+    return Pairing(arms=table, notes=notes)

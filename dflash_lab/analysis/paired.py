@@ -1,0 +1,226 @@
+"""Paired comparison of arms with a baseline arm, seed by seed.
+
+Runs with the same seed share the draft init and the data, so an arm is compared with its baseline (same stratum,
+analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline(seed i), i = 1..n:
+
+    effect            diff = mean(d)
+    t interval        diff +- t_(1 - alpha/2, n - 1) sd(d) / sqrt(n)                       (ci_low, ci_high)
+    bootstrap         percentiles alpha/2, 1 - alpha/2 of mean(d*) over 10,000 resamples of the seeds with replacement
+                      (NaN below 5 pairs: the resampled means then take too few distinct values to form an interval)
+    p_value           exact sign-flip permutation test: share of the 2^n sign patterns s with |mean(s d)| >= |mean(d)|
+                      (random patterns beyond n = 16). The smallest attainable value is 2 / 2^n (p_min).
+    p_holm            Holm's step-down adjustment of p_value over the endpoints of one arm (its family)
+    p_tost            two one-sided paired t-tests of |true diff| < margin: max(P(T >= (diff + m)/se),
+                      P(T <= (diff - m)/se)), T ~ t_(n-1); p_tost_holm: Holm over the endpoints with a margin
+    verdict           "equivalent" if a margin was declared and p_tost_holm < alpha (the difference is inside the
+                      margin declared irrelevant before the runs); else "better" / "worse" if p_holm < alpha, by the
+                      sign of diff and the endpoint's better direction (schema.BETTER); else "inconclusive"
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from dflash_lab.analysis.schema import BETTER
+
+PAIRED_COLUMNS = ("policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", "p_holm", "verdict", "better",
+                  "stratum", "baseline", "n_pairs", "boot_low", "boot_high", "margin", "p_tost", "p_tost_holm",
+                  "p_min", "arm_mean", "baseline_mean", "seeds")
+EXACT_UP_TO = 16
+BOOTSTRAP_RESAMPLES = 10_000
+MIN_BOOTSTRAP_PAIRS = 5
+
+
+def _clean(diffs) -> np.ndarray:
+    values = np.asarray(diffs, dtype=np.float64)
+    return values[np.isfinite(values)]
+
+
+def t_interval(diffs, alpha: float = 0.05) -> tuple[float, float]:
+    """mean(d) +- t_(1 - alpha/2, n - 1) sd(d) / sqrt(n); NaN with fewer than 2 differences.
+
+    Example:
+        >>> [round(x, 3) for x in t_interval([1.0, 2.0, 3.0])]  # 2 +- 4.303 x 1 / sqrt(3)
+        [-0.484, 4.484]
+    """
+    d = _clean(diffs)
+    if d.size < 2:
+        return float("nan"), float("nan")
+    half = stats.t.ppf(1 - alpha / 2, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size)
+    return float(d.mean() - half), float(d.mean() + half)
+
+
+def bootstrap_interval(diffs, alpha: float = 0.05, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(d), resampling the seeds with replacement (seeded: reproducible).
+
+    Example:
+        >>> low, high = bootstrap_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+        >>> 1.0 <= low < 3.0 < high <= 5.0
+        True
+        >>> bootstrap_interval([1.0, 2.0])  # two seeds: no interval
+        (nan, nan)
+    """
+    d = _clean(diffs)
+    if d.size < MIN_BOOTSTRAP_PAIRS:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
+
+
+def sign_flip_p_value(diffs, seed: int = 0) -> float:
+    """Two-sided sign-flip permutation p-value of mean(d) = 0: exact over all 2^n patterns for n <= 16.
+
+    Example:
+        >>> sign_flip_p_value([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])  # only all-plus and all-minus are as extreme: 2/64
+        0.03125
+        >>> sign_flip_p_value([1.0, -1.0])
+        1.0
+    """
+    d = _clean(diffs)
+    if d.size == 0:
+        return float("nan")
+    observed = abs(d.mean())
+    if d.size <= EXACT_UP_TO:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))
+        flipped = np.abs(signs @ d) / d.size
+        return float(np.mean(flipped >= observed - 1e-12 * max(observed, 1.0)))
+    rng = np.random.default_rng(seed)
+    signs = rng.choice((1.0, -1.0), size=(2**16, d.size))
+    flipped = np.abs(signs @ d) / d.size
+    return float((1 + np.sum(flipped >= observed - 1e-12 * max(observed, 1.0))) / (1 + signs.shape[0]))
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjusted p-values (NaN entries stay NaN and do not count in the family).
+
+    Example:
+        >>> holm([0.01, 0.04, np.nan, 0.03]).round(3).tolist()
+        [0.03, 0.06, nan, 0.06]
+    """
+    p = np.asarray(p_values, dtype=np.float64)
+    adjusted = np.full(p.shape, np.nan)
+    finite = np.flatnonzero(np.isfinite(p))
+    order = finite[np.argsort(p[finite], kind="stable")]
+    m = order.size
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def tost_p_value(diffs, margin: float) -> float:
+    """Paired TOST p-value of |true mean difference| < margin (t-based); NaN with fewer than 2 differences.
+
+    Example:
+        >>> round(tost_p_value([0.01, -0.02, 0.0, 0.01, 0.02], margin=0.1), 6) < 0.001
+        True
+        >>> tost_p_value([0.5, 0.6, 0.7], margin=0.1) > 0.5
+        True
+    """
+    d = _clean(diffs)
+    if d.size < 2 or not np.isfinite(margin):
+        return float("nan")
+    se = d.std(ddof=1) / np.sqrt(d.size)
+    mean = d.mean()
+    if se == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    df = d.size - 1
+    p_lower = stats.t.sf((mean + margin) / se, df)  # H0: diff <= -margin
+    p_upper = stats.t.cdf((mean - margin) / se, df)  # H0: diff >= +margin
+    return float(max(p_lower, p_upper))
+
+
+def verdict(diff: float, p_holm: float, p_tost_holm: float, better: str, alpha: float = 0.05) -> str:
+    """"equivalent", "better", "worse" or "inconclusive" (rule in the module docstring).
+
+    Example:
+        >>> verdict(-0.3, 0.01, float("nan"), better="lower"), verdict(-0.3, 0.01, float("nan"), better="higher")
+        ('better', 'worse')
+        >>> verdict(0.001, 0.5, 0.01, better="lower"), verdict(0.2, 0.2, 0.3, better="lower")
+        ('equivalent', 'inconclusive')
+    """
+    if np.isfinite(p_tost_holm) and p_tost_holm < alpha:
+        return "equivalent"
+    if np.isfinite(p_holm) and p_holm < alpha and diff != 0:
+        return "better" if (diff > 0) == (better == "higher") else "worse"
+    return "inconclusive"
+
+
+def _per_seed(runs: pd.DataFrame, arm: str, endpoint: str) -> pd.Series:
+    rows = runs[(runs["arm"] == arm) & runs["seed"].notna()]
+    return pd.to_numeric(rows[endpoint], errors="coerce").groupby(rows["seed"].astype(int)).mean()
+
+
+def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, ...], margins: dict[str, float],
+                 alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
+    """Every arm against its stratum's baseline, per endpoint (PAIRED_COLUMNS), and notes on what was left out.
+
+    Args:
+        runs: one row per run with columns arm, seed and the endpoints.
+        arms: `arms.pair_arms(...).arms`: index arm label, columns stratum and baseline.
+        endpoints: columns to compare (schema.BETTER keys); all-NaN endpoints of an arm are skipped.
+        margins: endpoint -> TOST margin.
+        alpha: test level; intervals have confidence 1 - alpha.
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["a"] * 6 + ["b"] * 6, "seed": list(range(6)) * 2,
+        ...                      "jumpiness": [0.2, 0.3, 0.25, 0.2, 0.3, 0.25, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]})
+        >>> arms = pd.DataFrame({"stratum": ["", ""], "baseline": ["b", "b"]}, index=["a", "b"])
+        >>> table, notes = paired_table(runs, arms, ("jumpiness",), {})
+        >>> table[["policy", "diff", "p_value", "verdict"]].round(4).values.tolist()
+        [['a', 0.15, 0.0312, 'worse']]
+    """
+    rows, notes = [], []
+    repeated = runs.dropna(subset=["seed"]).groupby(["arm", "seed"]).size()
+    for (arm, seed), count in repeated[repeated > 1].items():
+        notes.append(f"{arm}: {count} runs with seed {int(seed)}, their mean is used")
+    for arm, setting in arms.iterrows():
+        baseline = setting["baseline"]
+        if baseline is None or pd.isna(baseline) or arm == baseline:
+            continue
+        family = []
+        for endpoint in endpoints:
+            if endpoint not in runs.columns:
+                notes.append(f"endpoint {endpoint}: not a column of the runs table")
+                continue
+            pairs = pd.concat([_per_seed(runs, arm, endpoint), _per_seed(runs, baseline, endpoint)],
+                              axis=1, keys=["arm", "baseline"], join="inner").dropna()
+            if pairs.empty:
+                continue  # e.g. loop_score of a shuffled order: NaN by definition, nothing to compare
+            diffs = (pairs["arm"] - pairs["baseline"]).to_numpy()
+            margin = margins.get(endpoint, float("nan"))
+            ci_low, ci_high = t_interval(diffs, alpha)
+            boot_low, boot_high = bootstrap_interval(diffs, alpha)
+            family.append({
+                "policy": arm, "endpoint": endpoint, "diff": float(diffs.mean()), "ci_low": ci_low,
+                "ci_high": ci_high, "p_value": sign_flip_p_value(diffs), "better": BETTER[endpoint],
+                "stratum": setting["stratum"], "baseline": baseline, "n_pairs": int(diffs.size),
+                "boot_low": boot_low, "boot_high": boot_high, "margin": margin,
+                "p_tost": tost_p_value(diffs, margin), "p_min": 2.0 / 2**diffs.size if diffs.size else np.nan,
+                "arm_mean": float(pairs["arm"].mean()), "baseline_mean": float(pairs["baseline"].mean()),
+                "seeds": " ".join(str(s) for s in pairs.index),
+            })
+        if not family:
+            notes.append(f"{arm}: no seed in common with its baseline {baseline}")
+            continue
+        p_holm = holm([row["p_value"] for row in family])
+        p_tost_holm = holm([row["p_tost"] for row in family])
+        for row, adjusted, tost_adjusted in zip(family, p_holm, p_tost_holm):
+            row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
+            row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
+        if max(row["p_min"] for row in family) * len(family) >= alpha:
+            n = max(row["n_pairs"] for row in family)
+            needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
+            notes.append(f"{arm}: with {n} seed pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
+                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} seeds")
+        rows += family
+    table = pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
+    return table, notes
