@@ -402,8 +402,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         k = len(policy.boundaries) - 1 if policy.boundaries else None
         wandb_settings["tags"] = list(dict.fromkeys([*(wandb_settings.get("tags") or []), policy.name,
                                                      *([f"K{k}"] if k else []), f"seed{seed}"]))
-        wandb_config = {**config, "overrides": list(wandb_settings.get("overrides") or []), "resolved": {"boundaries": str(policy.boundaries), "num_buckets": k,
-                                               "steps_per_epoch": plan.steps_per_epoch[0], "end_step": plan.end_step}}
+        resolved = {"boundaries": str(policy.boundaries), "num_buckets": k,
+                    "steps_per_epoch": plan.steps_per_epoch[0], "end_step": plan.end_step}
+        wandb_config = {**config, "overrides": list(wandb_settings.get("overrides") or []), "resolved": resolved}
     run_logger = RunLogger(run_dir, is_main=env.is_main, resume_step=loaded_step, log=log, run_id=run_id,
                            wandb_settings=wandb_settings, config=wandb_config if wandb_settings else config)
     presentations = PresentationRecorder(run_dir / record.PRESENTATIONS_FILE, probe_cfg.bands)
