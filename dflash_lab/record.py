@@ -363,7 +363,7 @@ def last_finite(rows: Sequence[Mapping[str, Any]], key: str) -> float:
 
 def build_summary(
     history: Sequence[Mapping[str, Any]], plan: PlanFacts, totals: RunTotals, *, identity: Mapping[str, Any],
-    status: str, steady_warmup_steps: int = 10, extra: Mapping[str, Any] | None = None,
+    status: str, steps: int | None = None, steady_warmup_steps: int = 10, extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """summary.json from the whole metrics history (every segment), the plan facts and the run totals.
 
@@ -373,6 +373,7 @@ def build_summary(
         totals: cumulative times and counts over all segments.
         identity: sampler, seed, epochs, world_size.
         status: one of STATUSES.
+        steps: optimizer steps completed (default: the last row's; ranks > 0 keep no history but know it).
         steady_warmup_steps: steps left out of the steady-state Ktok/s and step time.
         extra: more fields (tau, tau_baseline, error, timings of this segment, data_skipped ...).
 
@@ -381,7 +382,8 @@ def build_summary(
     """
     if status not in STATUSES:
         raise ValueError(f"summary status {status!r} is not one of {STATUSES}")
-    steps = int(history[-1]["step"]) if history else 0
+    if steps is None:
+        steps = int(history[-1]["step"]) if history else 0
     step_times = np.asarray([r["step_time_s"] for r in history], dtype=np.float64)
     steady = step_times[steady_warmup_steps:] if step_times.size > steady_warmup_steps else step_times
     step_time = float(np.median(steady)) if steady.size else math.nan

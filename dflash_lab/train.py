@@ -464,7 +464,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
 
     def write_summary(status: str, **extra: Any) -> dict[str, Any]:
         summary = record.build_summary(run_logger.history, plan, totals, identity=identity, status=status,
-                                       steady_warmup_steps=trainer.steady_warmup_steps,
+                                       steps=step, steady_warmup_steps=trainer.steady_warmup_steps,
                                        extra={"setup_time_s": setup_time_s, "data_skipped": data_skipped, **extra})
         run_logger.write_summary(summary)
         return summary
