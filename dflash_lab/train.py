@@ -247,28 +247,6 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
     )
 
 
-def format_eta(seconds: float) -> str:
-    """A duration for humans: ``4d 17h``, ``3h 05m``, ``12m 30s``, ``45s``.
-
-    Example:
-        >>> format_eta(403200), format_eta(3725), format_eta(45.2)
-        ('4d 16h', '1h 02m', '45s')
-    """
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(max(seconds, 0)))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    if minutes:
-        return f"{minutes}m {secs:02d}s"
-    return f"{secs}s"
-
-
 def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     """A resolved plain-dict copy of the config (the one place a DictConfig is read)."""
     if isinstance(cfg, DictConfig):
@@ -575,10 +553,10 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if env.is_main:
             pbar.update(1)
             pbar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", ktok_s=f"{ema_ktok:.1f}",
-                             pad_eff=f"{row['pad_eff']:.2f}", eta=format_eta(eta), refresh=False)
+                             pad_eff=f"{row['pad_eff']:.2f}", eta=throughput.format_eta(eta), refresh=False)
             if not show_bar and (step % trainer.log_every == 0 or step == plan.end_step):
                 log.info(f"step {step}/{plan.end_step} epoch {step_epoch} loss {stats.loss:.4f} acc {stats.acc:.3f} "
-                         f"{ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {format_eta(eta)}")
+                         f"{ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {throughput.format_eta(eta)}")
         if hooks.after_step is not None:
             hooks.after_step(row)
         if probe_cfg.every and step % probe_cfg.every == 0:
