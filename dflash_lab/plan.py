@@ -505,7 +505,7 @@ def recommend_floors(values: Mapping[str, Any] | None) -> dict[str, float | None
         >>> recommend_floors({"min_spread": 0.1})
         Traceback (most recent call last):
         ...
-        ValueError: unknown recommend key(s) ['min_spread']; valid keys: max_adjacent_length_corr, max_composition_repeat, min_within_batch_spread
+        ValueError: unknown recommend key(s) ['min_spread']; valid keys: max_adjacent_length_corr, ...
     """
     values = dict(values or {})
     refuse_unknown_keys("recommend", values, sorted(FLOORS))
