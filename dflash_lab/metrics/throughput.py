@@ -1,4 +1,4 @@
-"""Throughput metrics: the one definition of padding efficiency, Ktok/s, ETA and overhead (METRICS.md).
+"""Throughput metrics: the one definition of padding efficiency, Ktok/s, ETA and overhead (docs/metrics.md).
 
 Formulas (every caller in training, planner and analysis uses these functions):
     real tokens of a batch    = sum of its samples' lengths
