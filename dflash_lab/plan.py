@@ -458,7 +458,12 @@ def _plain_cell(value: Any) -> str:
 
 
 def full_columns(table: pd.DataFrame) -> list[Column]:
-    """Every FULL_COLUMNS column the table has, headed by its own name (ETA in human form, see format_eta)."""
+    """Every FULL_COLUMNS column the table has, headed by its own name (ETA in human form, see format_eta).
+
+    Example:
+        >>> [c.header for c in full_columns(pd.DataFrame({"fits": ["yes"], "pad_eff": [0.9]}))]
+        ['pad_eff', 'fits']
+    """
     return [Column(name, name, format_eta if name == "pred_eta_s" else _plain_cell)
             for name in FULL_COLUMNS if name in table.columns]
 
@@ -484,7 +489,12 @@ def to_markdown(table: pd.DataFrame, columns: Sequence[Column]) -> str:
 
 
 def legend(table: pd.DataFrame, columns: Sequence[Column] = NARROW_COLUMNS) -> str:
-    """One line per shown column: its header and what it measures."""
+    """One line per shown column: its header and what it measures.
+
+    Example:
+        >>> print(legend(pd.DataFrame({"pred_ktok_s": [1.0]})))
+        - Ktok/s: predicted real (non-pad) tokens per second over all ranks, in thousands (median step)
+    """
     return "\n".join(f"- {c.header}: {c.legend}" for c in columns if c.name in table.columns and c.legend)
 
 

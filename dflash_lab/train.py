@@ -628,7 +628,12 @@ def _mark_failed(cfg: DictConfig | Mapping, exc: BaseException) -> None:
 
 def swept_keys(hydra_cfg: Any) -> set[str]:
     """The keys a multirun varies: its sweep overrides (``key=a,b``, ``choice(...)``, ``range(...)``) as given at
-    launch (the sweep dir's ``multirun.yaml``) and the keys of ``hydra.sweeper.params`` (a sweep file's grid)."""
+    launch (the sweep dir's ``multirun.yaml``) and the keys of ``hydra.sweeper.params`` (a sweep file's grid).
+
+    Example:
+        >>> swept_keys(OmegaConf.create({"sweep": {"dir": "/nonexistent"}, "sweeper": {"params": {"seed": "0,1"}}}))
+        {'seed'}
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     keys = {str(k).lstrip("+~") for k in (hydra_cfg.sweeper.get("params") or {})}
