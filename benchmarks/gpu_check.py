@@ -7,7 +7,7 @@ What runs: the training config composed by Hydra (``conf/train.yaml`` with ``mod
 ``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides), so the draft and objective
 are training's: 5 draft layers, block 16, the anchor rule of conf/model, the seed's bucket boundaries. The target
 is the model config's shape (``--shape tiny``: a small Qwen3 shape) with random weights: no download, speed
-and memory only. Documents: the seed workload (WORKLOADS.md; ``tiny``: lengths and boundaries divided by 32).
+and memory only. Documents: the seed workload (docs/workloads.md; ``tiny``: lengths and boundaries divided by 32).
 Each step is training's: bf16 autocast on GPU (fp32 on CPU), DDP over the ranks with the frozen target left out,
 global loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight),
 gradient clipping and AdamW. Budget: ``--budget auto`` (GPU default) takes the largest ``max_tokens`` <= 32,768

@@ -1,10 +1,14 @@
 """Planner: what each batching policy will cost *before* any GPU-day is spent.
 
 ``python -m dflash_lab.plan`` composes the same ``conf/`` as training, builds every policy's epoch plan on the
-configured data (or a reference length workload, ``data=lengths``), and prints one row per policy: padding
-efficiency, batches and steps per epoch, samples per batch, the diversity diagnostics of ``sampling.stats``, and
-predicted Ktok/s and ETA for the configured run (``epochs``, ``world_size``). It writes ``plan.csv``, ``plan.json``
-and ``plan.md`` to its output directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
+configured data (or a reference length workload, ``data=lengths``), and prints a narrow table, one row per policy:
+padding efficiency, steps per epoch, predicted Ktok/s and ETA of the configured run (``epochs``, ``world_size``;
+ETA in days and hours), the diversity diagnostics of ``sampling.stats`` (composition repeat, within-batch spread,
+adjacent-length correlation) and, when memory is known, the predicted peak memory and whether it fits; a legend
+under the table says what each column measures, and one line recommends the fastest policy that clears the
+``recommend.*`` diversity floors (and fits). It writes ``plan.csv`` (every column, full precision), ``plan.json``
+(the same, the recommendation in ``meta``) and ``plan.md`` (the printed text, then every column) to its output
+directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
 ``k_sweep.png``: padding efficiency against within-batch diversity, the trade-off the boundaries choose), and
 ``target_pad_eff=0.9`` reports the fewest fitted buckets whose plan reaches that efficiency. When the model config
 gives the target's shape (``model=tiny``, ``model=qwen3_8b``, or ``model.target_config=config.json``), each row also
@@ -27,13 +31,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from .config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
-from .metrics.throughput import full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
+from .metrics.throughput import format_eta, full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
 from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
 from .sampling import (
     FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, smallest_k_for_efficiency,
@@ -403,30 +407,178 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
     return validate_lengths(train.lengths)
 
 
-def to_markdown(table: pd.DataFrame, columns: Sequence[str]) -> str:
-    """A compact markdown table (numbers rounded for reading; the CSV keeps full precision)."""
-    shown = table[[c for c in columns if c in table.columns]].copy()
-    header = "| policy | " + " | ".join(shown.columns) + " |"
-    lines = [header, "|" + "---|" * (len(shown.columns) + 1)]
-    for i, name in enumerate(shown.index):
-        cells = []
-        for column in shown.columns:
-            value = shown[column].iloc[i]
-            if isinstance(value, (float, np.floating)):
-                cells.append(f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}")
-            else:
-                cells.append(str(value))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# ---- what a person reads: the narrow table, its legend, the recommendation (plan.csv keeps every column) -----------
+def _number(digits: int, scale: float = 1.0) -> Callable[[Any], str]:
+    return lambda v: "?" if not np.isfinite(v) else f"{v * scale:,.{digits}f}"
 
 
-SUMMARY_COLUMNS = (
+def _gib(value: float) -> str:
+    return "?" if not np.isfinite(value) else f"{value:.2f}" if value < 10 else f"{value:,.1f}"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the printed plan: the plan-table column, its header (with unit), its format and legend."""
+
+    name: str
+    header: str
+    fmt: Callable[[Any], str]
+    legend: str = ""
+
+
+NARROW_COLUMNS = (
+    Column("pad_eff", "pad_eff %", _number(1, 100), "real / padded tokens of the epoch plan (100 = no padding)"),
+    Column("steps_per_epoch", "steps/epoch", _number(0), "optimizer steps per epoch (every rank steps together)"),
+    Column("pred_ktok_s", "Ktok/s", _number(1),
+           "predicted real (non-pad) tokens per second over all ranks, in thousands (median step)"),
+    Column("pred_eta_s", "ETA", format_eta, "predicted wall time of the configured run (epochs x steps x step time)"),
+    Column("composition_repeat", "repeat", _number(2),
+           "share of the next epoch's batches identical to one of this epoch's (1 = same batches every epoch)"),
+    Column("within_batch_spread", "spread CV", _number(2),
+           "within-batch length spread: mean coefficient of variation of lengths inside a batch "
+           "(0 = every batch one length)"),
+    Column("adjacent_length_corr", "order r", _number(2),
+           "correlation of consecutive batches' mean lengths (near 1 = a sorted, drifting order)"),
+    Column("pred_peak_mem_gb", "peak GiB", _gib, "predicted peak GPU memory per rank, worst step"),
+    Column("fits", "fits", str, "yes | ckpt (only with activation checkpointing) | no, against 90% of gpu_mem_gb"),
+)
+FULL_COLUMNS = (
     "pad_eff", "budget_fill", "real_tokens_per_step", "steps_per_epoch", "mean_samples_per_batch",
     "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
-    "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_days",
+    "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_s",
     "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "fits", "max_tokens_fit",
 )
+
+
+def _plain_cell(value: Any) -> str:
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def full_columns(table: pd.DataFrame) -> list[Column]:
+    """Every FULL_COLUMNS column the table has, headed by its own name (ETA in human form, see format_eta).
+
+    Example:
+        >>> [c.header for c in full_columns(pd.DataFrame({"fits": ["yes"], "pad_eff": [0.9]}))]
+        ['pad_eff', 'fits']
+    """
+    return [Column(name, name, format_eta if name == "pred_eta_s" else _plain_cell)
+            for name in FULL_COLUMNS if name in table.columns]
+
+
+def to_markdown(table: pd.DataFrame, columns: Sequence[Column]) -> str:
+    """A markdown table of ``columns`` (those the table has), cells formatted and padded to line up in a terminal.
+
+    Example:
+        >>> table = pd.DataFrame({"pad_eff": [0.5], "pred_eta_s": [403200.0]}, index=["bucketed"])
+        >>> print(to_markdown(table, NARROW_COLUMNS))
+        | policy   | pad_eff % |    ETA |
+        |:---------|----------:|-------:|
+        | bucketed |      50.0 | 4d 16h |
+    """
+    shown = [c for c in columns if c.name in table.columns]
+    grid = [["policy", *(c.header for c in shown)]]
+    grid += [[str(name), *(c.fmt(table.at[name, c.name]) for c in shown)] for name in table.index]
+    widths = [max(len(row[i]) for row in grid) for i in range(len(grid[0]))]
+    line = lambda cells: "| " + " | ".join(  # noqa: E731 - policy left-aligned, figures right-aligned
+        cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths))) + " |"
+    rule = "|:" + "-" * (widths[0] + 1) + "|" + "|".join("-" * (w + 1) + ":" for w in widths[1:]) + "|"
+    return "\n".join([line(grid[0]), rule, *(line(row) for row in grid[1:])])
+
+
+def legend(table: pd.DataFrame, columns: Sequence[Column] = NARROW_COLUMNS) -> str:
+    """One line per shown column: its header and what it measures.
+
+    Example:
+        >>> print(legend(pd.DataFrame({"pred_ktok_s": [1.0]})))
+        - Ktok/s: predicted real (non-pad) tokens per second over all ranks, in thousands (median step)
+    """
+    return "\n".join(f"- {c.header}: {c.legend}" for c in columns if c.name in table.columns and c.legend)
+
+
+# the diversity floors of the recommendation: plan key -> (plan-table column, direction, short name)
+FLOORS = {
+    "min_within_batch_spread": ("within_batch_spread", ">=", "spread"),
+    "max_composition_repeat": ("composition_repeat", "<=", "repeat"),
+    "max_adjacent_length_corr": ("adjacent_length_corr", "<=", "order r"),
+}
+
+
+def recommend_floors(values: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """The ``recommend`` section checked: each floor a number (null: no floor), unknown keys refused.
+
+    Example:
+        >>> recommend_floors({"min_within_batch_spread": 0.1})
+        {'min_within_batch_spread': 0.1, 'max_composition_repeat': None, 'max_adjacent_length_corr': None}
+        >>> recommend_floors({"min_spread": 0.1})
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown recommend key(s) ['min_spread']; valid keys: max_adjacent_length_corr, ...
+    """
+    values = dict(values or {})
+    refuse_unknown_keys("recommend", values, sorted(FLOORS))
+    limits = {"min_within_batch_spread": (0.0, None), "max_composition_repeat": (0.0, 1.0),
+              "max_adjacent_length_corr": (-1.0, 1.0)}
+    return {key: as_float(f"recommend.{key}", values.get(key), minimum=limits[key][0], maximum=limits[key][1],
+                          allow_none=True) for key in FLOORS}
+
+
+def recommendation(table: pd.DataFrame, floors: Mapping[str, float | None],
+                   activation_checkpointing: bool = False) -> dict[str, Any]:
+    """The fastest policy (``pred_ktok_s``) that clears every diversity floor and, when memory is known, fits.
+
+    A policy whose ``fits`` is ``ckpt`` qualifies and the line says it needs activation checkpointing (unless it
+    is on). A missing (NaN) figure does not clear a floor.
+
+    Returns:
+        ``{"policy": name or None, "line": one readable sentence, "excluded": {policy: reasons}}``.
+
+    Example:
+        >>> table = pd.DataFrame({"pred_ktok_s": [140.0, 117.0, 68.0], "pred_eta_s": [3600.0, 4300.0, 7400.0],
+        ...                       "within_batch_spread": [0.0, 0.17, 0.62]},
+        ...                      index=["sorted_static", "bucketed", "full_random"])
+        >>> print(recommendation(table, {"min_within_batch_spread": 0.1})["line"])
+        recommended: bucketed, the fastest policy (117.0 Ktok/s, ETA 1h 11m) with spread >= 0.1; faster but
+        excluded: sorted_static (spread 0.00)
+    """
+    active = {key: limit for key, limit in floors.items() if limit is not None}
+    excluded: dict[str, list[str]] = {}
+    for name in table.index:
+        reasons = []
+        for key, limit in active.items():
+            column, direction, short = FLOORS[key]
+            value = float(table.at[name, column]) if column in table.columns else float("nan")
+            passes = value >= limit if direction == ">=" else value <= limit
+            if not passes:  # NaN never passes
+                reasons.append(f"{short} {value:.2f}")
+        if "fits" in table.columns and table.at[name, "fits"] == "no":
+            reasons.append(f"needs {table.at[name, 'pred_peak_mem_gb']:.0f} GiB")
+        if not np.isfinite(table.at[name, "pred_ktok_s"]):
+            reasons.append("no throughput prediction")
+        if reasons:
+            excluded[str(name)] = reasons
+    conditions = [f"{FLOORS[k][2]} {FLOORS[k][1]} {v:g}" for k, v in active.items()]
+    conditions += ["fitting in memory"] if "fits" in table.columns else []
+    conditions = ", ".join(conditions[:-1]) + " and " + conditions[-1] if len(conditions) > 1 else "".join(conditions)
+    qualifying = table.drop(index=list(excluded)).sort_values("pred_ktok_s", ascending=False)
+    if qualifying.empty:
+        reasons = "; ".join(f"{name} ({', '.join(why)})" for name, why in excluded.items())
+        return {"policy": None, "excluded": excluded,
+                "line": f"recommended: none; no policy qualifies ({conditions or 'a throughput prediction'}): "
+                        f"{reasons}. Relax the recommend.* floors, or plan with more memory (gpu_mem_gb) or a smaller "
+                        f"sampler.max_tokens"}
+    best = qualifying.index[0]
+    speed = float(qualifying.at[best, "pred_ktok_s"])
+    faster = [n for n in excluded if np.isfinite(table.at[n, "pred_ktok_s"]) and table.at[n, "pred_ktok_s"] > speed]
+    line = (f"recommended: {best}, the fastest policy ({speed:.1f} Ktok/s, ETA "
+            f"{format_eta(qualifying.at[best, 'pred_eta_s'])})" + (f" with {conditions}" if conditions else ""))
+    if "fits" in table.columns and table.at[best, "fits"] == "ckpt" and not activation_checkpointing:
+        line += " (with activation checkpointing: activation_checkpointing=true)"
+    if faster:
+        line += "; faster but excluded: " + ", ".join(f"{n} ({', '.join(excluded[n])})" for n in faster)
+    return {"policy": str(best), "excluded": excluded, "line": line}
 
 
 def plan_keys() -> list[str]:
@@ -469,6 +621,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     sweep_k = None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"])
     sweep_method = as_choice("sweep_method", cfg.get("sweep_method", "optimal"), FIT_METHODS)
     target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
+    floors = recommend_floors(cfg.get("recommend"))
     samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed)
@@ -480,22 +633,26 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     table = plan_table(lengths, samplers, seed=seed, world_size=world_size, epochs=epochs, cost=cost, bands=bands,
                        memory=memory)
     table.to_csv(out_dir / "plan.csv")
+    advice = recommendation(table, floors, activation_checkpointing=bool(
+        memory and memory["settings"].activation_checkpointing))
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
             "epochs": epochs, "world_size": world_size,
-            "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None}
+            "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
+            "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]}}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
-    markdown = (
+    readable = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
         f"{epochs:g} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
-        + to_markdown(table, SUMMARY_COLUMNS)
+        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n" + advice["line"] + "\n"
     )
-    (out_dir / "plan.md").write_text(markdown + "\n")
-    print(markdown)
+    full = to_markdown(table, full_columns(table))
+    (out_dir / "plan.md").write_text(f"{readable}\n## Every column (full precision in plan.csv)\n\n{full}\n")
+    print(readable)
     if sweep_k is not None:
         sweep = sweep_bucket_counts(
             lengths, sweep_k, cfg["sampler"], method=sweep_method, seed=seed, world_size=world_size
@@ -511,7 +668,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         (out_dir / "smallest_k.json").write_text(json.dumps(found, indent=2))
         print(f"\nfewest buckets reaching padding efficiency {target_pad_eff}: K={found['num_buckets']} "
               f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
-    print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md")
+    print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md (every column)")
     return table
 
 

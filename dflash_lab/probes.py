@@ -1,6 +1,6 @@
 """Learning probes recorded during training: per-band probe sets and per-example presentation records.
 
-Two instruments feed the forgetting metrics of METRICS.md (``dflash_lab.metrics.forgetting`` computes them; this
+Two instruments feed the forgetting metrics of docs/metrics.md (``dflash_lab.metrics.forgetting`` computes them; this
 module only records):
 
 * **Probe bands** (:class:`ProbeSets`): a fixed held-out probe set per length band. Bands are a fixed list of

@@ -247,28 +247,6 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
     )
 
 
-def format_eta(seconds: float) -> str:
-    """A duration for humans: ``4d 17h``, ``3h 05m``, ``12m 30s``, ``45s``.
-
-    Example:
-        >>> format_eta(403200), format_eta(3725), format_eta(45.2)
-        ('4d 16h', '1h 02m', '45s')
-    """
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(max(seconds, 0)))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    if minutes:
-        return f"{minutes}m {secs:02d}s"
-    return f"{secs}s"
-
-
 def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     """A resolved plain-dict copy of the config (the one place a DictConfig is read)."""
     if isinstance(cfg, DictConfig):
@@ -575,10 +553,10 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if env.is_main:
             pbar.update(1)
             pbar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", ktok_s=f"{ema_ktok:.1f}",
-                             pad_eff=f"{row['pad_eff']:.2f}", eta=format_eta(eta), refresh=False)
+                             pad_eff=f"{row['pad_eff']:.2f}", eta=throughput.format_eta(eta), refresh=False)
             if not show_bar and (step % trainer.log_every == 0 or step == plan.end_step):
                 log.info(f"step {step}/{plan.end_step} epoch {step_epoch} loss {stats.loss:.4f} acc {stats.acc:.3f} "
-                         f"{ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {format_eta(eta)}")
+                         f"{ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {throughput.format_eta(eta)}")
         if hooks.after_step is not None:
             hooks.after_step(row)
         if probe_cfg.every and step % probe_cfg.every == 0:
@@ -648,24 +626,49 @@ def _mark_failed(cfg: DictConfig | Mapping, exc: BaseException) -> None:
         logging.getLogger("dflash_lab").exception("could not mark summary.json as failed")
 
 
+def swept_keys(hydra_cfg: Any) -> set[str]:
+    """The keys a multirun varies: its sweep overrides (``key=a,b``, ``choice(...)``, ``range(...)``) as given at
+    launch (the sweep dir's ``multirun.yaml``) and the keys of ``hydra.sweeper.params`` (a sweep file's grid).
+
+    Example:
+        >>> swept_keys(OmegaConf.create({"sweep": {"dir": "/nonexistent"}, "sweeper": {"params": {"seed": "0,1"}}}))
+        {'seed'}
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = {str(k).lstrip("+~") for k in (hydra_cfg.sweeper.get("params") or {})}
+    launch_file = Path(hydra_cfg.sweep.dir) / "multirun.yaml"
+    if launch_file.is_file():
+        given = list(OmegaConf.load(launch_file).hydra.overrides.task)
+        keys |= {o.key_or_group for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()}
+    return keys
+
+
 def name_wandb_run(cfg: DictConfig) -> None:
     """W&B run name and group from Hydra's runtime: the run's overrides (what a sweep varies) and its launch.
 
-    name: ``logger.name`` if set, else the job's overrides (``sampler.boundaries=[...],seed=1``), else the policy
-    and seed; group: ``logger.group`` if set, else ``<experiment>/<launch directory>`` (one group per launch, so a
-    re-run sweep never merges into an older one).
+    name: ``logger.name`` if set, else the job's overrides of the swept keys in a multirun
+    (``sampler.boundaries=[0,216,1024],seed=1``), else all its overrides (Hydra's ``override_dirname``), else the
+    policy and seed; group: ``logger.group`` if set, else ``<experiment>/<launch directory>`` (one group per
+    launch, so a re-run sweep never merges into an older one).
     """
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
     if cfg.get("logger", {}).get("kind") != "wandb" or not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
-    launch = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else hydra_cfg.run.dir
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    launch = hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir
+    task = list(hydra_cfg.overrides.task)
+    swept = swept_keys(hydra_cfg) if multirun else set()
+    varied = [o.input_line for o in OverridesParser.create().parse_overrides(task) if o.key_or_group in swept]
     with open_dict(cfg):
-        cfg.logger.name = cfg.logger.name or hydra_cfg.job.override_dirname or f"{cfg.sampler.name}_s{cfg.seed}"
+        cfg.logger.name = (cfg.logger.name or ",".join(varied) or hydra_cfg.job.override_dirname
+                           or f"{cfg.sampler.name}_s{cfg.seed}")
         cfg.logger.group = cfg.logger.group or f"{cfg.experiment}/{Path(launch).name}"
-        cfg.logger.overrides = list(hydra_cfg.overrides.task)  # what compare groups W&B runs by
+        cfg.logger.overrides = task  # what compare groups W&B runs by
 
 
 @hydra.main(config_path="pkg://dflash_lab.conf", config_name="train", version_base="1.3")

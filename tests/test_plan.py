@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_lab.plan import CostModel, predict_throughput, sampler_configs
+from dflash_lab.metrics.throughput import format_eta
+from dflash_lab.plan import CostModel, predict_throughput, recommendation, sampler_configs
 from dflash_lab.sampling import POLICIES, build_policy
 
 
@@ -103,7 +104,19 @@ def test_plan_cli_writes_table(tmp_path):
     assert table.loc["full_random", "pred_ktok_s"] < table.loc["bucketed", "pred_ktok_s"]
     assert json.loads((tmp_path / "plan.json").read_text())["meta"]["num_samples"] == 20000
     assert (tmp_path / "k_sweep.png").stat().st_size > 0
-    assert "| bucketed |" in out.stdout
+    # what a person reads: the narrow table with units, a legend, the ETA in days/hours/minutes, one recommendation
+    printed = out.stdout.split("\nK sweep written")[0]
+    rows = [line for line in printed.splitlines() if line.startswith("|")]
+    assert rows[0].split("|")[1:4] == [" policy             ", " pad_eff % ", " steps/epoch "]
+    assert len(rows) == 2 + len(POLICIES) and max(map(len, rows)) <= 120
+    assert "budget_fill" not in printed and "- spread CV: within-batch length spread" in printed
+    bucketed_row = next(line for line in rows if line.startswith("| bucketed "))
+    assert f"| {format_eta(table.loc['bucketed', 'pred_eta_s'])} |" in bucketed_row
+    assert printed.count("recommended: ") == 1
+    meta = json.loads((tmp_path / "plan.json").read_text())["meta"]
+    assert meta["recommendation"]["line"] in printed and meta["recommendation"]["policy"] in POLICIES
+    markdown = (tmp_path / "plan.md").read_text()
+    assert markdown.startswith(printed.strip()) and "## Every column" in markdown and "budget_fill" in markdown
 
 
 # ---- input validation: every bad planner input is refused before any work, naming the key -----------------------
@@ -162,6 +175,9 @@ def with_override(cfg, dotted, value):
         ("seed", 1.5, r"seed=1\.5: must be a whole number"),
         ("bands", [0, 50, 20], r"bands=\[0, 50, 20\]: unsorted entries 50 and 20"),
         ("target_pad_eff", 2, r"target_pad_eff=2: must be <= 1"),
+        ("recommend.min_within_batch_spread", "high", r"recommend\.min_within_batch_spread='high': must be a number"),
+        ("recommend.max_composition_repeat", 2, r"recommend\.max_composition_repeat=2: must be <= 1"),
+        ("recommend.min_spread", 0.1, r"unknown recommend key\(s\) \['min_spread'\]; valid keys: max_adjacent"),
     ],
 )
 def test_bad_plan_input_names_the_key(plan_cfg, key, value, match):
@@ -194,3 +210,46 @@ def test_policies_accepts_one_name_and_equal_real_tokens_flow(plan_cfg):
     table = plan_table(reference_lengths("cpu", 5000), cfgs, seed=0, world_size=1, epochs=1, cost=CostModel(0, 1e-5))
     assert table.loc["full_random", "real_tokens_per_step"] == pytest.approx(3000, rel=0.03)
     assert table.loc["bucketed", "real_tokens_per_step"] > 2000
+
+
+# ---- the recommendation: fastest policy above the diversity floors that fits ------------------------------------
+def _plan_rows(**columns):
+    names = ["sorted_static", "bucketed", "packed", "full_random"]
+    base = {"pred_ktok_s": [150.0, 117.0, 140.0, 68.0], "pred_eta_s": [3600.0, 4600.0, 3900.0, 8000.0],
+            "within_batch_spread": [0.0, 0.17, 0.16, 0.62], "composition_repeat": [1.0, 0.0, 0.0, 0.0],
+            "adjacent_length_corr": [0.0, 0.0, 0.0, 0.0]}
+    return pd.DataFrame({**base, **columns}, index=names)
+
+
+FLOORS = {"min_within_batch_spread": 0.1, "max_composition_repeat": 0.1, "max_adjacent_length_corr": 0.5}
+
+
+def test_recommendation_is_the_fastest_policy_above_every_floor_and_says_why():
+    advice = recommendation(_plan_rows(), FLOORS)
+    assert advice["policy"] == "packed"
+    assert advice["line"] == (
+        "recommended: packed, the fastest policy (140.0 Ktok/s, ETA 1h 05m) with spread >= 0.1, repeat <= 0.1 and "
+        "order r <= 0.5; faster but excluded: sorted_static (spread 0.00, repeat 1.00)")
+    # a floor switched off (null) no longer excludes; a missing figure never clears a floor
+    assert recommendation(_plan_rows(), {**FLOORS, "min_within_batch_spread": None,
+                                         "max_composition_repeat": None})["policy"] == "sorted_static"
+    nan_spread = _plan_rows(within_batch_spread=[0.0, 0.17, float("nan"), 0.62])
+    assert recommendation(nan_spread, FLOORS)["policy"] == "bucketed"
+    assert recommendation(nan_spread, FLOORS)["excluded"]["packed"] == ["spread nan"]
+
+
+def test_recommendation_respects_memory_and_names_checkpointing():
+    rows = _plan_rows(fits=["yes", "ckpt", "no", "yes"], pred_peak_mem_gb=[40.0, 75.0, 95.0, 30.0])
+    advice = recommendation(rows, FLOORS)
+    assert advice["policy"] == "bucketed" and "fitting in memory" in advice["line"]
+    assert "(with activation checkpointing: activation_checkpointing=true)" in advice["line"]
+    assert "packed (needs 95 GiB)" in advice["line"]
+    assert "activation checkpointing" not in recommendation(rows, FLOORS, activation_checkpointing=True)["line"]
+
+
+def test_no_qualifying_policy_is_said_with_each_reason_and_the_fix():
+    advice = recommendation(_plan_rows(), {**FLOORS, "min_within_batch_spread": 0.9})
+    assert advice["policy"] is None
+    assert advice["line"].startswith("recommended: none; no policy qualifies (spread >= 0.9, repeat <= 0.1 and "
+                                     "order r <= 0.5): sorted_static (spread 0.00, repeat 1.00); bucketed (spread")
+    assert "Relax the recommend.* floors" in advice["line"]

@@ -6,8 +6,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from dflash_lab.metrics.throughput import format_eta
 from dflash_lab.plan import CONF_DIR
-from dflash_lab.train import LRSchedule, ProbeSettings, TrainerSettings, format_eta
+from dflash_lab.train import LRSchedule, ProbeSettings, TrainerSettings
 
 CONF = CONF_DIR  # the shipped configs (package dflash_lab.conf)
 SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))

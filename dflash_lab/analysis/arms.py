@@ -8,7 +8,7 @@ a key is its resolved config value (so an arm that did not override `sampler.run
 config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
 swept keys are the config keys whose values differ between runs, leaving out keys of a config group whose `name`
 differs (a `sampler.*` key only counts among runs of the same sampler) and bookkeeping keys (run_dir, experiment,
-logger, analysis, overrides).
+logger, analysis, overrides, the W&B config's `resolved` facts).
 
 Arm = the tuple of the run's swept values; its label reads `bucketed run_length=8 band_skills=aligned`.
 
@@ -35,7 +35,7 @@ import yaml
 from dflash_lab.analysis.schema import RunRecord
 
 SEED_KEY = "seed"
-NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume")
+NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume", "resolved")
 BUCKET_KEYS = ("sampler.boundaries", "sampler.num_buckets")
 UNSET = "(unset)"
 
@@ -114,6 +114,20 @@ def parse_value(text: str) -> str:
         return format_value(yaml.safe_load(text))
     except yaml.YAMLError:
         return text
+
+
+def parse_list(text: str) -> list | None:
+    """A list written as text (``"[0, 96, 1024]"``, how a W&B config holds the resolved boundaries), else None.
+
+    Example:
+        >>> parse_list("[0, 96, 1024]"), parse_list("None")
+        ([0, 96, 1024], None)
+    """
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, list) else None
 
 
 def config_value(config: dict, key: str) -> Any:
@@ -232,8 +246,8 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
 def bucket_columns(records: list[RunRecord], sweep: Sweep) -> pd.DataFrame:
     """`boundaries` (readable list) and `K` per run when the sweep varies bucket boundaries or their number.
 
-    Boundaries are the resolved ones (summary.json `boundaries` when the trainer recorded fitted ones, else the
-    config list); K = number of buckets (len - 1, else sampler.num_buckets). Empty frame when not swept.
+    Boundaries are the resolved ones (summary.json `boundaries`, else a W&B run config's `resolved.boundaries`,
+    both holding fitted ones, else the config list); K = number of buckets (len - 1, else sampler.num_buckets). Empty frame when not swept.
 
     Example:
         >>> run = RunRecord("r", "local", "/r", config={"sampler": {"name": "bucketed", "boundaries": [0, 96, 1024]}})
@@ -247,6 +261,10 @@ def bucket_columns(records: list[RunRecord], sweep: Sweep) -> pd.DataFrame:
     rows = {}
     for record in records:
         boundaries = record.summary.get("boundaries")
+        if not isinstance(boundaries, (list, tuple)):  # a W&B run: the trainer's resolved list in the run config
+            resolved = record.config.get("resolved")
+            text = resolved.get("boundaries") if isinstance(resolved, dict) else None
+            boundaries = parse_list(text) if isinstance(text, str) else None
         if not isinstance(boundaries, (list, tuple)):
             try:
                 boundaries = config_value(record.config, "sampler.boundaries")

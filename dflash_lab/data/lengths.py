@@ -1,4 +1,4 @@
-"""Reference length distributions (WORKLOADS.md), generated deterministically, no downloads.
+"""Reference length distributions (docs/workloads.md), generated deterministically, no downloads.
 
 - ``seed``: the production run's shape. log-length split-normal around median 1728 (sigma 0.83 below, 0.70 above),
   rounded, clipped to [16, 8192]; mean about 2,140 tokens.
@@ -59,3 +59,24 @@ def reference_lengths(workload: str, n: int, seed: int = 0, scale: float = 1.0) 
     if scale != 1.0:
         out = np.maximum(np.rint(out / scale), 1).astype(np.int64)
     return out
+
+
+def workload_table(n: int = 800_000, seed: int = 0) -> str:
+    """Length statistics of every workload as a markdown table (docs/workloads.md holds its output for the defaults).
+
+    Columns: min, 10th percentile, median, mean, 90th and 99th percentile, max, and the equal-count sextiles (the
+    five lengths that cut the samples into six equal-count buckets).
+
+    Example:
+        >>> print(workload_table(n=1000).splitlines()[2].split("|")[1:4])
+        [' seed ', ' 68 ', ' 609 ']
+    """
+    lines = ["| workload | min | p10 | median | mean | p90 | p99 | max | equal-count sextiles |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for workload in WORKLOADS:
+        lengths = reference_lengths(workload, n, seed=seed)
+        p10, median, p90, p99 = np.percentile(lengths, [10, 50, 90, 99])
+        sextiles = np.quantile(lengths, np.arange(1, 6) / 6).round().astype(np.int64).tolist()
+        lines.append(f"| {workload} | {lengths.min():,} | {p10:,.0f} | {median:,.0f} | {lengths.mean():,.0f} | "
+                     f"{p90:,.0f} | {p99:,.0f} | {lengths.max():,} | {sextiles} |")
+    return "\n".join(lines)

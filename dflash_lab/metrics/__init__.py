@@ -1,1 +1,1 @@
-"""Metrics, each defined once (METRICS.md): throughput, plan diversity, loss jumpiness, forgetting."""
+"""Metrics, each defined once (formulas: docs/metrics.md): throughput, plan diversity, loss jumpiness, forgetting."""

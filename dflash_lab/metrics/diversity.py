@@ -1,9 +1,10 @@
-"""Plan diversity: how random a policy's batches are (METRICS.md, "Plan diversity"). One definition each.
+"""Plan diversity: how random a policy's batches are (docs/metrics.md, "Plan diversity"). One definition each.
 
-- composition repeat       = fraction of epoch e+1 batches identical (as sets) to some epoch e batch
-- adjacent-length corr.    = Pearson corr(mean length of batch t, mean length of batch t+1), consumption order
-- bucket run length        = mean length of runs of consecutive steps drawn from the same bucket
-- within-batch spread      = mean over batches of the coefficient of variation (std / mean) of their lengths
+Formulas:
+    composition repeat       = fraction of epoch e+1 batches identical (as sets) to some epoch e batch
+    adjacent-length corr.    = Pearson corr(mean length of batch t, mean length of batch t+1), consumption order
+    bucket run length        = mean length of runs of consecutive steps drawn from the same bucket
+    within-batch spread      = mean over batches of the coefficient of variation (std / mean) of their lengths
 """
 
 from __future__ import annotations

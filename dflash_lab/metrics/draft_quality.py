@@ -1,4 +1,4 @@
-"""Draft-quality metrics, each defined once (METRICS.md "Draft quality").
+"""Draft-quality metrics, each defined once (docs/metrics.md, "Draft quality").
 
     accuracy                      = argmax-correct share over supervised block slots 1..bs-1
     per-position accuracy acc_k   = correct_k / count_k for slot k

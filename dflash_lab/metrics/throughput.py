@@ -1,4 +1,4 @@
-"""Throughput metrics: the one definition of padding efficiency, Ktok/s, ETA and overhead (METRICS.md).
+"""Throughput metrics: the one definition of padding efficiency, Ktok/s, ETA and overhead (docs/metrics.md).
 
 Formulas (every caller in training, planner and analysis uses these functions):
     real tokens of a batch    = sum of its samples' lengths
@@ -10,6 +10,7 @@ Formulas (every caller in training, planner and analysis uses these functions):
                                 live: EMA over steps; reported: median over the steady state (after warm-up)
     ETA                       = remaining steps x EMA(step time)
     full-run ETA              = epochs x steps per epoch x step time
+    ETA shown to people       = days and hours, hours and minutes, ... (format_eta: "4d 17h")
     overhead fraction         = time outside forward/backward/optimizer / wall time
 """
 
@@ -120,6 +121,28 @@ def eta_seconds(remaining_steps: int, step_time_s: float) -> float:
 def full_run_eta_seconds(epochs: float, steps_per_epoch: int, step_time_s: float) -> float:
     """ETA of a configured full run: epochs x steps per epoch x step time."""
     return float(epochs * steps_per_epoch * step_time_s)
+
+
+def format_eta(seconds: float) -> str:
+    """A duration for humans, the one ETA format of logs and planner: ``4d 17h``, ``3h 05m``, ``12m 30s``, ``45s``.
+
+    Example:
+        >>> format_eta(403200), format_eta(3725), format_eta(45.2), format_eta(float("nan"))
+        ('4d 16h', '1h 02m', '45s', '?')
+    """
+    if not np.isfinite(seconds):
+        return "?"
+    seconds = int(round(max(seconds, 0)))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
 
 
 def overhead_fraction(compute_seconds: float, wall_seconds: float) -> float:
