@@ -207,12 +207,13 @@ def flex_block_mask(intervals: KeyIntervals) -> BlockMask:
     full = (covered == real_per_tile) & (real_per_tile > 0)
     partial = touched & ~full
     if len(flat_pairs) == 1:   # one mask_mod for every caller: an empty second interval
-        zeros = torch.zeros(q_pad, dtype=torch.int32, device=device)
-        flat_pairs.append((zeros, zeros))
-    (lo_a, hi_a), (lo_b, hi_b) = flat_pairs
+        # (two tensors: one tensor in both places would be an aliasing guard, i.e. another compiled graph)
+        flat_pairs.append(tuple(torch.zeros(q_pad, dtype=torch.int32, device=device) for _ in range(2)))
+    # [1, Q] tensors indexed [b, q]: torch 2.13's CPU code generation fails on this mask with 1-D [q] indexing
+    (lo_a, hi_a), (lo_b, hi_b) = ((lo[None], hi[None]) for lo, hi in flat_pairs)
 
     def mask_mod(b, h, q, kv):
-        return ((kv >= lo_a[q]) & (kv < hi_a[q])) | ((kv >= lo_b[q]) & (kv < hi_b[q]))
+        return ((kv >= lo_a[b, q]) & (kv < hi_a[b, q])) | ((kv >= lo_b[b, q]) & (kv < hi_b[b, q]))
 
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                     seq_lengths=(q_pad, kv_pad))
