@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_lab.data import collate_packed
 from dflash_lab.model.attention import (
-    TILE, KeyIntervals, causal_document_intervals, dense_attend, flex_attend, flex_compile_count, flex_supported,
+    KeyIntervals, causal_document_intervals, dense_attend, flex_attend, flex_compile_count, flex_supported,
     segments_attend,
 )
 from dflash_lab.model.dflash import document_attention_mask
@@ -106,10 +106,11 @@ def test_block_mask_tiles_are_exact(layout):
     for intervals in (causal_document_intervals(doc_ids), _draft_intervals(doc_ids, loss_mask, num_docs, seed, bs)[0]):
         block_mask = intervals.block_mask()
         q_pad, kv_pad = block_mask.seq_lengths
-        assert q_pad % TILE == 0 and kv_pad % TILE == 0 and min(q_pad, kv_pad) >= 2 * TILE
+        tile = block_mask.BLOCK_SIZE[0]
+        assert q_pad % tile == 0 and kv_pad % tile == 0 and min(q_pad, kv_pad) >= 2 * tile
         dense = _flat_dense(intervals, q_pad, kv_pad)
-        tiles = dense.view(q_pad // TILE, TILE, kv_pad // TILE, TILE)
-        real = (torch.arange(q_pad) < intervals.rows * intervals.q_len).view(-1, TILE)
+        tiles = dense.view(q_pad // tile, tile, kv_pad // tile, tile)
+        real = (torch.arange(q_pad) < intervals.rows * intervals.q_len).view(-1, tile)
         partial, full = _tile_grid(block_mask, False), _tile_grid(block_mask, True)
         assert not (partial & full).any()
         assert torch.equal(partial | full, tiles.any(dim=(1, 3)))

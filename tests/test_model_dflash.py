@@ -287,3 +287,11 @@ def test_documents_must_be_contiguous():
     batch["doc_ids"][0, 3] = 1                                   # document 1 now has two runs
     with pytest.raises(ValueError, match="contiguous"):
         _model()(batch, torch.Generator())
+
+
+def test_the_fixed_anchor_pass_can_be_skipped():
+    model = _model(fixed_anchors=4)
+    batch = collate_packed(_samples([40, 25]), [0, 1], [40, 25], 0)
+    skipped = model(batch, torch.Generator().manual_seed(1), score_fixed=False)
+    plain = _model()(batch, torch.Generator().manual_seed(1))
+    assert torch.equal(skipped.doc_count, plain.doc_count) and torch.equal(skipped.loss, plain.loss)

@@ -10,9 +10,9 @@ Every attention of a DFlash training step has the same shape: query i may see th
 ``KeyIntervals`` holds these bounds per query (Long[R, Q] tensors, a few bytes per query); everything else is
 derived from them, so the mask never exists as a [Q, KV] tensor for a packed row:
 
-* ``flex``: ``flex_block_mask`` lays the R rows end to end as one sequence (batch 1), pads it to whole 128-token
-  tiles (at least two), and builds the BlockMask's tile lists directly from the intervals with difference arrays:
-  O(Q + tiles^2) work and memory (a 32K row has 256 x 512 tiles). Tiles a query fully covers are "full" (no mask
+* ``flex``: ``flex_block_mask`` lays the R rows end to end as one sequence (batch 1), pads it to whole tiles (128
+  tokens on GPU, 32 on CPU; at least two), and builds the BlockMask's tile lists directly from the intervals with
+  difference arrays: O(Q + tiles^2) work and memory (a 32K-token GPU row has 256 x 512 tiles). Tiles a query fully covers are "full" (no mask
   evaluation), tiles it only touches are "partial" (the mask_mod decides per element). ``flex_attend`` runs the
   compiled ``torch.nn.attention.flex_attention`` with native GQA (``enable_gqa``).
 * ``segments``: exact SDPA per (row, document) on that document's keys only; document-sized masks. PyTorch has no
@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-TILE = 128                  # flex_attention's default sparse block size (queries and keys)
+GPU_TILE = 128    # BlockMask tile (queries and keys): flex_attention's default, what its GPU kernels are built for
+CPU_TILE = 32     # the CPU kernel computes whole tiles: smaller tiles waste less on short documents (measured in
+                  # docs/attention.md: a packed 4K row of 270-token documents 33 ms at 128, 18 ms at 32)
 BACKENDS = ("auto", "flex", "segments", "dense")
 TRANSFORMERS_NAME = "dflash_flex"   # attention implementation name registered with transformers
 
@@ -74,6 +76,7 @@ class KeyIntervals:
     backend: str = "auto"
     single_document_rows: bool | None = None
     _block_mask: BlockMask | None = field(default=None, repr=False)
+    _row_plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -112,6 +115,12 @@ class KeyIntervals:
             self._block_mask = flex_block_mask(self)
         return self._block_mask
 
+    def row_plan(self, row: int) -> _RowPlan:
+        """Row ``row`` cut into per-document problems for ``segments_attend`` (built once, shared by every layer)."""
+        if row not in self._row_plans:
+            self._row_plans[row] = _row_plan(self, row)
+        return self._row_plans[row]
+
 
 def causal_document_intervals(doc_ids: torch.Tensor, backend: str = "auto") -> KeyIntervals:
     """Key intervals of the target's per-document causal attention: [document start, i]; padding sees itself.
@@ -140,9 +149,14 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- flex BlockMask
 
 
-def _padded_length(n: int) -> int:
+def tile_size(device: torch.device) -> int:
+    """BlockMask tile for ``device``."""
+    return GPU_TILE if device.type == "cuda" else CPU_TILE
+
+
+def _padded_length(n: int, tile: int) -> int:
     """Whole tiles, at least two (a one-tile dimension is specialised by the compiler: an extra graph)."""
-    return max(2, math.ceil(n / TILE)) * TILE
+    return max(2, math.ceil(n / tile)) * tile
 
 
 def _flat(values: torch.Tensor, offsets: torch.Tensor, empty: torch.Tensor, length: int) -> torch.Tensor:
@@ -151,10 +165,10 @@ def _flat(values: torch.Tensor, offsets: torch.Tensor, empty: torch.Tensor, leng
     return F.pad(flat, (0, length - flat.numel())).to(torch.int32)
 
 
-def _coverage(lo: torch.Tensor, hi: torch.Tensor, q_tiles: int, kv_tiles: int):
+def _coverage(lo: torch.Tensor, hi: torch.Tensor, q_tiles: int, kv_tiles: int, tile: int):
     """Per (query tile, key tile): does some query touch it, and how many queries cover it entirely."""
     device = lo.device
-    tile_of_query = torch.arange(lo.numel(), device=device) // TILE
+    tile_of_query = torch.arange(lo.numel(), device=device) // tile
     width = kv_tiles + 1
 
     def counts(first: torch.Tensor, last_excl: torch.Tensor) -> torch.Tensor:
@@ -168,8 +182,8 @@ def _coverage(lo: torch.Tensor, hi: torch.Tensor, q_tiles: int, kv_tiles: int):
         return diff.view(q_tiles, width).cumsum(dim=1, dtype=torch.int32)[:, :kv_tiles]
 
     lo64, hi64 = lo.long(), hi.long()
-    touched = counts(lo64 // TILE, (hi64 - 1) // TILE + 1) > 0
-    covered = counts((lo64 + TILE - 1) // TILE, hi64 // TILE)
+    touched = counts(lo64 // tile, (hi64 - 1) // tile + 1) > 0
+    covered = counts((lo64 + tile - 1) // tile, hi64 // tile)
     return touched, covered
 
 
@@ -188,22 +202,23 @@ def flex_block_mask(intervals: KeyIntervals) -> BlockMask:
     every key of the tile (padding queries of the tile do not count), else "partial" when any query touches them.
     """
     rows, q_len, kv_len = intervals.rows, intervals.q_len, intervals.kv_len
-    q_pad, kv_pad = _padded_length(rows * q_len), _padded_length(rows * kv_len)
     device = intervals.lo.device
+    tile = tile_size(device)
+    q_pad, kv_pad = _padded_length(rows * q_len, tile), _padded_length(rows * kv_len, tile)
     offsets = (torch.arange(rows, device=device) * kv_len)[:, None]
     flat_pairs = []
     for lo, hi in intervals._pairs():
         empty = hi <= lo
         flat_pairs.append((_flat(lo, offsets, empty, q_pad), _flat(hi, offsets, empty, q_pad)))
-    q_tiles, kv_tiles = q_pad // TILE, kv_pad // TILE
+    q_tiles, kv_tiles = q_pad // tile, kv_pad // tile
     touched = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool, device=device)
     covered = torch.zeros(q_tiles, kv_tiles, dtype=torch.int32, device=device)
     for lo, hi in flat_pairs:
-        t, c = _coverage(lo, hi, q_tiles, kv_tiles)
+        t, c = _coverage(lo, hi, q_tiles, kv_tiles, tile)
         touched |= t
         covered += c   # the two intervals are disjoint: a tile is covered by at most one of them
     real = torch.arange(q_pad, device=device) < rows * q_len
-    real_per_tile = real.view(q_tiles, TILE).sum(dim=1, dtype=torch.int32)[:, None]
+    real_per_tile = real.view(q_tiles, tile).sum(dim=1, dtype=torch.int32)[:, None]
     full = (covered == real_per_tile) & (real_per_tile > 0)
     partial = touched & ~full
     if len(flat_pairs) == 1:   # one mask_mod for every caller: an empty second interval
@@ -215,7 +230,7 @@ def flex_block_mask(intervals: KeyIntervals) -> BlockMask:
     def mask_mod(b, h, q, kv):
         return ((kv >= lo_a[b, q]) & (kv < hi_a[b, q])) | ((kv >= lo_b[b, q]) & (kv < hi_b[b, q]))
 
-    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=(q_pad, kv_pad))
 
 
@@ -250,8 +265,9 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     q_pad, kv_pad = block_mask.seq_lengths
 
     def flat(x: torch.Tensor, length: int) -> torch.Tensor:
+        # contiguous: the compiled graph guards on strides, so one layout for every caller means no recompiles
         x = x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[-1])
-        return F.pad(x, (0, 0, 0, length - x.shape[2]))
+        return F.pad(x, (0, 0, 0, length - x.shape[2])).contiguous()
 
     out = _compiled_flex()(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask=block_mask, scale=scale,
                            enable_gqa=heads != k.shape[1])
@@ -264,37 +280,67 @@ def dense_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+@dataclass(frozen=True)
+class _RowPlan:
+    """How one row splits into per-document attention problems (computed once, shared by all layers)."""
+
+    query_sizes: list[int]            # consecutive query runs
+    key_sizes: list[int]              # the row's keys cut at every run's range ends
+    key_pieces: list[list[int]]       # per run: the key pieces it attends to
+    allowed: list[torch.Tensor]       # per run: Bool[1, 1, queries, keys] exact mask on those keys
+
+
+def _row_plan(intervals: KeyIntervals, row: int) -> _RowPlan:
+    """Runs of queries sharing their first visible key (one document's blocks), each with the key ranges it needs."""
+    lo, hi = intervals.lo[row], intervals.hi[row]
+    run_key = torch.where(hi > lo, lo, -1)
+    change = torch.ones_like(run_key, dtype=torch.bool)
+    change[1:] = run_key[1:] != run_key[:-1]
+    run_of = change.long().cumsum(0) - 1
+    runs = int(run_of[-1]) + 1
+    bounds = []
+    for first, last in intervals._pairs():
+        first, last = first[row], last[row]
+        nonempty = last > first
+        big = torch.full((runs,), intervals.kv_len, dtype=first.dtype, device=first.device)
+        low = big.scatter_reduce(0, run_of, torch.where(nonempty, first, intervals.kv_len), "amin")
+        high = torch.zeros_like(big).scatter_reduce(0, run_of, torch.where(nonempty, last, 0), "amax")
+        bounds += [low, high]
+    sizes = torch.bincount(run_of, minlength=runs)
+    table = torch.stack([sizes] + bounds, dim=1).tolist()   # one host transfer per row
+    ranges = [[(a, b) for a, b in zip(entry[1::2], entry[2::2]) if b > a] for entry in table]
+    cuts = sorted({0, intervals.kv_len} | {x for run in ranges for pair in run for x in pair})
+    piece_at = {cut: i for i, cut in enumerate(cuts)}
+    key_pieces, allowed, start = [], [], 0
+    for entry, run in zip(table, ranges):
+        key_pieces.append([i for a, b in run for i in range(piece_at[a], piece_at[b])])
+        key_index = torch.cat([torch.arange(a, b, device=lo.device) for a, b in run]) if run else \
+            torch.zeros(0, dtype=torch.long, device=lo.device)
+        allowed.append(intervals.allowed(slice(start, start + entry[0]), key_index, slice(row, row + 1)))
+        start += entry[0]
+    return _RowPlan([entry[0] for entry in table], [b - a for a, b in zip(cuts, cuts[1:])], key_pieces, allowed)
+
+
 def segments_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, intervals: KeyIntervals,
                     scale: float | None = None) -> torch.Tensor:
-    """Exact attention, one SDPA per run of queries that share a first visible key (a document).
+    """Exact attention, one SDPA per run of queries that share a first visible key (a document's blocks).
 
     Each run attends to the union of its queries' intervals only, under the exact mask restricted to those keys:
-    document-sized work and memory, never a [Q, KV] mask of a packed row.
+    document-sized work and memory, never a [Q, KV] mask of a packed row. Rows, query runs and key ranges are
+    taken with ``split`` (whose backward is one concatenation), not with indexing (a full-size gradient per run).
     """
     outputs = []
-    arange_q = torch.arange(intervals.q_len, device=q.device)
-    for row in range(intervals.rows):
-        key = torch.where(intervals.hi[row] > intervals.lo[row], intervals.lo[row], -1)
-        _, counts = torch.unique_consecutive(key, return_counts=True)
-        pieces, start = [], 0
-        for count in counts.tolist():
-            queries = slice(start, start + count)
-            ranges = []
-            for lo, hi in intervals._pairs():
-                lo_run, hi_run = lo[row, queries], hi[row, queries]
-                nonempty = hi_run > lo_run
-                if nonempty.any():
-                    ranges.append((int(lo_run[nonempty].min()), int(hi_run[nonempty].max())))
-            key_index = torch.cat([torch.arange(a, b, device=q.device) for a, b in ranges]) if ranges else \
-                arange_q[:0]
-            rows = slice(row, row + 1)
-            allowed = intervals.allowed(queries, key_index, rows)
-            q_run = q[rows, :, queries]
-            if key_index.numel() == 0:   # nothing visible: zeros, like flex's empty rows
+    for row, (q_row, k_row, v_row) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+        plan = intervals.row_plan(row)
+        k_pieces, v_pieces = k_row.split(plan.key_sizes, dim=2), v_row.split(plan.key_sizes, dim=2)
+        pieces = []
+        for q_run, used, allowed in zip(q_row.split(plan.query_sizes, dim=2), plan.key_pieces, plan.allowed):
+            if not used:   # nothing visible: zeros, like flex's empty rows
                 pieces.append(torch.zeros_like(q_run))
-            else:
-                pieces.append(dense_attend(q_run, k[rows][:, :, key_index], v[rows][:, :, key_index], allowed, scale))
-            start += count
+                continue
+            k_run = torch.cat([k_pieces[i] for i in used], dim=2) if len(used) > 1 else k_pieces[used[0]]
+            v_run = torch.cat([v_pieces[i] for i in used], dim=2) if len(used) > 1 else v_pieces[used[0]]
+            pieces.append(dense_attend(q_run, k_run, v_run, allowed, scale))
         outputs.append(torch.cat(pieces, dim=2))
     return torch.cat(outputs, dim=0)
 

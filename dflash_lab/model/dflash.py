@@ -261,12 +261,16 @@ class DFlashModel(nn.Module):
         return features
 
     # -- training step ------------------------------------------------------------------------------------
-    def forward(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
-        """One DFlash step on a collated batch (docs/CONTRACTS.md). Gradients flow into the draft only."""
+    def forward(self, batch: dict, generator: torch.Generator | None = None, *, score_fixed: bool = True) -> StepOutput:
+        """One DFlash step on a collated batch (docs/CONTRACTS.md). Gradients flow into the draft only.
+
+        ``score_fixed=False`` skips the fixed-anchor pass (when nothing records per-example accuracy); the doc
+        counts then come from the training anchors.
+        """
         inputs = self._encode(batch)
         blocks = self._random_blocks(inputs, generator)
         out = self._score(self._draft_blocks(inputs, blocks, inputs.context), blocks, inputs.num_docs)
-        if self.fixed_anchors:
+        if self.fixed_anchors and score_fixed:
             with torch.no_grad():   # same weights, before the update; the training graph is untouched
                 fixed = self._fixed_output(inputs)
             out.doc_correct, out.doc_count = fixed.doc_correct, fixed.doc_count
