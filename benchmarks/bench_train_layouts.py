@@ -3,6 +3,8 @@
     python benchmarks/bench_train_layouts.py                        # 80 steps each, default data and model
     python benchmarks/bench_train_layouts.py --steps 120 --repeats 2 --rss-tokens 32768
     python benchmarks/bench_train_layouts.py --attention --max-tokens 4096 --doc-len 256   # attention paths only
+    git archive <commit> --prefix=old/ | tar -x -C /tmp                                  # the same step, older code:
+    python benchmarks/bench_train_layouts.py --steps 0 --rss-tokens 32768 --code /tmp/old
 
 Each policy trains through ``dflash_lab.train.train`` (the real loop: data loader, target, draft, optimizer) on the
 default synthetic data and the tiny model, with the same ``sampler.max_tokens`` budget and ``trainer.max_steps``,
@@ -142,9 +144,35 @@ def attention_micro(tokens: int, doc_len: int, repeats: int) -> list[dict]:
     return rows
 
 
+def throughput(args) -> None:
+    """Train each policy ``args.repeats`` times (alternating) and print Ktok/s per run, medians and the ratio."""
+    from dflash_lab.model.attention import flex_compile_count
+
+    results: dict[str, list[dict]] = {p: [] for p in args.policies}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for policy in args.policies:
+                summary = train_once(policy, args.steps, args.max_tokens, Path(tmp) / f"{policy}_{repeat}",
+                                     args.threads, args.override)
+                results[policy].append(summary)
+                row = {"policy": policy, "repeat": repeat, "ktok_s": round(summary["ktok_s"], 3),
+                       "pad_eff": round(summary["pad_eff"], 4), "step_time_s": round(summary["step_time_s"], 4),
+                       "steps": summary["steps"], "run_wall_s": round(summary["run_wall_s"], 1)}
+                print(json.dumps(row), flush=True)
+    ktok = {p: statistics.median(s["ktok_s"] for s in runs) for p, runs in results.items()}
+    report = {f"{p}_ktok_s": round(k, 3) for p, k in ktok.items()}
+    if set(POLICIES) <= set(ktok):
+        ratio = ktok["packed"] / ktok["sorted_static"]
+        report.update(ratio_packed_over_sorted_static=round(ratio, 3), accept_ratio_ge_0_8=ratio >= 0.8)
+    print(json.dumps({**report, "compiled_graphs": flex_compile_count(), "steps": args.steps,
+                      "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": args.threads,
+                      "overrides": args.override}))
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run (0: no throughput runs)")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
@@ -158,31 +186,12 @@ def main() -> None:
                         "model.fixed_anchors=0")
     args = parser.parse_args()
 
-    from dflash_lab.model.attention import flex_compile_count
-
     if args.attention:
         for row in attention_micro(args.max_tokens, args.doc_len, max(args.repeats, 5)):
             print(json.dumps(row))
         return
-    results: dict[str, list[dict]] = {p: [] for p in args.policies}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for policy in args.policies:
-                summary = train_once(policy, args.steps, args.max_tokens, Path(tmp) / f"{policy}_{repeat}",
-                                     args.threads, args.override)
-                results[policy].append(summary)
-                print(json.dumps({"policy": policy, "repeat": repeat, "ktok_s": round(summary["ktok_s"], 3),
-                                  "pad_eff": round(summary["pad_eff"], 4), "step_time_s": round(summary["step_time_s"], 4),
-                                  "steps": summary["steps"], "run_wall_s": round(summary["run_wall_s"], 1)}),
-                      flush=True)
-    ktok = {p: statistics.median(s["ktok_s"] for s in runs) for p, runs in results.items()}
-    report = {f"{p}_ktok_s": round(k, 3) for p, k in ktok.items()}
-    if set(POLICIES) <= set(ktok):
-        ratio = ktok["packed"] / ktok["sorted_static"]
-        report.update(ratio_packed_over_sorted_static=round(ratio, 3), accept_ratio_ge_0_8=ratio >= 0.8)
-    print(json.dumps({**report, "compiled_graphs": flex_compile_count(), "steps": args.steps,
-                      "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": args.threads,
-                      "overrides": args.override}))
+    if args.steps > 0:
+        throughput(args)
     if args.rss_tokens:
         print(json.dumps(peak_rss_of_one_packed_step(args.rss_tokens, args.code.resolve(), args.threads,
                                                      args.rss_cap_gb)))

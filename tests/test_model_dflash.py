@@ -295,3 +295,15 @@ def test_the_fixed_anchor_pass_can_be_skipped():
     skipped = model(batch, torch.Generator().manual_seed(1), score_fixed=False)
     plain = _model()(batch, torch.Generator().manual_seed(1))
     assert torch.equal(skipped.doc_count, plain.doc_count) and torch.equal(skipped.loss, plain.loss)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_flex_draft_path_of_the_gpu_matches_the_oracle(packed):
+    # on CUDA the draft runs flex_attention; on CPU it can run it without gradients: same scores as the oracle
+    samples = _samples([37, 9, 52], seed=3)
+    batch = (collate_packed if packed else collate_padded)(samples, [5, 6, 7], [37, 9, 52], 0)
+    with torch.no_grad():
+        flex = _model(backend="flex", fixed_anchors=3)(batch, torch.Generator().manual_seed(1))
+        dense = _model(backend="dense", fixed_anchors=3)(batch, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    assert flex.correct == dense.correct and torch.equal(flex.doc_correct, dense.doc_correct)

@@ -12,23 +12,28 @@ derived from them, so the mask never exists as a [Q, KV] tensor for a packed row
 
 * ``flex``: ``flex_block_mask`` lays the R rows end to end as one sequence (batch 1), pads it to whole tiles (128
   tokens on GPU, 32 on CPU; at least two), and builds the BlockMask's tile lists directly from the intervals with
-  difference arrays: O(Q + tiles^2) work and memory (a 32K-token GPU row has 256 x 512 tiles). Tiles a query fully covers are "full" (no mask
-  evaluation), tiles it only touches are "partial" (the mask_mod decides per element). ``flex_attend`` runs the
-  compiled ``torch.nn.attention.flex_attention`` with native GQA (``enable_gqa``).
+  difference arrays: O(Q + tiles^2) work and memory (a 32K-token GPU row has 256 x 512 tiles). Tiles that every
+  query of the tile sees entirely are "full" (no mask evaluation), tiles some query touches are "partial" (the
+  mask_mod decides per element). ``flex_attend`` runs the compiled ``torch.nn.attention.flex_attention`` with
+  native GQA (``enable_gqa``).
 * ``segments``: exact SDPA per (row, document) on that document's keys only; document-sized masks. PyTorch has no
   flex_attention backward on CPU, so this is the CPU path whenever gradients are needed.
 * ``dense``: SDPA on the whole Bool[R, 1, Q, KV] mask (``KeyIntervals.dense``): the oracle of the tests, and the
   path for rows that hold a single document (their mask is document-sized anyway).
 
-``attend`` picks the backend: flex on CUDA, and on CPU when no gradient is needed (target forward, evaluation);
-segments for CPU training of packed rows; dense for single-document rows on CPU.
+``attend`` picks the backend (``auto``): flex on CUDA. On CPU, flex only for intervals marked ``cpu_flex`` (the
+target's packed rows: no gradient, every token a query, where the alternative is a loop over documents) and the
+draft runs per-document SDPA (segments; dense for single-document rows) with or without gradients: the same kernels
+in training and in the fixed-anchor and probe passes, and measured as fast as CPU flex for the draft's few queries per
+document (docs/attention.md). A CPU process that trains on padded batches therefore compiles nothing.
 
 Compilation: flex_attention runs through one ``torch.compile`` wrapper shared by the target and the draft (one
-mask_mod for both, so they share compiled graphs). Batch 1 and whole tiles keep the shapes regular: a process
-compiles one static graph, then one graph with dynamic lengths at the second distinct shape, and no more (varying
-the batch dimension instead breaks the CPU kernel's dynamic-shape code generation in torch 2.13).
-``flex_compile_count()`` reports the graphs dynamo compiled in this process. Set ``TORCHINDUCTOR_CACHE_DIR`` to share
-compiled kernels across processes (the tests do).
+mask_mod for both, so they share compiled graphs). A process compiles one static graph, then one graph with dynamic
+lengths at the second distinct shape, and no more, because every call looks the same to the compiler: batch 1,
+whole tiles (at least two), contiguous inputs (strides are guarded), four distinct [1, Q] bound tensors (aliasing is
+guarded). Batch > 1 and 1-D bound indexing both break torch 2.13's CPU code generation for dynamic shapes.
+``flex_compile_count()`` reports the graphs dynamo compiled in this process. ``TORCHINDUCTOR_CACHE_DIR`` shares
+compiled kernels across processes (the tests set it).
 
 Cost: flex and segments do the work of the allowed (query, key) pairs rounded up to tiles / documents; dense does
 R x Q x KV.
@@ -45,8 +50,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 GPU_TILE = 128    # BlockMask tile (queries and keys): flex_attention's default, what its GPU kernels are built for
-CPU_TILE = 32     # the CPU kernel computes whole tiles: smaller tiles waste less on short documents (measured in
-                  # docs/attention.md: a packed 4K row of 270-token documents 33 ms at 128, 18 ms at 32)
+CPU_TILE = 32     # the CPU kernel computes whole tiles: smaller ones waste less on short documents (docs/attention.md:
+                  # a packed 4K row of 270-token documents, target 27 ms at 128 vs 14 ms at 32, draft 24 vs 11 ms)
 BACKENDS = ("auto", "flex", "segments", "dense")
 TRANSFORMERS_NAME = "dflash_flex"   # attention implementation name registered with transformers
 
@@ -61,6 +66,7 @@ class KeyIntervals:
         kv_len: number of keys per row (KV).
         backend: ``auto`` | ``flex`` | ``segments`` | ``dense`` (see the module docstring).
         single_document_rows: every row holds one document (dense is then document-sized); None: unknown.
+        cpu_flex: ``auto`` uses flex on CPU too (when no gradient is needed).
 
     Example:
         >>> iv = causal_document_intervals(torch.tensor([[0, 0, 1, 1, 1]]))
@@ -75,6 +81,7 @@ class KeyIntervals:
     kv_len: int
     backend: str = "auto"
     single_document_rows: bool | None = None
+    cpu_flex: bool = False
     _block_mask: BlockMask | None = field(default=None, repr=False)
     _row_plans: dict = field(default_factory=dict, repr=False)
 
@@ -129,7 +136,7 @@ def causal_document_intervals(doc_ids: torch.Tensor, backend: str = "auto") -> K
     """
     starts = document_starts(doc_ids)
     index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    return KeyIntervals(starts, index + 1, None, None, kv_len=doc_ids.shape[1], backend=backend)
+    return KeyIntervals(starts, index + 1, None, None, kv_len=doc_ids.shape[1], backend=backend, cpu_flex=True)
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -349,13 +356,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, intervals: KeyInte
            scale: float | None = None) -> torch.Tensor:
     """Attention of [R, H, Q, d] queries on [R, Hkv, KV, d] keys/values under ``intervals`` (None: no mask).
 
-    Backend ``auto``: flex where ``flex_supported``; else dense for single-document rows, segments otherwise.
+    Backend ``auto``: see the module docstring.
     """
     if intervals is None:
         return dense_attend(q, k, v, None, scale)
     backend = intervals.backend
     if backend == "auto":
-        if flex_supported(q, k, v):
+        on_cpu_too = intervals.cpu_flex or q.device.type == "cuda"
+        if on_cpu_too and flex_supported(q, k, v):
             backend = "flex"
         else:
             backend = "dense" if intervals.single_document_rows else "segments"
