@@ -24,8 +24,8 @@ derived from them, so the mask never exists as a [Q, KV] tensor for a packed row
 ``attend`` picks the backend (``auto``): flex on CUDA. On CPU, flex only for intervals marked ``cpu_flex`` (the
 target's packed rows: no gradient, every token a query, where the alternative is a loop over documents) and the
 draft runs per-document SDPA (segments; dense for single-document rows) with or without gradients: the same kernels
-in training and in the fixed-anchor and probe passes, and measured as fast as CPU flex for the draft's few queries per
-document (docs/attention.md). A CPU process that trains on padded batches therefore compiles nothing.
+in training and in the fixed-anchor and probe passes, and measured about as fast as CPU flex for the draft's few
+queries per document (docs/attention.md). A CPU process that trains on padded batches therefore compiles nothing.
 
 Compilation: flex_attention runs through one ``torch.compile`` wrapper shared by the target and the draft (one
 mask_mod for both, so they share compiled graphs). A process compiles one static graph, then one graph with dynamic
