@@ -22,7 +22,6 @@ the context projection is O(T * n_layers_used * hidden^2).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -142,7 +141,8 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(rows, kv_in.shape[1], -1, d).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_kv)
-        out = attend(q, k, v, attention, scale=1.0 / math.sqrt(d))
+        # d ** -0.5 exactly as the HF target computes it: compiled flex guards on the scale's value
+        out = attend(q, k, v, attention, scale=d ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
 
 
