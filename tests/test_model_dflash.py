@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 TOK = ByteTokenizer()
 
 
-def _model(block_size=4, anchors_per_doc=64, anchor_density=None, draft_seed=0, layers=4):
+def _model(block_size=4, anchors_per_doc=64, anchor_density=None, draft_seed=0, layers=4, fixed_anchors=0,
+           backend="auto", checkpointing=False):
     torch.manual_seed(0)
     cfg = tiny_qwen3_config(TOK.vocab_size, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=2,
                             intermediate_size=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
@@ -24,9 +25,11 @@ def _model(block_size=4, anchors_per_doc=64, anchor_density=None, draft_seed=0, 
     target = Qwen3ForCausalLM(cfg).eval()
     ids = [1, layers - 2] if layers >= 4 else default_target_layer_ids(layers, 1)
     draft = DFlashDraft(DraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                                    intermediate_size=64, target_layer_ids=ids), init_seed=draft_seed)
+                                    intermediate_size=64, target_layer_ids=ids), init_seed=draft_seed,
+                        activation_checkpointing=checkpointing)
     model = DFlashModel(target, draft, mask_token_id=TOK.mask_token_id, block_size=block_size,
-                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density)
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, fixed_anchors=fixed_anchors,
+                        attention_backend=backend)
     model.stop_token_ids = TOK.stop_token_ids
     return model
 
@@ -132,7 +135,7 @@ def test_no_nan_when_blocks_or_rows_have_nothing_to_learn():
 
 
 def test_step_output_counts():
-    model = _model(block_size=4)
+    model = _model(block_size=4)   # fixed_anchors=0: doc counts come from the training anchors
     batch = collate_packed(_samples([30, 40]), [7, 3], [30, 40], 0)
     out = model(batch, torch.Generator().manual_seed(1))
     assert out.per_pos_count.shape == (3,) and out.doc_count.shape == (2,)
@@ -202,3 +205,105 @@ def test_chunked_lm_head_gives_the_same_loss_and_gradients():
     assert a.correct == b.correct and torch.equal(a.doc_correct, b.doc_correct)
     for p, q in zip(whole.draft.parameters(), chunked.draft.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.draft.parameters()]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fast_attention_matches_the_dense_mask_oracle_forward_and_gradients(packed):
+    # auto: the target runs flex_attention (packed) or its own causal attention (padded); the draft runs exact
+    # per-document attention (CPU training). dense: the full [Q, KV] masks. Same loss, same gradients.
+    samples = _samples([37, 9, 52, 20], seed=6)
+    collate = collate_packed if packed else collate_padded
+    batch = collate(samples, [0, 1, 2, 3], [37, 9, 52, 20], 0)
+    outs = []
+    for backend in ("dense", "auto"):
+        model = _model(anchors_per_doc=6, backend=backend)
+        out = model(batch, torch.Generator().manual_seed(4))
+        out.loss.backward()
+        outs.append((out, _grads(model)))
+    (a, grads_a), (b, grads_b) = outs
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    assert a.correct == b.correct and a.count == b.count
+    for x, y in zip(grads_a, grads_b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_fixed_anchor_blocks_leave_the_loss_and_gradients_bit_identical():
+    batch = collate_packed(_samples([40, 25, 33], seed=8), [11, 4, 9], [40, 25, 33], 0)
+    outs = []
+    for k in (0, 8):
+        model = _model(fixed_anchors=k)
+        out = model(batch, torch.Generator().manual_seed(2))
+        out.loss.backward()
+        outs.append((out, _grads(model)))
+    (plain, grads_plain), (fixed, grads_fixed) = outs
+    assert torch.equal(plain.loss, fixed.loss) and torch.equal(plain.weighted_ce_sum, fixed.weighted_ce_sum)
+    assert all(torch.equal(x, y) for x, y in zip(grads_plain, grads_fixed))
+    assert plain.count == fixed.count and torch.equal(plain.per_pos_count, fixed.per_pos_count)
+    assert not torch.equal(plain.doc_count, fixed.doc_count)     # doc counts now come from the fixed anchors
+
+
+def test_fixed_anchors_score_each_example_the_same_way_in_any_batch():
+    model = _model(fixed_anchors=5)
+    samples = _samples([40, 25, 33, 18], seed=9)
+    alone = model(collate_padded(samples[1:2], [21], [25], 0), torch.Generator().manual_seed(0))
+    packed = model(collate_packed(samples, [20, 21, 22, 23], [40, 25, 33, 18], 0), torch.Generator().manual_seed(7))
+    padded = model(collate_padded(samples, [20, 21, 22, 23], [40, 25, 33, 18], 0), torch.Generator().manual_seed(8))
+    assert packed.doc_count[1] == padded.doc_count[1] == alone.doc_count[0] >= 5 * 2   # 5 blocks x up to 3 slots
+    assert torch.equal(packed.doc_count, padded.doc_count) and torch.equal(packed.doc_correct, padded.doc_correct)
+    assert packed.doc_correct[1] == alone.doc_correct[0]
+    # evaluate (probes) scores the same fixed blocks, whatever the generator
+    ev = model.evaluate(collate_packed(samples, [20, 21, 22, 23], [40, 25, 33, 18], 0), torch.Generator())
+    assert torch.equal(ev.doc_count, packed.doc_count) and ev.count == packed.doc_count.sum()
+    assert torch.equal(ev.doc_correct, packed.doc_correct) and ev.correct == packed.doc_correct.sum()
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    batch = collate_padded(_samples([30, 22]), [0, 1], [30, 22], 0)
+    outs = []
+    for checkpointing in (False, True):
+        model = _model(checkpointing=checkpointing)
+        out = model(batch, torch.Generator().manual_seed(5))
+        out.loss.backward()
+        outs.append((out.loss, _grads(model)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(x, y) for x, y in zip(outs[0][1], outs[1][1]))
+
+
+def test_rms_norm_returns_the_input_dtype():
+    from dflash_lab.model.draft import RMSNorm
+
+    norm = RMSNorm(8, 1e-6)
+    x = torch.randn(3, 8)
+    assert norm(x.bfloat16()).dtype == torch.bfloat16 and norm.weight.dtype == torch.float32
+    torch.testing.assert_close(norm(x.bfloat16()).float(), norm(x), atol=2e-2, rtol=2e-2)
+
+
+def test_documents_must_be_contiguous():
+    batch = collate_packed(_samples([10, 12]), [0, 1], [10, 12], 0)
+    batch["doc_ids"][0, 3] = 1                                   # document 1 now has two runs
+    with pytest.raises(ValueError, match="contiguous"):
+        _model()(batch, torch.Generator())
+
+
+def test_the_fixed_anchor_pass_can_be_skipped():
+    model = _model(fixed_anchors=4)
+    batch = collate_packed(_samples([40, 25]), [0, 1], [40, 25], 0)
+    skipped = model(batch, torch.Generator().manual_seed(1), score_fixed=False)
+    plain = _model()(batch, torch.Generator().manual_seed(1))
+    assert torch.equal(skipped.doc_count, plain.doc_count) and torch.equal(skipped.loss, plain.loss)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_flex_draft_path_of_the_gpu_matches_the_oracle(packed):
+    # on CUDA the draft runs flex_attention; on CPU it can run it without gradients: same scores as the oracle
+    samples = _samples([37, 9, 52], seed=3)
+    batch = (collate_packed if packed else collate_padded)(samples, [5, 6, 7], [37, 9, 52], 0)
+    with torch.no_grad():
+        flex = _model(backend="flex", fixed_anchors=3)(batch, torch.Generator().manual_seed(1))
+        dense = _model(backend="dense", fixed_anchors=3)(batch, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    assert flex.correct == dense.correct and torch.equal(flex.doc_correct, dense.doc_correct)

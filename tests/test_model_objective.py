@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from dflash_lab.data import collate_packed, collate_padded
-from dflash_lab.model.objective import anchor_quota, build_blocks, sample_anchors, valid_anchor_mask
+from dflash_lab.model.objective import (
+    anchor_quota, build_blocks, draft_key_intervals, fixed_anchors, sample_anchors, valid_anchor_mask,
+)
 
 torch.set_num_threads(1)
 MASK = 3
@@ -76,13 +78,14 @@ def test_block_mask_labels_and_weights(packed):
                           gamma=gamma)
     rows, length = ids.shape
     slots = anchors.shape[1]
-    assert blocks.attn_mask.shape == (rows, 1, slots * bs, length + slots * bs)
+    mask = draft_key_intervals(blocks, length).dense()
+    assert mask.shape == (rows, 1, slots * bs, length + slots * bs)
     for r in range(rows):
         for n in range(slots):
             for k in range(bs):
                 q = n * bs + k
-                context = blocks.attn_mask[r, 0, q, :length]
-                block_part = blocks.attn_mask[r, 0, q, length:].view(slots, bs)
+                context = mask[r, 0, q, :length]
+                block_part = mask[r, 0, q, length:].view(slots, bs)
                 assert block_part[n].all(), "a block sees itself bidirectionally"
                 assert not torch.cat([block_part[:n], block_part[n + 1:]]).any(), "no other block"
                 if valid[r, n]:
@@ -101,3 +104,29 @@ def test_block_mask_labels_and_weights(packed):
                 else:
                     assert not context.any() and not blocks.label_ok[r, n].any()
     assert (blocks.weights[..., 0] == 0).all()
+
+
+def _fixed_pairs(batch, per_doc):
+    """{(example id, document-relative position)} of the fixed anchors of a batch."""
+    anchors, valid, anchor_doc = fixed_anchors(batch["loss_mask"], batch["doc_ids"], batch["position_ids"],
+                                               batch["sample_index"], per_doc)
+    rows = torch.arange(anchors.shape[0])[:, None].expand_as(anchors)
+    positions = batch["position_ids"][rows[valid], anchors[valid]]
+    examples = batch["sample_index"][anchor_doc[valid]]
+    return sorted(zip(examples.tolist(), positions.tolist()))
+
+
+def test_fixed_anchors_depend_on_the_example_only():
+    padded, packed = _batch(False, seed=5), _batch(True, seed=5)
+    pairs = _fixed_pairs(padded, 4)
+    assert pairs == _fixed_pairs(packed, 4)                       # same anchors whatever the layout
+    ok = valid_anchor_mask(padded["loss_mask"], padded["doc_ids"])
+    expected_counts = torch.bincount(padded["doc_ids"][ok], minlength=4).clamp(max=4).tolist()
+    assert [sum(1 for e, _ in pairs if e == d) for d in range(4)] == expected_counts
+    rows = {int(padded["sample_index"][r]): r for r in range(4)}
+    assert all(ok[rows[e], p] for e, p in pairs)                  # only valid anchor positions
+    assert set(pairs) <= set(_fixed_pairs(padded, 6))            # k anchors are a subset of k + 2 anchors
+    # another example id draws other positions (a 50-token document has 30+ valid positions)
+    other = dict(padded, sample_index=padded["sample_index"] + 100)
+    moved = {p for e, p in _fixed_pairs(other, 4) if e == 102} != {p for e, p in pairs if e == 2}
+    assert moved

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +72,22 @@ def test_bad_model_config_names_the_key(tmp_path):
         build_model("hf", cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="model.block_size"):
         build_model("tiny", cache_dir=str(tmp_path), **{**SMALL, "block_size": 1})
+    with pytest.raises(ValueError, match=r"unknown model key\(s\) \['blok_size'\]; valid keys: .*block_size"):
+        build_model("tiny", cache_dir=str(tmp_path), blok_size=8, decode_num_prompts=4)   # decode_* are valid
+    with pytest.raises(ValueError, match="model.fixed_anchors"):
+        build_model("tiny", cache_dir=str(tmp_path), fixed_anchors=-1)
+
+
+def test_every_model_config_key_is_a_valid_key():
+    from hydra import compose, initialize_config_dir
+
+    from dflash_lab.model.build import valid_model_keys
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for kind in ("tiny", "hf"):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[f"model={kind}"])
+        assert set(cfg.model) <= set(valid_model_keys()), set(cfg.model) - set(valid_model_keys())
 
 
 @pytest.mark.slow

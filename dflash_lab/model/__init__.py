@@ -4,7 +4,8 @@ API (stable; the training loop is written against it):
 
     from dflash_lab.model import build_model, DFlashModel, StepOutput, measure_acceptance
 
-    model, tokenizer = build_model(**model_cfg)   # plain keys of conf/model/<kind>.yaml ("tiny" | "hf")
+    model, tokenizer = build_model(**model_cfg)   # plain keys of conf/model/<kind>.yaml ("tiny" | "hf");
+    # unknown keys are refused; activation_checkpointing=True recomputes draft layers in backward
     # "tiny" pretrains (or loads from cache) a small Qwen3 target on the built-in corpus; "hf" loads a local dir.
     model.to(device)                               # target frozen (requires_grad False); draft trainable
     params = model.trainable_parameters()          # the draft's parameters only: give these to the optimizer
@@ -15,8 +16,10 @@ API (stable; the training loop is written against it):
     # (out.weighted_ce_sum / global_weight_sum * world_size).backward()
     out.correct, out.count                         # block accuracy counts (Long scalars)
     out.per_pos_correct, out.per_pos_count         # Long[block_size - 1], slot k=1..bs-1
-    out.doc_correct, out.doc_count                 # Long[D], per document in batch["sample_index"] order
-    ev = model.evaluate(batch, g)                  # same, under torch.no_grad (probes)
+    out.doc_correct, out.doc_count                 # Long[D], per document in batch["sample_index"] order, on the
+                                                   # fixed anchors (model.fixed_anchors > 0; same pass, pre-update)
+    model(batch, g, score_fixed=False)             # skip the fixed-anchor pass (doc counts: training anchors)
+    ev = model.evaluate(batch)                     # no grad, fixed anchors only (probes); g used when they are off
     model.draft_state_dict(); model.load_draft_state_dict(sd)    # checkpoint the draft only
 
     from dflash_lab.model import heldout_prompts

@@ -12,10 +12,12 @@ Cost: tiny: the first call pretrains (~1 min on 2 cores), later calls load in < 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from dflash_lab.config_check import as_bool, as_int, refuse_unknown_keys
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, default_target_layer_ids
@@ -23,6 +25,7 @@ from dflash_lab.model.target import load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
 KINDS = ("tiny", "hf")
+DECODE_KEYS = ("decode_num_prompts", "decode_max_new_tokens", "decode_max_prompt_tokens")  # read by the trainer
 
 _TINY_PRETRAIN_CORPUS = {"kind": "synthetic", "num_samples": 3000, "seed": 0}
 
@@ -36,9 +39,10 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
                 pretrain_steps: int = 400, pretrain_tokens_per_step: int = 2048, pretrain_lr: float = 1e-2,
                 pretrain_window: int = 256, pretrain_seed: int = 0, pretrain_max_seconds: float | None = None,
                 pretrain_data: dict | None = None,
-                target_path: str | None = None, dtype: str = "auto", device: str | None = None,
-                attn_implementation: str = "sdpa", mask_token_id: int | None = None,
-                **unused):
+                target_path: str | None = None, target_config: str | dict | None = None, dtype: str = "auto",
+                device: str | None = None, attn_implementation: str = "sdpa", mask_token_id: int | None = None,
+                fixed_anchors: int = 8, activation_checkpointing: bool = False,
+                **other):
     """Build the DFlash model and the target's tokenizer from plain config values.
 
     Args:
@@ -60,15 +64,25 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         target_path, dtype, device, attn_implementation: hf target loading.
         mask_token_id: hf: MASK id (None: the tokenizer's mask token, else an id added past its vocabulary,
             as the DFlash reference does; see ``resolve_mask_token_id``).
-        **unused: other keys of the model config (e.g. ``name``, ``decode_*``) are accepted and ignored.
+        target_config: hf: a config.json (path or dict) giving the target's shape without weights; read by the
+            planner's memory model (``target_config_only``), not used to build a trainable model.
+        fixed_anchors: blocks per document scored at anchors drawn once from the example id (per-example
+            accuracy and probes; 0: off). See DFlashModel.
+        activation_checkpointing: recompute draft layers in the backward pass (``trainer.activation_checkpointing``).
+        **other: the model config's ``decode_*`` keys (read by the trainer); any other key is refused.
 
     Returns:
         (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter.
 
+    Raises:
+        ValueError: an unknown key (the message lists the valid ones) or a bad value.
+
     Example:
         >>> model, tok = build_model("tiny", block_size=8)   # doctest: +SKIP
     """
-    del unused
+    refuse_unknown_keys("model", other, valid_model_keys())
+    fixed_anchors = as_int("model.fixed_anchors", fixed_anchors, minimum=0, example=8)
+    activation_checkpointing = as_bool("trainer.activation_checkpointing", activation_checkpointing)
     if kind == "tiny":
         tokenizer = ByteTokenizer()
         arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
@@ -84,6 +98,9 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         target.dflash_meta = meta
         mask_id = tokenizer.mask_token_id
     elif kind == "hf":
+        if not target_path and target_config:
+            raise ValueError("model.target_config gives a target's shape for the planner only; training needs its "
+                             "weights: set model.target_path=/path/to/hf/model")
         target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
                                               attn_implementation=attn_implementation)
         rows = target.get_input_embeddings().weight.shape[0]
@@ -95,15 +112,23 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
     model = wrap_target(target, mask_token_id=mask_id, block_size=block_size, loss_gamma=loss_gamma,
                         anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, draft_layers=draft_layers,
                         target_layer_ids=target_layer_ids, draft_intermediate_size=draft_intermediate_size,
-                        draft_init_seed=draft_init_seed, draft_init_std=draft_init_std)
+                        draft_init_seed=draft_init_seed, draft_init_std=draft_init_std, fixed_anchors=fixed_anchors,
+                        activation_checkpointing=activation_checkpointing)
     model.stop_token_ids = list(tokenizer.stop_token_ids)
     return model, tokenizer
+
+
+def valid_model_keys() -> list[str]:
+    """Keys a model config section may hold: ``build_model``'s keyword arguments and the trainer's decode keys."""
+    params = inspect.signature(build_model).parameters.values()
+    return [p.name for p in params if p.kind is not p.VAR_KEYWORD] + list(DECODE_KEYS)
 
 
 def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: float | None = None,
                 anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
                 target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
-                draft_init_seed: int = 0, draft_init_std: float | None = None) -> DFlashModel:
+                draft_init_seed: int = 0, draft_init_std: float | None = None, fixed_anchors: int = 8,
+                activation_checkpointing: bool = False) -> DFlashModel:
     """A DFlashModel around an already built (frozen) HF causal-LM target: a draft shaped like the target.
 
     ``build_model`` uses it for both kinds; ``benchmarks/gpu_check.py`` uses it on a randomly initialised
@@ -116,12 +141,13 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
                          f"set model.mask_token_id to an id below {rows}")
     draft_cfg = draft_config_for_target(target.config, draft_layers=draft_layers, target_layer_ids=target_layer_ids,
                                         draft_intermediate_size=draft_intermediate_size)
-    draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std)
+    draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std,
+                        activation_checkpointing=activation_checkpointing)
     weight = target.get_input_embeddings().weight
     draft.to(device=weight.device)  # draft master weights stay float32; autocast handles bf16 on GPU
     model = DFlashModel(target, draft, mask_token_id=mask_token_id, block_size=int(block_size), loss_gamma=loss_gamma,
                         anchors_per_doc=anchors_per_doc, anchor_density=anchor_density,
-                        draft_init_seed=int(draft_init_seed))
+                        draft_init_seed=int(draft_init_seed), fixed_anchors=int(fixed_anchors))
     return model
 
 

@@ -1,20 +1,30 @@
 """DFlashModel: frozen target + trainable draft + block objective, the one object the training loop calls.
 
 Step (``forward(batch, generator)``):
-    1. target (no grad) on the batch with a per-document causal mask (packed rows: documents never see each
-       other; positions restart per document) -> hidden states at ``target_layer_ids``, concatenated;
+    1. target (no grad) on the batch with per-document causal attention (packed rows: documents never see each
+       other; positions restart per document) -> hidden states at ``target_layer_ids``, concatenated. Rows holding
+       one document run the target's own attention (plain causal); packed rows run flex_attention under a
+       document BlockMask (dflash_lab.model.attention), never a T x T mask;
     2. anchors per document from the generator, blocks [anchor, MASK...] (dflash_lab.model.objective);
-    3. draft on the blocks: queries = block tokens, keys/values = [projected context ; block], block mask;
+    3. draft on the blocks: queries = block tokens, keys/values = [projected context ; block], each block token
+       seeing its document's context before the anchor and its own block;
     4. target LM head on the supervised slots only; weighted CE, accuracy, per-slot and per-document counts.
+    5. with ``fixed_anchors`` = k > 0: the draft (no grad, same weights, before the update) also scores k blocks
+       per document at anchors drawn once from the example id (``objective.fixed_anchors``);
+       ``StepOutput.doc_correct / doc_count`` count those blocks only, so an example's accuracy is measured on the
+       same blocks at every presentation. They run as a separate no-grad pass: the loss and the gradients are
+       exactly those of the training blocks alone.
 Returns a StepOutput with the loss and the raw weighted CE sum / weight sum, so the loop can normalise by the
-global weight across ranks and accumulation steps.
+global weight across ranks and accumulation steps. ``evaluate`` (probes) scores the fixed anchors only.
 
 Cost: one target forward (no grad, up to the deepest layer read) over R x T tokens; a draft forward/backward
-over N x bs block tokens per row (N anchors); the LM head only on supervised slots.
+over N x bs block tokens per row (N anchors); the LM head only on supervised slots; fixed anchors: one no-grad
+draft pass over k x bs tokens per document (its context keys/values are recomputed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -23,8 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash_lab.model.attention import (
+    BACKENDS, TRANSFORMERS_NAME, causal_document_intervals, document_starts, register_with_transformers,
+)
 from dflash_lab.model.draft import DFlashDraft
-from dflash_lab.model.objective import build_blocks, default_gamma, sample_anchors
+from dflash_lab.model.objective import build_blocks, default_gamma, draft_key_intervals, fixed_anchors, sample_anchors
 
 
 @dataclass
@@ -38,7 +51,7 @@ class StepOutput:
     count: torch.Tensor             # supervised slots
     per_pos_correct: torch.Tensor   # Long[bs - 1], slot k = 1..bs-1
     per_pos_count: torch.Tensor     # Long[bs - 1]
-    doc_correct: torch.Tensor       # Long[D], documents in batch["sample_index"] order
+    doc_correct: torch.Tensor       # Long[D], documents in batch["sample_index"] order (fixed anchors when on)
     doc_count: torch.Tensor         # Long[D]
     num_blocks: torch.Tensor        # valid anchors (blocks) in the batch
 
@@ -87,13 +100,48 @@ def capture_target_features(target, layer_ids: list[int], *, stop_early: bool, *
 
 
 def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Bool[R, 1, T, T]: causal, same document only; a padding token sees itself (no empty softmax row)."""
+    """Bool[R, 1, T, T]: causal, same document only; a padding token sees itself (no empty softmax row).
+
+    The dense form of the target's mask: the tests' oracle and the tiny target's pretraining (256-token windows,
+    with gradients: flex_attention has no CPU backward). Training steps never build it.
+    """
     length = doc_ids.shape[1]
     index = torch.arange(length, device=doc_ids.device)
     causal = index[None, :] <= index[:, None]
     same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
     diagonal = torch.eye(length, dtype=torch.bool, device=doc_ids.device)
     return ((same_doc & causal) | diagonal)[:, None]
+
+
+def _single_document_rows(starts: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """Bool scalar: every row's tokens belong to one document starting at index 0 (padding after it)."""
+    return ((starts == 0) | (doc_ids < 0)).all()
+
+
+@contextlib.contextmanager
+def _attention_implementation(target: nn.Module, name: str):
+    """Run the target with attention implementation ``name`` (its config's own one is restored afterwards)."""
+    config = target.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@dataclass
+class _Encoded:
+    """A batch on the device with its target context: what both the training and the fixed-anchor pass use."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    sample_index: torch.Tensor
+    num_docs: int
+    single_document_rows: bool
+    context: torch.Tensor          # the draft's projected context [R, T, H] (with grad in training)
 
 
 class DFlashModel(nn.Module):
@@ -108,13 +156,19 @@ class DFlashModel(nn.Module):
         anchors_per_doc: anchors per document (cap when anchor_density is set).
         anchor_density: anchors per valid anchor position of a document (None: fixed anchors_per_doc).
         draft_init_seed: seed of the draft initialisation (the untrained baseline reuses it).
+        fixed_anchors: blocks per document scored at fixed anchors (0: off; doc counts then come from the training
+            anchors and ``evaluate`` draws anchors from its generator).
+        attention_backend: ``auto`` (flex where supported, see dflash_lab.model.attention) or ``flex`` /
+            ``segments`` / ``dense`` (tests and benchmarks; ``dense`` is the oracle and also gives the target
+            the dense document mask).
     """
 
     CE_CHUNK_ELEMENTS = 1 << 27   # logits elements above which the LM head + CE run in checkpointed chunks
 
     def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int = 8,
                  loss_gamma: float | None = None, anchors_per_doc: int | None = 64,
-                 anchor_density: float | None = 0.0625, draft_init_seed: int = 0):
+                 anchor_density: float | None = 0.0625, draft_init_seed: int = 0, fixed_anchors: int = 8,
+                 attention_backend: str = "auto"):
         super().__init__()
         if block_size < 2:
             raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one prediction")
@@ -126,6 +180,13 @@ class DFlashModel(nn.Module):
         self.anchors_per_doc = anchors_per_doc
         self.anchor_density = anchor_density
         self.draft_init_seed = int(draft_init_seed)
+        if int(fixed_anchors) < 0:
+            raise ValueError(f"model.fixed_anchors={fixed_anchors}: use 0 (off) or a number of blocks per document")
+        self.fixed_anchors = int(fixed_anchors)
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={attention_backend!r}: choose one of {', '.join(BACKENDS)}")
+        self.attention_backend = attention_backend
+        register_with_transformers()
         self.target_layer_ids = list(draft.cfg.target_layer_ids)
         self.stop_token_ids: list[int] = []   # set by build_model from the tokenizer; ends decoding
         num_target_layers = target.config.num_hidden_layers
@@ -167,9 +228,30 @@ class DFlashModel(nn.Module):
         return head(hidden)
 
     @torch.no_grad()
-    def target_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                        doc_ids: torch.Tensor) -> torch.Tensor:
-        """Concatenated target hidden states at the draft's layer ids, per-document attention: [R, T, n*H]."""
+    def target_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
+                        single_document_rows: bool | None = None) -> torch.Tensor:
+        """Concatenated target hidden states at the draft's layer ids, per-document attention: [R, T, n*H].
+
+        Rows of one document (padded batches) run the target's own causal attention with positions 0..T-1 (equal
+        to the document's on its tokens; padding outputs are never read). Other rows run flex_attention under the
+        document BlockMask with the documents' own positions.
+        """
+        if self.attention_backend == "dense":
+            return self._target_features_dense(input_ids, position_ids, doc_ids)
+        if single_document_rows is None:
+            single_document_rows = bool(_single_document_rows(document_starts(doc_ids), doc_ids))
+        if single_document_rows:
+            features, _ = capture_target_features(self.target, self.target_layer_ids, stop_early=True,
+                                                  input_ids=input_ids, use_cache=False)
+            return features
+        block_mask = causal_document_intervals(doc_ids).block_mask()
+        with _attention_implementation(self.target, TRANSFORMERS_NAME):
+            features, _ = capture_target_features(self.target, self.target_layer_ids, stop_early=True,
+                                                  input_ids=input_ids, attention_mask=block_mask,
+                                                  position_ids=position_ids, use_cache=False)
+        return features
+
+    def _target_features_dense(self, input_ids, position_ids, doc_ids) -> torch.Tensor:
         mask = document_attention_mask(doc_ids)
         if getattr(self.target.config, "_attn_implementation", "sdpa") not in ("sdpa", "flex_attention"):
             dtype = self.target.get_input_embeddings().weight.dtype
@@ -180,31 +262,76 @@ class DFlashModel(nn.Module):
         return features
 
     # -- training step ------------------------------------------------------------------------------------
-    def forward(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
-        """One DFlash step on a collated batch (docs/CONTRACTS.md). Gradients flow into the draft only."""
-        blocks, hidden = self.block_hidden(batch, generator)
-        return self._score(hidden, blocks, int(batch["sample_index"].numel()))
+    def forward(self, batch: dict, generator: torch.Generator | None = None, *, score_fixed: bool = True) -> StepOutput:
+        """One DFlash step on a collated batch (docs/CONTRACTS.md). Gradients flow into the draft only.
+
+        ``score_fixed=False`` skips the fixed-anchor pass (when nothing records per-example accuracy); the doc
+        counts then come from the training anchors.
+        """
+        inputs = self._encode(batch)
+        blocks = self._random_blocks(inputs, generator)
+        out = self._score(self._draft_blocks(inputs, blocks, inputs.context), blocks, inputs.num_docs)
+        if self.fixed_anchors and score_fixed:
+            with torch.no_grad():   # same weights, before the update; the training graph is untouched
+                fixed = self._fixed_output(inputs)
+            out.doc_correct, out.doc_count = fixed.doc_correct, fixed.doc_count
+        return out
 
     def block_hidden(self, batch: dict, generator: torch.Generator | None = None):
         """Training path up to the draft output: (Blocks, hidden [R, N * bs, H]); shared by forward and tests."""
+        inputs = self._encode(batch)
+        blocks = self._random_blocks(inputs, generator)
+        return blocks, self._draft_blocks(inputs, blocks, inputs.context)
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
+        """Scores without gradients (probes): on the fixed anchors when ``fixed_anchors`` > 0 (``generator`` is
+        then unused), else like :meth:`forward`. The draft's train/eval mode is left unchanged."""
+        if not self.fixed_anchors:
+            return self.forward(batch, generator)
+        return self._fixed_output(self._encode(batch))
+
+    def _encode(self, batch: dict) -> _Encoded:
         device = self.target.get_input_embeddings().weight.device
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
         doc_ids = batch["doc_ids"].to(device, non_blocking=True)
-        features = self.target_features(input_ids, position_ids, doc_ids)
-        anchors, valid, anchor_doc = sample_anchors(loss_mask, doc_ids, generator, self.anchors_per_doc,
-                                                    self.anchor_density, int(batch["sample_index"].numel()))
-        blocks = build_blocks(input_ids, loss_mask, position_ids, doc_ids, anchors, valid, anchor_doc,
-                              block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.loss_gamma)
-        hidden = self.draft(self.draft.project_context(features), position_ids, self.embed(blocks.block_ids),
-                            blocks.block_positions, blocks.attn_mask)
-        return blocks, hidden
+        sample_index = batch["sample_index"].to(device, non_blocking=True)
+        num_docs = int(sample_index.numel())
+        starts = document_starts(doc_ids)
+        runs = ((starts == torch.arange(doc_ids.shape[1], device=device)) & (doc_ids >= 0)).sum()
+        # one host sync for both checks: contiguous documents, and whether every row holds a single document
+        runs, single = torch.stack([runs, _single_document_rows(starts, doc_ids).long()]).tolist()
+        if runs != num_docs:
+            raise ValueError(f"batch has {runs} document runs for {num_docs} documents: each document must be one "
+                             f"contiguous run of a row (docs/CONTRACTS.md, collated batch)")
+        features = self.target_features(input_ids, position_ids, doc_ids, single_document_rows=bool(single))
+        return _Encoded(input_ids, loss_mask, position_ids, doc_ids, sample_index, num_docs, bool(single),
+                        self.draft.project_context(features))
 
-    @torch.no_grad()
-    def evaluate(self, batch: dict, generator: torch.Generator | None = None) -> StepOutput:
-        """:meth:`forward` without gradients (probes); the draft's train/eval mode is left unchanged."""
-        return self.forward(batch, generator)
+    def _random_blocks(self, inputs: _Encoded, generator: torch.Generator | None):
+        anchors, valid, anchor_doc = sample_anchors(inputs.loss_mask, inputs.doc_ids, generator, self.anchors_per_doc,
+                                                    self.anchor_density, inputs.num_docs)
+        return self._blocks(inputs, anchors, valid, anchor_doc)
+
+    def _blocks(self, inputs: _Encoded, anchors, valid, anchor_doc):
+        return build_blocks(inputs.input_ids, inputs.loss_mask, inputs.position_ids, inputs.doc_ids, anchors, valid,
+                            anchor_doc, block_size=self.block_size, mask_token_id=self.mask_token_id,
+                            gamma=self.loss_gamma)
+
+    def _draft_blocks(self, inputs: _Encoded, blocks, context: torch.Tensor) -> torch.Tensor:
+        attention = draft_key_intervals(blocks, inputs.input_ids.shape[1], backend=self.attention_backend,
+                                        single_document_rows=inputs.single_document_rows)
+        return self.draft(context, inputs.position_ids, self.embed(blocks.block_ids), blocks.block_positions,
+                          attention)
+
+    def _fixed_output(self, inputs: _Encoded) -> StepOutput:
+        """Scores of the fixed anchors (call under no_grad)."""
+        anchors, valid, anchor_doc = fixed_anchors(inputs.loss_mask, inputs.doc_ids, inputs.position_ids,
+                                                   inputs.sample_index, self.fixed_anchors)
+        blocks = self._blocks(inputs, anchors, valid, anchor_doc)
+        return self._score(self._draft_blocks(inputs, blocks, inputs.context.detach()), blocks, inputs.num_docs)
 
     def _score(self, hidden: torch.Tensor, blocks, num_docs: int) -> StepOutput:
         rows, slots, bs = blocks.labels.shape
@@ -291,6 +418,7 @@ class DFlashModel(nn.Module):
         fresh.to(device=param.device, dtype=param.dtype)
         baseline = DFlashModel(self.target, fresh, mask_token_id=self.mask_token_id, block_size=self.block_size,
                                loss_gamma=self.loss_gamma, anchors_per_doc=self.anchors_per_doc,
-                               anchor_density=self.anchor_density, draft_init_seed=self.draft_init_seed)
+                               anchor_density=self.anchor_density, draft_init_seed=self.draft_init_seed,
+                               fixed_anchors=self.fixed_anchors, attention_backend=self.attention_backend)
         baseline.stop_token_ids = list(self.stop_token_ids)
         return baseline

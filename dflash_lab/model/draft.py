@@ -6,22 +6,30 @@ Architecture (one definition, used by both training and decoding):
     x_0     = target embedding of the block tokens   (anchor token, then MASK x (block_size - 1))
     layer:  x = x + Attn(RMSNorm(x), context);  x = x + SwiGLU(RMSNorm(x))
     Attn:   queries from the block tokens only; keys/values from [context ; block]; RoPE at absolute
-            (document-relative) positions; q/k RMSNorm per head; grouped-query attention
+            (document-relative) positions; q/k RMSNorm per head; grouped-query attention (native, no copies);
+            which keys a block token sees is a ``KeyIntervals`` (dflash_lab.model.attention: flex_attention
+            BlockMask on GPU, exact per-document attention for CPU training)
     output  = RMSNorm(x_L), read out by the target's (frozen) LM head
 The draft owns no embedding and no LM head: ``DFlashModel`` passes the target's.
+RMSNorm normalises in float32 and returns the input's dtype (bf16 activations under autocast), as the reference
+DFlash draft (Qwen3RMSNorm on a bf16 model) does. ``activation_checkpointing`` recomputes each layer in the
+backward pass instead of storing its activations.
 
-Cost per layer: O(Q * (T + Q) * hidden) attention + O(Q * hidden * intermediate) MLP for Q block tokens and T
-context tokens; the context projection is O(T * n_layers_used * hidden^2).
+Cost per layer: O(Q * C * hidden) attention for Q block tokens that each see C context keys (C = the anchor's
+offset in its document, + bs) + O(Q * hidden * intermediate) MLP + O(T * hidden * kv_dim) context keys/values;
+the context projection is O(T * n_layers_used * hidden^2).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_lab.model.attention import KeyIntervals, attend
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -81,7 +89,7 @@ class DraftConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; computed in float32 for stability under bf16."""
+    """Root-mean-square norm with a learned scale: normalised in float32, returned in the input's dtype."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -92,7 +100,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight.to(dtype) * x.to(dtype)   # float32 weights x bf16 would promote to float32
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -124,7 +132,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, context, rope_q, rope_kv, attn_mask):
+    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None):
         rows, q_len, _ = x.shape
         d = self.cfg.head_dim
         kv_in = torch.cat([context, x], dim=1)
@@ -133,11 +141,8 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(rows, kv_in.shape[1], -1, d).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_kv)
-        groups = self.cfg.num_heads // self.cfg.num_kv_heads
-        if groups > 1:  # expand kv heads explicitly: works on every sdpa backend and torch version
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(d))
+        # d ** -0.5 exactly as the HF target computes it: compiled flex guards on the scale's value
+        out = attend(q, k, v, attention, scale=d ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
 
 
@@ -153,8 +158,8 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, context, rope_q, rope_kv, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, attn_mask)
+    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None):
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, attention)
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -168,11 +173,15 @@ class DFlashDraft(nn.Module):
         init_std: std of the linear weights; None: hidden_size ** -0.5 (0.016 at hidden 4096, about the 0.02
             DFlash uses at that size; 0.125 at hidden 64, where 0.02 would leave the draft's contributions ten
             times smaller than the target embeddings it adds to, and learning stalls at the unigram).
+        activation_checkpointing: recompute each layer in the backward pass (memory ~ one layer's activations
+            instead of all layers', for one more forward of the layers).
     """
 
-    def __init__(self, cfg: DraftConfig, init_seed: int = 0, init_std: float | None = None):
+    def __init__(self, cfg: DraftConfig, init_seed: int = 0, init_std: float | None = None,
+                 activation_checkpointing: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = bool(activation_checkpointing)
         in_features = len(cfg.target_layer_ids) * (cfg.target_hidden_size or cfg.hidden_size)
         self.fc = nn.Linear(in_features, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -204,7 +213,7 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(self._compute_dtype(target_features)))
 
     def forward(self, context: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
-                block_positions: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+                block_positions: torch.Tensor, attention: KeyIntervals | None) -> torch.Tensor:
         """Hidden states of the block tokens.
 
         Args:
@@ -212,7 +221,8 @@ class DFlashDraft(nn.Module):
             context_positions: Long[R, T] positions of the context tokens.
             block_embeds: [R, Q, H] target embeddings of the block tokens.
             block_positions: Long[R, Q] positions of the block tokens.
-            attn_mask: Bool[R, 1, Q, T + Q] (True = may attend) or None (everything visible).
+            attention: the keys each block token sees (keys = [context ; block tokens]), or None (everything
+                visible: decoding one block).
 
         Returns:
             [R, Q, H] final-normed hidden states (apply the target LM head for logits).
@@ -226,5 +236,8 @@ class DFlashDraft(nn.Module):
         context = context.to(dtype)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, context, rope_q, rope_kv, attn_mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, context, rope_q, rope_kv, attention, use_reentrant=False)
+            else:
+                x = layer(x, context, rope_q, rope_kv, attention)
         return self.norm(x)

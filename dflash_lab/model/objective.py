@@ -1,4 +1,4 @@
-"""The DFlash block objective: anchors, blocks, the block attention mask and the decayed cross-entropy weights.
+"""The DFlash block objective: anchors, blocks, the keys each block sees and the decayed cross-entropy weights.
 
 Anchors: a position t may anchor a block when loss_mask[t] and loss_mask[t+1] hold and t, t+1 belong to the
 same document (packed rows hold several). Each document gets ``quota = min(valid, anchors_per_doc)`` anchors,
@@ -6,15 +6,18 @@ or ``ceil(anchor_density * valid)`` (at least 1, at most anchors_per_doc) when a
 replacement: one uniform number per (row, position) from the caller's ``torch.Generator`` (so a step's anchors
 are a pure function of the batch shape and the generator state: reproducible and resumable), sorted by
 (document, random) inside each row, the first ``quota`` of each document kept.
+Fixed anchors (``fixed_anchors``): the same valid positions, but ranked by a hash of (example id, position), so an
+example is scored on the same blocks every time it is seen (per-example forgetting, probe bands).
 
 Blocks: block n = [token at anchor_n, MASK x (bs - 1)] at positions pos(anchor_n) + 0..bs-1.
-Mask: block n sees context keys j with doc(j) == doc(anchor_n) and j < anchor_n (strictly before: the decoder
-has no target hidden state for its anchor yet), all of its own block, and nothing of any other block. Padding
+Visible keys (``draft_key_intervals``): block n sees the context keys of its anchor's document strictly before the
+anchor (the decoder has no target hidden state for its anchor yet), all of its own block, and nothing of any other
+block. Documents are contiguous runs of a row, so the context is one interval [document start, anchor). Padding
 blocks (rows with fewer anchors) still see their own block, so no attention row is empty and nothing is NaN.
 Labels: slot k >= 1 predicts the token at anchor + k, weight exp(-(k - 1) / gamma) when that token is in the
 same document and supervised, else 0.
 
-Cost: one sort of R x T keys per step, masks of R x (N bs) x (T + N bs) booleans.
+Cost: one sort of R x T keys per step (two stable sorts for fixed anchors); O(R x N x bs) for blocks and intervals.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from dflash_lab.model.attention import KeyIntervals, document_starts
 
 
 @dataclass
@@ -37,7 +42,7 @@ class Blocks:
     labels: torch.Tensor         # Long[R, N, bs] token at anchor + k (arbitrary where weight is 0)
     label_ok: torch.Tensor       # Bool[R, N, bs] slot k >= 1, inside the row, same document, supervised
     weights: torch.Tensor        # Float[R, N, bs] exp(-(k-1)/gamma) * label_ok
-    attn_mask: torch.Tensor      # Bool[R, 1, N * bs, T + N * bs]
+    context_start: torch.Tensor  # Long[R, N] first context key the block sees (its document's start)
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -87,6 +92,60 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, generator: to
     # Sort key groups a row's valid positions by document, in random order inside a document.
     key = torch.where(ok, doc_ids.double() + noise, torch.full_like(noise, float("inf")))
     _, order = key.sort(dim=1)
+    return _first_per_document(ok, doc_ids, quota, order)
+
+
+def fixed_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor,
+                  sample_index: torch.Tensor, per_doc: int):
+    """The fixed anchors of each document: ``min(per_doc, valid)`` positions drawn once from its example id.
+
+    Each valid position p of example e gets the key ``hash(e, p)`` (a 32-bit integer mix of the example id and the
+    document-relative position, ties broken by p); a document's anchors are its ``per_doc`` smallest keys. The draw
+    is a pure function of (example id, position), so it is the same in every epoch, on every rank, packed or padded,
+    and the anchors for k are a subset of those for k + 1.
+
+    Args:
+        loss_mask, doc_ids: as in :func:`sample_anchors`; position_ids: Long[R, T] (restart at each document).
+        sample_index: Long[D] example ids of the documents (``batch["sample_index"]``).
+        per_doc: anchors per document.
+
+    Returns:
+        (anchors, valid, anchor_doc) as :func:`sample_anchors` returns them.
+
+    Example:
+        >>> mask = torch.ones(1, 40, dtype=torch.bool); doc = torch.zeros(1, 40, dtype=torch.long)
+        >>> a = fixed_anchors(mask, doc, torch.arange(40)[None], torch.tensor([7]), 3)[0]
+        >>> torch.equal(a, fixed_anchors(mask, doc, torch.arange(40)[None], torch.tensor([7]), 3)[0])
+        True
+    """
+    ok = valid_anchor_mask(loss_mask, doc_ids)
+    num_docs = max(int(sample_index.numel()), 1)
+    example = sample_index.to(doc_ids.device)[doc_ids.clamp(min=0)]
+    key = (_mix32(_mix32(example & _MASK32) ^ (position_ids & _MASK32)) << _POSITION_BITS) + position_ids
+    key = torch.where(ok, key, torch.full_like(key, torch.iinfo(torch.long).max))
+    by_key = key.argsort(dim=1, stable=True)
+    group = torch.where(ok, doc_ids, torch.full_like(doc_ids, num_docs)).gather(1, by_key)
+    order = by_key.gather(1, group.argsort(dim=1, stable=True))   # by document, by key inside a document
+    quota = torch.bincount(doc_ids[ok], minlength=num_docs).clamp(max=int(per_doc))
+    return _first_per_document(ok, doc_ids, quota, order)
+
+
+_MASK32 = 0xFFFFFFFF
+_POSITION_BITS = 24   # key = hash << 24 | position: unique for documents shorter than 16M tokens, fits in int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values in [0, 2^32)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def _first_per_document(ok: torch.Tensor, doc_ids: torch.Tensor, quota: torch.Tensor, order: torch.Tensor):
+    """Keep the first ``quota[d]`` valid positions of each document d in ``order`` (valid positions grouped by
+    document, in the order of preference inside a document); returned sorted by position, padding slots last."""
+    rows, length = ok.shape
+    device = ok.device
     sorted_doc = doc_ids.gather(1, order)
     sorted_ok = ok.gather(1, order)
     index = torch.arange(length, device=device).expand(rows, length)
@@ -109,7 +168,7 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, generator: to
 def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor, anchor_doc: torch.Tensor, *, block_size: int,
                  mask_token_id: int, gamma: float | None) -> Blocks:
-    """Block tokens, positions, labels, weights and the attention mask for given anchors (module docstring)."""
+    """Block tokens, positions, labels, weights and visible context for given anchors (module docstring)."""
     rows, length = input_ids.shape
     slots = anchors.shape[1]
     device = input_ids.device
@@ -130,17 +189,26 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids:
     if gamma is not None and gamma > 0:
         decay = torch.exp(-(offsets - 1).clamp(min=0).float() / float(gamma))
     weights = label_ok.float() * decay
-
-    # Context part: same document, strictly before the anchor. Block part: own block only.
-    key_index = torch.arange(length, device=device)
-    context_visible = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (key_index < anchors[:, :, None])
-    context_visible &= valid[:, :, None]
-    context_visible = context_visible.repeat_interleave(block_size, dim=1)          # [R, N*bs, T]
-    block_of = torch.arange(slots * block_size, device=device) // block_size
-    own_block = (block_of[:, None] == block_of[None, :]).expand(rows, -1, -1)       # [R, N*bs, N*bs]
-    attn_mask = torch.cat([context_visible, own_block], dim=2)[:, None]
+    # Visible context: the anchor's document up to, not including, the anchor (documents are contiguous runs).
+    context_start = torch.where(valid, document_starts(doc_ids).gather(1, anchors), anchors)
     return Blocks(anchors, valid, anchor_doc, block_ids.view(rows, -1), block_positions.view(rows, -1),
-                  labels, label_ok, weights, attn_mask)
+                  labels, label_ok, weights, context_start)
+
+
+def draft_key_intervals(blocks: Blocks, context_len: int, *, backend: str = "auto",
+                        single_document_rows: bool | None = None) -> KeyIntervals:
+    """Keys each block token sees: context [document start, anchor) and its own block (module docstring).
+
+    Keys are laid out as ``[context (context_len) ; block tokens (N bs)]``; padding slots see their own block only.
+    """
+    rows, slots = blocks.anchors.shape
+    bs = blocks.labels.shape[2]
+    lo = torch.where(blocks.valid, blocks.context_start, 0).repeat_interleave(bs, dim=1)
+    hi = torch.where(blocks.valid, blocks.anchors, 0).repeat_interleave(bs, dim=1)
+    own_lo = context_len + torch.arange(slots, device=lo.device).repeat_interleave(bs) * bs
+    own_lo = own_lo.expand(rows, -1)
+    return KeyIntervals(lo, hi, own_lo, own_lo + bs, kv_len=context_len + slots * bs, backend=backend,
+                        single_document_rows=single_document_rows)
 
 
 def default_gamma(block_size: int) -> float:
