@@ -8,13 +8,15 @@ module only records):
   policy so runs compare; band b holds lengths in ``(bands[b], bands[b+1]]`` (the one length -> bucket rule,
   ``sampling.bucket_ids``). ``probes.per_band`` samples per band are drawn from the held-out split with a seed of their
   own (``probes.seed``), so every run of a sweep evaluates the very same examples. Every ``probes.every`` steps each
-  band is evaluated with the model's ``evaluate`` (no grad) under a fixed anchor generator, so a change in a band's
-  loss is a change of the model, not of anchor sampling. Rows go to ``probes.jsonl``:
+  band is evaluated with the model's ``evaluate`` (no grad) on each example's fixed anchors (positions drawn once
+  from the example id, ``model.fixed_anchors`` per document), so a change in a band's loss is a change of the
+  model, not of anchor sampling. Rows go to ``probes.jsonl``:
   ``record.PROBE_FIELDS`` (tokens = supervised block positions scored).
 * **Presentations** (:class:`PresentationRecorder`): for every training example each time it is presented, its
-  block accuracy from the SAME forward pass that trains on it (before the update): ``sample_index, epoch, step,
-  length, band, acc`` from ``StepOutput.doc_correct / doc_count``. Examples with no scored block in that step
-  (``doc_count == 0``: too short or no anchor drawn) have no accuracy and are not recorded. Rows are buffered and
+  block accuracy on its fixed anchors, scored with the weights of that step before its update (a no-grad pass
+  right after the training forward): ``sample_index, epoch, step, length, band, acc`` from
+  ``StepOutput.doc_correct / doc_count``. Examples with no valid anchor position (``doc_count == 0``) have no
+  accuracy and are not recorded. Rows are buffered and
   written to ``presentations.parquet`` at checkpoints and at the end; a resumed run keeps the rows of steps up to
   its checkpoint (the step rule of ``dflash_lab.record``).
 

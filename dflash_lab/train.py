@@ -484,7 +484,8 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             sync = train_model.no_sync() if env.distributed and not last_micro else contextlib.nullcontext()
             with sync:
                 with autocast:
-                    out = train_model(batch, anchor_generator)
+                    # the fixed-anchor pass scores each example where it is scored every time (presentations)
+                    out = train_model(batch, anchor_generator, score_fixed=probe_cfg.presentations)
                 if hooks.after_forward is not None:
                     out = hooks.after_forward(step + 1, micro, out)
                 # global norm: backward the raw weighted CE sum and divide the gradients by the global weight
