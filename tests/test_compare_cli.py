@@ -208,3 +208,26 @@ def test_two_options_of_a_config_group_with_one_name_are_two_arms():
     labels = sweep.values.apply(arm_label, axis=1)
     assert sorted(set(labels)) == ["full_random", "full_random_equal"]
     assert set(pair_arms(sweep, labels, "full_random").arms["baseline"]) == {"full_random"}
+
+
+def test_arm_files_of_a_sweep_expand_into_the_keys_they_set():
+    """`+arm=<file>` names no config key: the arms are the config differences (sampler options, data skills),
+    a key that restates another (the target's pretraining skills) is dropped, and strata follow the data."""
+    from dflash_lab.analysis.arms import sweep_of
+    from dflash_lab.analysis.schema import RunRecord
+
+    def run(i, arm, sampler, skills, **options):
+        config = {"sampler": {"name": sampler, **options}, "data": {"band_skills": skills},
+                  "model": {"pretrain_data": {"band_skills": skills}}, "seed": i % 2}
+        return RunRecord(f"{arm}{i}", "wandb", "x", config=config, overrides=[f"+arm={arm}", f"seed={i % 2}"])
+
+    records = [run(i, arm, s, d, **o) for i in range(2) for arm, s, d, o in [
+        ("a_fr", "full_random", "aligned", {"real_tokens_per_step": None}),
+        ("a_fr_eq", "full_random", "aligned", {"real_tokens_per_step": 3098}),
+        ("a_bk8", "bucketed", "aligned", {"run_length": 8}),
+        ("a_bk", "bucketed", "aligned", {"run_length": 1}),
+        ("i_fr", "full_random", "independent", {"real_tokens_per_step": None})]]
+    sweep = sweep_of(records)
+    assert sweep.keys == ["sampler", "sampler.real_tokens_per_step", "sampler.run_length", "data.band_skills"]
+    assert sweep.source == "overrides+config"
+    assert sweep.values.loc["a_bk80", "sampler.run_length"] == "8"

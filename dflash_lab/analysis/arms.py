@@ -6,7 +6,9 @@ key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch 
 value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
 a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
 config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
-swept keys are the config keys whose values differ between runs, leaving out keys of a config group whose `name`
+swept keys are the config keys whose values differ between runs (the same rule expands an override that selects a
+`_global_` config file, such as a sweep's `+arm=...`, into the keys that file sets), leaving out keys of a config
+group whose `name`
 differs (a `sampler.*` key only counts among runs of the same sampler) and bookkeeping keys (run_dir, experiment,
 logger, analysis, overrides, the W&B config's `resolved` facts).
 
@@ -197,6 +199,14 @@ def _config_keys(records: list[RunRecord]) -> list[str]:
     return chosen
 
 
+def _has_key(config: dict, key: str) -> bool:
+    try:
+        config_value(config, key)
+    except KeyError:
+        return False
+    return True
+
+
 def _value(record: RunRecord, key: str, override_text: str | None) -> str:
     try:
         value = config_value(record.config, key)
@@ -226,6 +236,13 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
     if any(items is not None for items in parsed.values()):
         source = "overrides"
         candidates = list(dict.fromkeys(k for items in parsed.values() if items for k in items if _is_setting(k)))
+        # an override that selects a `_global_` config file (e.g. `+arm=aligned_bucketed` of a sweep's arm group)
+        # names no config key: it stands for the keys that file sets, found as the config differences
+        opaque = [k for k in candidates if k != "sampler" and not any(_has_key(r.config, k) for r in records)]
+        if opaque:
+            source = "overrides+config"
+            candidates = [k for k in candidates if k not in opaque]
+            candidates += [k for k in _config_keys(records) if k not in candidates]
     else:
         source = "config"
         candidates = _config_keys(records)
@@ -235,12 +252,23 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
         rows[record.run_id] = {key: _value(record, key, given.get(key)) for key in ["sampler", *candidates]}
     values = pd.DataFrame.from_dict(rows, orient="index", columns=list(dict.fromkeys(["sampler", *candidates])))
     values = values.fillna(UNSET)
-    varied = [k for k in values.columns if k != "sampler" and values[k].nunique() > 1]
+    varied = []
+    for key in (k for k in values.columns if k != "sampler" and values[k].nunique() > 1):
+        # a key that only restates an earlier one (model.pretrain_data.band_skills follows data.band_skills)
+        # adds no setting: same partition of the runs
+        if not any(_same_partition(values[key], values[earlier]) for earlier in varied):
+            varied.append(key)
     # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
     keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
     values = values[keys]
     overridden = {run_id: {k for k in (items or {}) if k in keys} for run_id, items in parsed.items()}
     return Sweep(keys=keys, values=values, overridden=overridden, source=source)
+
+
+def _same_partition(a: pd.Series, b: pd.Series) -> bool:
+    """True when two columns group the runs identically (each value of one maps to one value of the other)."""
+    pairs = pd.DataFrame({"a": a, "b": b}).drop_duplicates()
+    return pairs["a"].is_unique and pairs["b"].is_unique
 
 
 def bucket_columns(records: list[RunRecord], sweep: Sweep) -> pd.DataFrame:
