@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 GPU_TILE = 128    # BlockMask tile (queries and keys): flex_attention's default, what its GPU kernels are built for
 CPU_TILE = 32     # the CPU kernel computes whole tiles: smaller ones waste less on short documents (docs/attention.md:
@@ -276,8 +276,14 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
         x = x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[-1])
         return F.pad(x, (0, 0, 0, length - x.shape[2])).contiguous()
 
-    out = _compiled_flex()(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask=block_mask, scale=scale,
-                           enable_gqa=heads != k.shape[1])
+    if torch._C._len_torch_dispatch_stack():
+        # Under a Python dispatch mode (torch's FlopCounterMode, a memory tracker) flex_attention fails in torch
+        # 2.13 and leaves dynamo broken for the rest of the process: the same mask as one dense SDPA instead.
+        allowed = create_mask(block_mask.mask_mod, 1, 1, q_pad, kv_pad, device=q.device)
+        out = dense_attend(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), allowed, scale)
+    else:
+        out = _compiled_flex()(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask=block_mask,
+                               scale=scale, enable_gqa=heads != k.shape[1])
     return out[:, :, : rows * q_len].reshape(heads, rows, q_len, dim).transpose(0, 1)
 
 
