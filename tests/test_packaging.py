@@ -70,7 +70,7 @@ def _check_configs(bin_dir: Path, cwd: Path) -> None:
     """train's --help lists only train's groups; a shipped sweep is a primary config from any directory; a
     user's --config-dir extends the shipped configs."""
     groups = _run([bin_dir / "dflash-train", "--help"], cwd).stdout.split("== Config ==")[0]
-    assert "sampler: bucketed" in groups and "trainer: cpu" in groups
+    assert "sampler: bucket_sequential, bucketed," in groups and "trainer: cpu" in groups
     assert "cost" not in groups and "lengths" not in groups
     sweep = _run([bin_dir / "dflash-train", "--config-name", "boundaries_grid", "--cfg", "hydra"], cwd).stdout
     assert "[0,96,152,216,304,412,1024]" in sweep and "dflash_lab.launch.ValidateLaunch" in sweep
