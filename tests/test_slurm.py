@@ -304,9 +304,9 @@ def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path, how):
     assert run_dirs() == [run_dir]
     _finished(run_dir, steps, world_size=2)
     log = (run_dir / "train_rank0.log").read_text()
-    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    resumed = [line for line in log.splitlines() if "resuming from" in line]
     assert len(resumed) == 1, log[-3000:]
-    resumed_at = int(resumed[0].split(" at step ")[1].split()[0])
+    resumed_at = int(resumed[0].split(" at step ")[1].split(":")[0])
     assert 0 < resumed_at < steps
     assert "checkpoint requested" in log
     # W&B continues the same run
