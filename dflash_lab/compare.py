@@ -30,13 +30,15 @@ optimizer-step, real-token and modelled-time budget every finished run reaches (
 Writes to --out (default ./comparison): comparison.csv (one row per run: every column of
 dflash_lab.analysis.schema.RUN_COLUMNS, then the swept keys), comparison_groups.csv (one row per setting, mean/std
 over seeds), paired.csv (with a baseline), comparison.md (all tables, printed too), bands.csv, cross_effects.csv,
-curves.csv (probe loss on the compute axes) and PNG plots. Bad paths are reported and skipped; exit code 1 if no run
+curves.csv (probe loss on the compute axes), verdict.json (when the runs declare analysis.verdict: controls, the
+question arm against its baseline, throughput ratio and the answer; dflash_lab/analysis/verdict.py) and PNG plots. Bad paths are reported and skipped; exit code 1 if no run
 loaded, 2 for an invalid option or protocol.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -117,6 +119,9 @@ def write_outputs(comparison: Comparison, out: Path) -> list[Path]:
         if table is not None and (not table.empty or name == "paired.csv"):
             table.to_csv(out / name, index=False)
             written.append(out / name)
+    if comparison.verdict is not None:
+        (out / "verdict.json").write_text(json.dumps(comparison.verdict, indent=2) + "\n")
+        written.append(out / "verdict.json")
     return written
 
 
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         written += write_all_plots(report.runs, comparison, out)
     partial = int(comparison.runs["partial"].sum())
     print(markdown_tables(comparison))
+    if comparison.verdict is not None:
+        print(f"\nverdict ({comparison.verdict['seeds']} seeds): {comparison.verdict['answer']}")
     print(f"\n{len(report.runs)} run(s) ({partial} partial) in {len(comparison.groups)} setting(s); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0

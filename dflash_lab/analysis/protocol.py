@@ -11,6 +11,8 @@ seeing them:
       cost: null                # {c0, c1, c2}: step time = c0 + c1 padded + c2 attention tokens (seconds, per rank)
                                 # for the equal-modelled-time endpoint; null: that endpoint is NaN
       alpha: 0.05               # level of the tests and 1 - alpha the confidence of the intervals
+      verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
+                                # the ablation's verdict.json (analysis.verdict); null: no verdict
 
 Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
 --cost, --alpha). Runs that declare different values for a key not given on the command line are an error (they
@@ -26,7 +28,8 @@ from typing import Any
 from dflash_lab.analysis.schema import BETTER, DEFAULT_ENDPOINTS, RunRecord
 from dflash_lab.config_check import as_float, refuse_unknown_keys
 
-PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha")
+PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict")
+VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 COST_KEYS = ("c0", "c1", "c2")
 
 
@@ -39,6 +42,7 @@ class Protocol:
     margins: dict[str, float] = field(default_factory=dict)
     cost: tuple[float, float, float] | None = None
     alpha: float = 0.05
+    verdict: dict[str, str] | None = None
 
 
 def _endpoint(key: str, name: Any) -> str:
@@ -130,8 +134,36 @@ def check_baseline(value: Any, key: str = "analysis.baseline") -> str | None:
     return value.strip()
 
 
+def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] | None:
+    """The verdict roles: a primary endpoint and an arm selector per role (all four keys), or None.
+
+    Example:
+        >>> check_verdict({"endpoint": "residual_amplitude", "positive_control": "bucket_sequential",
+        ...                "negative_control": "sampler=bucket_sequential,data.band_skills=independent",
+        ...                "question": "bucketed"})["question"]
+        'bucketed'
+    """
+    if value is None:
+        return None
+    example = ("{endpoint: residual_amplitude, positive_control: 'sampler=bucket_sequential,data.band_skills=aligned',"
+               " negative_control: 'sampler=bucket_sequential,data.band_skills=independent', question: "
+               "'sampler=bucketed,data.band_skills=aligned'}")
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key}={value!r}: give a mapping, e.g. {key}={example}")
+    refuse_unknown_keys(key, value, VERDICT_KEYS)
+    missing = [name for name in VERDICT_KEYS if name not in value]
+    if missing:
+        raise ValueError(f"{key}: missing {missing}; give all of {', '.join(VERDICT_KEYS)}, e.g. {example}")
+    roles = {"endpoint": _endpoint(f"{key}.endpoint", value["endpoint"])}
+    for name in VERDICT_KEYS[1:]:
+        roles[name] = check_baseline(value[name], key=f"{key}.{name}")
+        if roles[name] is None:
+            raise ValueError(f"{key}.{name}: give an arm selector, e.g. {example}")
+    return roles
+
+
 _CHECKS = {"baseline": check_baseline, "endpoints": check_endpoints, "margins": check_margins, "cost": check_cost,
-           "alpha": check_alpha}
+           "alpha": check_alpha, "verdict": check_verdict}
 
 
 def protocol_from_section(section: Mapping | None) -> Protocol:
@@ -143,7 +175,7 @@ def protocol_from_section(section: Mapping | None) -> Protocol:
         >>> protocol_from_section({"margin": {}})
         Traceback (most recent call last):
         ...
-        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins
+        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, verdict
     """
     if section is None:
         return Protocol()
@@ -169,7 +201,7 @@ def resolve_protocol(records: list[RunRecord], **command_line: Any) -> Protocol:
         >>> run = RunRecord("r", "local", "/r", config={"analysis": {"baseline": "full_random"}})
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
-'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1)
+'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     declared = [(record.run_id, protocol_from_section(record.config.get("analysis"))) for record in records

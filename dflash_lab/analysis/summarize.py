@@ -19,6 +19,7 @@ from dflash_lab.analysis import arms as arms_module
 from dflash_lab.analysis import budgets
 from dflash_lab.analysis.paired import PAIRED_COLUMNS, paired_table
 from dflash_lab.analysis.protocol import Protocol, resolve_protocol
+from dflash_lab.analysis.verdict import build_verdict
 from dflash_lab.analysis.schema import (
     COMPARISON_COLUMNS,
     NUMERIC_RUN_COLUMNS,
@@ -237,8 +238,9 @@ class Comparison:
         curves: per run, the mean probe loss at each eval with its position on every compute axis.
         swept: the swept keys (sampler first) and the extra setting columns (boundaries, K).
         budgets: the common budget on each compute axis (steps, real_tokens, modelled_time_s).
-        protocol: what was tested (baseline, endpoints, margins, cost, alpha).
+        protocol: what was tested (baseline, endpoints, margins, cost, alpha, verdict roles).
         notes: comparison-level notes (strata without a baseline, too few seeds, ...).
+        verdict: verdict.json's content when the protocol declares verdict roles (analysis.verdict), else None.
     """
 
     runs: pd.DataFrame
@@ -251,6 +253,7 @@ class Comparison:
     budgets: dict[str, float]
     protocol: Protocol
     notes: list[str]
+    verdict: dict | None = None
 
 
 def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
@@ -294,8 +297,11 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha)
         notes += pairing.notes + paired_notes
     bands, cross = _long_tables(analyses, runs)
+    verdict = None
+    if protocol.verdict and pairing is not None and not paired.empty:
+        verdict = build_verdict(runs, paired, protocol.verdict)
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
-                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes)
+                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict)
 
 
 def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.DataFrame:

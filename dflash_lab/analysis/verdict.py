@@ -1,0 +1,171 @@
+"""The ablation's answer: controls that validate the instruments, then the question, as one `verdict.json`.
+
+A sweep declares, before its runs, which arms play which role (`analysis.verdict`, checked by
+analysis.protocol.check_verdict):
+
+    analysis:
+      verdict:
+        endpoint: residual_amplitude         # the primary forgetting endpoint (schema.BETTER says which way is worse)
+        positive_control: sampler=bucket_sequential,data.band_skills=aligned
+        negative_control: sampler=bucket_sequential,data.band_skills=independent
+        question: sampler=bucketed,sampler.run_length=1,data.band_skills=aligned
+
+Each role is an arm selector (analysis.arms.parse_selector) that must match exactly one arm; its rows come from the
+paired table (paired.PAIRED_COLUMNS: arm minus its stratum's baseline, seed by seed).
+
+Rules (alpha from the protocol, intervals are the paired t intervals):
+    detected (positive control)   the interval of the primary endpoint excludes 0 on the worse side: the planted
+                                  forgetting curriculum shows the signature the instrument is meant to see
+    detected (negative control)   the interval excludes 0 on either side: the instrument reacts to length order when
+                                  skills do not depend on length (a confound, e.g. length itself)
+    valid                         positive detected and negative not detected; otherwise the answer is
+                                  "inconclusive" and says which control failed
+    answer                        valid: "yes" if the question arm's primary interval excludes 0 on the worse side,
+                                  "equivalent" if its TOST verdict is equivalent, else "no detectable effect"
+                                  (with the interval and the share of the positive control's effect it could hide)
+    throughput_ratio              question arm's mean Ktok/s / its baseline's (the same seeds), from the ktok_s row
+
+Cost: a few table lookups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dflash_lab.analysis.arms import parse_selector
+from dflash_lab.analysis.schema import BETTER
+
+ROLES = ("positive_control", "negative_control", "question")
+
+
+def _matching_arm(runs: pd.DataFrame, role: str, selector_text: str) -> str:
+    selector = parse_selector(selector_text)
+    missing = [key for key in selector if key not in runs.columns]
+    if missing:
+        raise ValueError(f"analysis.verdict.{role}={selector_text!r}: {missing} is not a swept key of these runs; "
+                         f"swept keys: {', '.join(c for c in runs.columns if c == 'sampler' or '.' in c)}")
+    chosen = runs
+    for key, value in selector.items():
+        chosen = chosen[chosen[key].astype(str) == value]
+    arms = sorted(chosen["arm"].dropna().unique())
+    if len(arms) != 1:
+        found = "no arm" if not arms else f"{len(arms)} arms ({', '.join(arms)})"
+        raise ValueError(f"analysis.verdict.{role}={selector_text!r} matches {found}: give key=value terms that "
+                         f"select exactly one arm; arms: {', '.join(sorted(runs['arm'].dropna().unique()))}")
+    return arms[0]
+
+
+def _excludes_zero(row: pd.Series, side: str) -> bool:
+    """The interval lies entirely on `side` ("worse", "better" or "either") of 0 for this endpoint."""
+    low, high = float(row["ci_low"]), float(row["ci_high"])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    above, below = low > 0, high < 0
+    if side == "either":
+        return above or below
+    worse_is_higher = row["better"] == "lower"
+    return (above if worse_is_higher else below) if side == "worse" else (below if worse_is_higher else above)
+
+
+def _number(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _control(paired: pd.DataFrame, arm: str, endpoint: str, side: str) -> dict:
+    rows = paired[(paired["policy"] == arm) & (paired["endpoint"] == endpoint)]
+    if rows.empty:
+        return {"arm": arm, "endpoint": endpoint, "diff": None, "ci_low": None, "ci_high": None, "p_value": None,
+                "n_pairs": 0, "detected": False}
+    row = rows.iloc[0]
+    return {"arm": arm, "baseline": row["baseline"], "endpoint": endpoint, "diff": _number(row["diff"]),
+            "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]),
+            "p_value": _number(row["p_value"]), "n_pairs": int(row["n_pairs"]),
+            "detected": _excludes_zero(row, side)}
+
+
+def _fmt(value: float | None) -> str:
+    return "nan" if value is None else f"{value:+.3g}"
+
+
+def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str]) -> dict:
+    """verdict.json's content from the comparison's runs and paired tables (rules in the module docstring).
+
+    Args:
+        runs: Comparison.runs (columns arm, seed and the swept keys).
+        paired: Comparison.paired.
+        roles: analysis.verdict: endpoint plus a selector per role (ROLES).
+
+    Raises:
+        ValueError: a role selector that matches no arm or several arms (naming analysis.verdict.<role>).
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["seq", "bkt", "seqi", "fr"], "sampler": ["s", "b", "s", "f"],
+        ...                      "data.band_skills": ["aligned", "aligned", "independent", "aligned"]})
+        >>> def row(arm, endpoint, diff, low, high):
+        ...     return {"policy": arm, "endpoint": endpoint, "diff": diff, "ci_low": low, "ci_high": high,
+        ...             "p_value": 0.06, "p_holm": 0.2, "verdict": "inconclusive", "better": BETTER[endpoint],
+        ...             "baseline": "fr", "n_pairs": 5, "arm_mean": 2.0, "baseline_mean": 1.0}
+        >>> paired = pd.DataFrame([row("seq", "residual_amplitude", 0.05, 0.03, 0.07),
+        ...                        row("seqi", "residual_amplitude", 0.001, -0.004, 0.006),
+        ...                        row("bkt", "residual_amplitude", 0.002, -0.003, 0.007),
+        ...                        row("bkt", "ktok_s", 9.0, 8.0, 10.0)])
+        >>> v = build_verdict(runs, paired, {"endpoint": "residual_amplitude", "positive_control": "sampler=s,"
+        ...                   "data.band_skills=aligned", "negative_control": "sampler=s,data.band_skills=independent",
+        ...                   "question": "sampler=b"})
+        >>> v["valid"], v["positive_control"]["detected"], v["negative_control"]["detected"], v["throughput_ratio"]
+        (True, True, False, 2.0)
+        >>> v["answer"].split(":")[0]
+        'no detectable effect'
+    """
+    endpoint = roles["endpoint"]
+    arms = {role: _matching_arm(runs, role, roles[role]) for role in ROLES}
+    positive = _control(paired, arms["positive_control"], endpoint, "worse")
+    negative = _control(paired, arms["negative_control"], endpoint, "either")
+    question = paired[paired["policy"] == arms["question"]]
+    rows = [{"endpoint": r["endpoint"], "diff": _number(r["diff"]), "ci_low": _number(r["ci_low"]),
+             "ci_high": _number(r["ci_high"]), "p_holm": _number(r["p_holm"]), "verdict": r["verdict"],
+             "baseline": r["baseline"], "n_pairs": int(r["n_pairs"])} for _, r in question.iterrows()]
+    ktok = question[question["endpoint"] == "ktok_s"]
+    ratio = (_number(ktok.iloc[0]["arm_mean"] / ktok.iloc[0]["baseline_mean"]) if not ktok.empty
+             and float(ktok.iloc[0]["baseline_mean"]) > 0 else None)
+    pairs = [c["n_pairs"] for c in (positive, negative)] + [r["n_pairs"] for r in rows]
+    verdict = {"seeds": int(min(pairs)) if pairs else 0, "endpoint": endpoint, "better": BETTER[endpoint],
+               "arms": arms, "positive_control": positive, "negative_control": negative,
+               "bucketed_vs_full_random": rows, "throughput_ratio": ratio}
+    verdict["valid"] = bool(positive["detected"] and not negative["detected"])
+    verdict["answer"] = _answer(verdict, question, endpoint)
+    return verdict
+
+
+def _answer(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
+    positive, negative = verdict["positive_control"], verdict["negative_control"]
+    if not verdict["valid"]:
+        reasons = []
+        if not positive["detected"]:
+            reasons.append(f"the positive control ({positive['arm']}) did not show the signature on {endpoint} "
+                           f"(diff {_fmt(positive['diff'])}, 95% CI [{_fmt(positive['ci_low'])}, "
+                           f"{_fmt(positive['ci_high'])}])")
+        if negative["detected"]:
+            reasons.append(f"the negative control ({negative['arm']}) reacted (diff {_fmt(negative['diff'])}, 95% CI "
+                           f"[{_fmt(negative['ci_low'])}, {_fmt(negative['ci_high'])}])")
+        return "inconclusive: " + "; ".join(reasons)
+    rows = question[question["endpoint"] == endpoint]
+    if rows.empty:
+        return f"inconclusive: no paired {endpoint} for {verdict['arms']['question']}"
+    row = rows.iloc[0]
+    interval = f"{endpoint} diff {_fmt(_number(row['diff']))}, 95% CI [{_fmt(_number(row['ci_low']))}, " \
+               f"{_fmt(_number(row['ci_high']))}]"
+    speed = "" if verdict["throughput_ratio"] is None else f", at {verdict['throughput_ratio']:.2f}x the throughput"
+    if _excludes_zero(row, "worse"):
+        return f"yes: {verdict['arms']['question']} shows the forgetting signature ({interval}){speed}"
+    if row["verdict"] == "equivalent":
+        return f"equivalent: no forgetting beyond the declared margin {row['margin']:g} ({interval}){speed}"
+    worst = float(row["ci_high"] if row["better"] == "lower" else -row["ci_low"])
+    share = worst / abs(positive["diff"]) if positive["diff"] else np.nan
+    return (f"no detectable effect: {interval}; at most {share:.0%} of the positive control's effect "
+            f"({_fmt(positive['diff'])}){speed}")
