@@ -224,11 +224,16 @@ def test_probe_split_gives_every_band_its_probes(tmp_path):
     ({"band_skills": "aligned", "skill_bands": [10, 96, 1024]}, "data.skill_bands"),
     ({"band_skills": "aligned", "skill_bands": [0, 96, 512]}, "data.skill_bands"),
     ({"band_skills": "aligned", "skill_bands": list(range(0, 1100, 50))}, "data.skill_bands"),
-    ({"band_skills": "none", "skill_bands": [0, 96, 512]}, "data.skill_bands"),
+    ({"band_skills": "none", "skill_bands": [0, 96, 96, 1024]}, "data.skill_bands"),
 ])
 def test_bad_band_skills_name_the_key(tmp_path, overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         build_dataset("synthetic", num_samples=200, cache_dir=tmp_path, **overrides)
+
+
+def test_band_skills_none_checks_only_the_form_of_skill_bands(tmp_path):
+    ds = build_dataset("synthetic", num_samples=100, cache_dir=tmp_path, band_skills="none", skill_bands=[0, 96, 512])
+    assert ds.meta["config"] == {"num_samples": 100, "seed": 0, "min_length": 32}
 
 
 def test_band_skills_belong_to_synthetic_data(tmp_path):

@@ -164,11 +164,12 @@ def check_band_skills(band_skills, skill_bands, longest: int | None = None) -> t
     Args:
         band_skills: ``none`` | ``aligned`` | ``independent``.
         skill_bands: skill band boundaries ``[0, b1, ..., bK]`` (None: ``DEFAULT_SKILL_BANDS``).
-        longest: the longest sample; the last boundary must reach it.
+        longest: the longest sample; with skills, the last boundary must reach it (``none`` uses no band: only
+            the list's form is checked).
     """
     as_choice("data.band_skills", band_skills, BAND_SKILLS)
-    bands = validate_boundaries(DEFAULT_SKILL_BANDS if skill_bands is None else skill_bands, longest,
-                                key="data.skill_bands")
+    bands = validate_boundaries(DEFAULT_SKILL_BANDS if skill_bands is None else skill_bands,
+                                None if band_skills == "none" else longest, key="data.skill_bands")
     if len(bands) - 1 > MAX_SKILLS:
         raise ValueError(f"data.skill_bands={bands}: {len(bands) - 1} skills, at most {MAX_SKILLS} are defined; "
                          f"use at most {MAX_SKILLS + 1} boundaries")
