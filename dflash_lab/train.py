@@ -293,7 +293,8 @@ def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[
 
     A target that never saw the skill tables could not predict them, so with ``data=synthetic`` and
     ``data.band_skills`` other than ``none`` the tiny target's ``pretrain_data`` becomes the run's synthetic
-    config (same seed: same tables; same held-out share: the target never trains on the run's held-out split).
+    config (same seed: same tables; same held-out share: the target never trains on the run's stratified
+    held-out samples; the few the probe split adds to short bands, it may have seen).
     Every other run keeps ``model.pretrain_data`` as configured, hence the same cached target.
     """
     model_cfg = dict(model_cfg)
