@@ -288,6 +288,23 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
         dist.cleanup()
 
 
+def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[str, Any]:
+    """The model section, with the tiny target pretrained on the run's own corpus when that is a skills corpus.
+
+    A target that never saw the skill tables could not predict them, so with ``data=synthetic`` and
+    ``data.band_skills`` other than ``none`` the tiny target's ``pretrain_data`` becomes the run's synthetic
+    config (same seed: same tables; same held-out share: the target never trains on the run's stratified
+    held-out samples; the few the probe split adds to short bands, it may have seen).
+    Every other run keeps ``model.pretrain_data`` as configured, hence the same cached target.
+    """
+    model_cfg = dict(model_cfg)
+    if (model_cfg.get("kind", "tiny") == "tiny" and data_cfg.get("kind") == "synthetic"
+            and data_cfg.get("band_skills", "none") != "none"):
+        keys = ("kind", "num_samples", "seed", "min_length", "probe_fraction", "band_skills", "skill_bands")
+        model_cfg["pretrain_data"] = {k: data_cfg[k] for k in keys if k in data_cfg}
+    return model_cfg
+
+
 def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     t_setup = time.perf_counter()
     # ---- 1. settings, process group, run directory, checkpoint -----------------------------------------------
@@ -315,9 +332,12 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     changed = ckpt.check_resume_config(state["config"], config) if state else []
 
     # ---- 2. model, data, policy, loader ----------------------------------------------------------------------
-    model, tokenizer = build_model(**config["model"], activation_checkpointing=trainer.activation_checkpointing)
+    model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
+                                   activation_checkpointing=trainer.activation_checkpointing)
     model.to(device)
-    train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split()
+    # probes need probes.per_band held-out samples in every band: the split tops up short bands
+    train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split(
+        bands=probe_cfg.bands if probe_cfg.every > 0 else None, per_band=probe_cfg.per_band)
     policy = policy_from_config(config["sampler"], train_ds.lengths, seed=seed, world_size=env.world_size,
                                 rank=env.rank)
     longest = int(policy.lengths.max())

@@ -93,3 +93,15 @@ def test_probe_settings_refuse_unknown_keys_and_bad_values():
 
 def test_human_eta():
     assert [format_eta(s) for s in (403200, 3725, 125, 4.4, float("nan"))] == ["4d 16h", "1h 02m", "2m 05s", "4s", "?"]
+
+
+def test_tiny_target_pretrains_on_a_skills_corpus_only_when_the_data_is_one():
+    from dflash_lab.train import pretrain_corpus_follows_data
+
+    plain = OmegaConf.to_container(_compose([]), resolve=True)
+    assert plain["data"]["band_skills"] == "none"
+    assert pretrain_corpus_follows_data(plain["model"], plain["data"]) == plain["model"]  # same cached target
+    skills = OmegaConf.to_container(_compose(["data.band_skills=aligned", "data.seed=3"]), resolve=True)
+    corpus = pretrain_corpus_follows_data(skills["model"], skills["data"])["pretrain_data"]
+    assert corpus["band_skills"] == "aligned" and corpus["seed"] == 3 and corpus["kind"] == "synthetic"
+    assert corpus["skill_bands"] == skills["data"]["skill_bands"]

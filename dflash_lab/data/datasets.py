@@ -11,7 +11,10 @@ them rebuilds. Arrays are opened with ``mmap_mode="r"``: start-up cost is indepe
 
 ``TokenizedDataset.split()`` holds out ``probe_fraction`` of the samples for probes and decoding prompts,
 stratified by length (one pick per run of ``1/probe_fraction`` samples in length order) so every length band
-has held-out samples; training uses the other view, so it never sees them.
+has held-out samples; training uses the other view, so it never sees them. Given the probe bands and a count
+per band, it tops up any band holding fewer held-out samples than that count (extra picks from the band's other
+samples, at most half of them, so training keeps the band): the stratified share alone can leave a band short
+(3000 synthetic samples: 19 held out in (304, 412] for 24 probes).
 
 Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load``.
 """
@@ -33,6 +36,7 @@ from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
+from dflash_lab.sampling.boundaries import bucket_ids
 
 KINDS = ("synthetic", "code", "jsonl")
 __all__ = ["KINDS", "TokenizedDataset", "build_dataset", "default_cache_dir"]
@@ -100,8 +104,14 @@ class TokenizedDataset:
                                 self.source_indices[np.asarray(indices, dtype=np.int64)],
                                 self.probe_fraction, self.split_seed)
 
-    def heldout_indices(self, probe_fraction: float | None = None, seed: int | None = None) -> np.ndarray:
-        """Sorted indices of the held-out samples (length-stratified, deterministic)."""
+    def heldout_indices(self, probe_fraction: float | None = None, seed: int | None = None,
+                        bands=None, per_band: int = 0) -> np.ndarray:
+        """Sorted indices of the held-out samples (length-stratified, deterministic).
+
+        ``bands`` (boundaries, band b = lengths in (lo, hi]) and ``per_band``: a band with fewer held-out samples
+        gets extra picks from its other samples (at most half of them), drawn with (seed, band): the stratified
+        picks are kept, so without a short band the split is unchanged.
+        """
         fraction = self.probe_fraction if probe_fraction is None else probe_fraction
         seed = self.split_seed if seed is None else seed
         if not 0.0 <= fraction < 1.0:
@@ -113,25 +123,39 @@ class TokenizedDataset:
         order = np.argsort(self.lengths, kind="stable")
         rng = np.random.default_rng(seed)
         picks = [order[start + rng.integers(min(stride, n - start))] for start in range(0, n, stride)]
-        return np.sort(np.asarray(picks, dtype=np.int64))
+        held = np.zeros(n, dtype=bool)
+        held[np.asarray(picks, dtype=np.int64)] = True
+        if bands is not None and per_band > 0:
+            band_of = bucket_ids(self.lengths, bands)
+            for band in range(len(bands) - 1):
+                in_band = band_of == band
+                short = per_band - int(held[in_band].sum())
+                free = np.flatnonzero(in_band & ~held)
+                extra = min(short, len(free) // 2)
+                if extra > 0:
+                    band_rng = np.random.default_rng([seed, band])
+                    held[band_rng.choice(free, size=extra, replace=False)] = True
+        return np.flatnonzero(held).astype(np.int64)
 
-    def train_indices(self, probe_fraction: float | None = None, seed: int | None = None) -> np.ndarray:
+    def train_indices(self, probe_fraction: float | None = None, seed: int | None = None,
+                      bands=None, per_band: int = 0) -> np.ndarray:
         """Sorted indices of the training samples: everything not held out."""
         keep = np.ones(len(self), dtype=bool)
-        keep[self.heldout_indices(probe_fraction, seed)] = False
+        keep[self.heldout_indices(probe_fraction, seed, bands, per_band)] = False
         return np.flatnonzero(keep).astype(np.int64)
 
-    def split(self, probe_fraction: float | None = None,
-              seed: int | None = None) -> tuple[TokenizedDataset, TokenizedDataset]:
-        """(train view, held-out view); defaults from the data config's probe_fraction and seed.
+    def split(self, probe_fraction: float | None = None, seed: int | None = None,
+              bands=None, per_band: int = 0) -> tuple[TokenizedDataset, TokenizedDataset]:
+        """(train view, held-out view); defaults from the data config's probe_fraction and seed; ``bands`` and
+        ``per_band``: at least that many held-out samples per band where the band allows (see heldout_indices).
 
         Example:
             >>> train, heldout = ds.split()            # doctest: +SKIP
             >>> len(train) + len(heldout) == len(ds)   # doctest: +SKIP
             True
         """
-        return (self.subset(self.train_indices(probe_fraction, seed)),
-                self.subset(self.heldout_indices(probe_fraction, seed)))
+        return (self.subset(self.train_indices(probe_fraction, seed, bands, per_band)),
+                self.subset(self.heldout_indices(probe_fraction, seed, bands, per_band)))
 
 
 def _write_arrays(directory: Path, samples, kind: str) -> None:
@@ -170,7 +194,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   probe_fraction: float = 0.05, seed: int = 0, num_samples: int | None = 3000,
                   min_length: int = 32, max_length: int = 1024, path: str | None = None,
                   max_bad_fraction: float = 0.01, stdlib_dir: str | None = None, chat_template: str | None = None,
-                  **unknown) -> TokenizedDataset:
+                  band_skills: str = "none", skill_bands=None, **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
     Args:
@@ -186,6 +210,9 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         max_bad_fraction: jsonl: largest tolerated share of unusable lines.
         stdlib_dir: code: override the standard-library directory.
         chat_template: jsonl with an HF tokenizer: a Jinja file or template text replacing the tokenizer's own.
+        band_skills: synthetic: ``none`` (the length-styled corpus), ``aligned`` or ``independent`` (the skills
+            corpus, see data.synthetic); ``none`` leaves the cache key of the default corpus as it was.
+        skill_bands: synthetic: skill band boundaries (None: ``synthetic.DEFAULT_SKILL_BANDS``).
         **unknown: refused (ValueError listing the valid keys): a misspelt key must never keep a default.
 
     Returns:
@@ -203,10 +230,16 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
     if chat_template is not None and isinstance(tokenizer, ByteTokenizer):
         raise ValueError("data.chat_template needs model=hf (a Hugging Face tokenizer); the tiny model's byte "
                          "tokenizer has its own chat format: drop data.chat_template")
+    if kind != "synthetic" and (band_skills != "none" or skill_bands is not None):
+        raise ValueError(f"data.band_skills / data.skill_bands apply to data=synthetic, not data={kind}: drop them")
     if kind == "synthetic":
         if not num_samples or num_samples <= 0:
             raise ValueError(f"data.num_samples={num_samples}: the synthetic corpus needs a positive size")
         config = {"num_samples": int(num_samples), "seed": int(seed), "min_length": int(min_length)}
+        longest = int(synthetic_module.synthetic_lengths(int(num_samples), int(seed), int(min_length)).max())
+        band_skills, bands = synthetic_module.check_band_skills(band_skills, skill_bands, longest)
+        if band_skills != "none":  # the default corpus keeps its key (and its cache entry) without the new keys
+            config.update(band_skills=band_skills, skill_bands=bands)
         module = synthetic_module
 
         def produce(report):
