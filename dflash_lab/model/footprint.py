@@ -26,7 +26,8 @@ S = sum_docs a(l) m(l) with m(l) = mean over anchor positions of min(bs - 1, tok
 Segments, per document of a packed row (expectations under the uniform anchor draw): p0 = a / (l - 1) (first
 position anchored), q_run = bs (a - p0) queries on k_run = a l / (a + 1) - 1 + q_run keys (context up to the last
 anchor, then the run's blocks); M = sum_docs (p0 bs^2 + q_run k_run) mask elements, Kc = sum_docs k_run copied
-keys, Qc = Q; a row of one document: M = Q K, Kc = Qc = 0.
+keys, Qc = Q, and w = 1 - prod_docs (1 - p0) the chance that some run attends to a view of the layer's whole keys
+and values (keeping them: the 2 c K g d term); a row of one document: M = Q K, Kc = Qc = 0, w = 1.
 
 Bytes: c = element size of the compute dtype (2 under bf16 autocast, 4 in fp32), f = 4 (float32 statistics and
 the float32 upcasts inside RMSNorm). RMSNorm returns the compute dtype, so every projection's input is already in
@@ -41,7 +42,7 @@ it (autocast makes no activation copies).
               [+ M                                           segments: boolean run masks]
               + (R [Q (2(f+c) + 2c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
                    + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
-                extra: flex 0; segments c (M + 2 Kc g d + Qc h d); dense c R Q K
+                extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
               + R Q (H (f + c) + f)                          final norm
               + head: S H c, and when S V <= CE_CHUNK_ELEMENTS the saved log-probabilities 4 S V
               + max(head transient, one layer's backward transient)
@@ -316,6 +317,9 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
     segment_pairs = np.where(single, dense_pairs, np.add.reduceat(first * bs * bs + run_queries * run_keys, starts))
     segment_keys = np.where(single, 0.0, np.add.reduceat(run_keys, starts))
     segment_queries = np.where(single, 0.0, rows * q_len)   # queries whose output is concatenated from runs
+    # A run on one key piece (a first-position block: its own block only) attends to a view of the layer's keys and
+    # values, which keeps them whole; other runs attend to copies. P(some document's first position anchored):
+    segment_whole_kv = np.where(single, 1.0, 1.0 - np.multiply.reduceat(1.0 - first, starts))
     return {"rows": rows, "row_len": row_len, "slots": slots, "anchors": anchors,
             "supervised": np.add.reduceat(quota * targets, starts), "real": counts.real,
             "sq_half": np.add.reduceat(flat * (flat + 1) / 2.0, starts),
@@ -323,7 +327,8 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
             "fixed_anchors": np.add.reduceat(fixed, starts),
             "fixed_supervised": np.add.reduceat(fixed * targets, starts),
             "fixed_context_pairs": bs * np.add.reduceat(fixed * np.maximum(flat - 2, 0) / 2.0, starts),
-            "segment_pairs": segment_pairs, "segment_keys": segment_keys, "segment_queries": segment_queries}
+            "segment_pairs": segment_pairs, "segment_keys": segment_keys, "segment_queries": segment_queries,
+            "segment_whole_kv": segment_whole_kv}
 
 
 def _mean_targets_per_anchor(lengths: np.ndarray, block_size: int) -> np.ndarray:
@@ -377,16 +382,20 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     # at g heads): flex nothing more; dense the float copy of the Q x K mask SDPA makes; segments that copy of
     # each run's mask, each run's concatenated keys and values, and (rows of several documents) the output
     # concatenated from the runs, copied again into o_proj's input layout.
+    # The layer's whole keys and values (2 c K g d) are saved by flex and dense, by segments only while some run
+    # attends to a view of them (``segment_whole_kv``, the expected share).
+    whole_kv = 2 * c * K * gd
     if settings.attention == "dense":
         attention_extra = R * c * Q * K
     elif settings.attention == "segments":
+        whole_kv = whole_kv * shapes["segment_whole_kv"]
         attention_extra = c * (shapes["segment_pairs"] + 2 * shapes["segment_keys"] * gd
                                + shapes["segment_queries"] * hd)
     else:
         attention_extra = 0.0
     layer_saved = R * (Q * H * (2 * (f + c) + 2 * c) + 4 * c * Q * I + (f + 3 * c) * Q * hd
                        + 2 * f * Q * d.heads + 2 * f * Q + c * K * H + (f + c) * K * gd + f * K * d.kv_heads
-                       + 2 * c * K * gd) + attention_extra
+                       + whole_kv) + attention_extra
     layer_inputs = R * Q * H * c
     if settings.activation_checkpointing:
         layers = d.layers * layer_inputs + layer_saved
@@ -451,15 +460,15 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
 
     per_layer, layer_attention = draft_layer(A, shapes["context_pairs"])
     fixed_layer, fixed_attention = draft_layer(Af, shapes["fixed_context_pairs"])
+    # The fixed-anchor pass: forward only (no grad), the context projection reused, its keys/values recomputed.
+    runs_fixed = 1.0 if model.fixed_anchors else 0.0
+    fixed_head = 2.0 * d.hidden * t.vocab * shapes["fixed_supervised"].astype(np.float64)
     out = {"target": target, "draft": 3.0 * d.layers * per_layer, "fc": 2.0 * 2.0 * d.fc_params * real,
            "head": 2.0 * 2.0 * d.hidden * t.vocab * shapes["supervised"].astype(np.float64),
-           # forward only: no grad; the context projection is reused, its keys/values are recomputed
-           "fixed": (d.layers * fixed_layer if model.fixed_anchors else 0.0 * real)
-           + (2.0 * d.hidden * t.vocab * shapes["fixed_supervised"].astype(np.float64) if model.fixed_anchors
-              else 0.0)}
+           "fixed": runs_fixed * (d.layers * fixed_layer + fixed_head)}
     out["total"] = out["target"] + out["draft"] + out["fc"] + out["head"] + out["fixed"]
     out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
-                        + (d.layers * fixed_attention if model.fixed_anchors else 0.0))
+                        + runs_fixed * d.layers * fixed_attention)
     return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), np.shape(real)) for name, value in out.items()}
 
 
