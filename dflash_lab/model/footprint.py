@@ -39,13 +39,12 @@ it (autocast makes no activation copies).
               + R T (Ht (f + c) + f)                         context norm
               + 2 R (Q + K) d c                              rotary tables
               + 29 R Q + 25 R T                              block ids/positions/labels/weights; the batch
-              [+ M                                           segments: boolean run masks]
               + (R [Q (2(f+c) + 2c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
                    + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
                 extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
               + R Q (H (f + c) + f)                          final norm
               + head: S H c, and when S V <= CE_CHUNK_ELEMENTS the saved log-probabilities 4 S V
-              + max(head transient, one layer's backward transient)
+              + max(head transient, one layer's backward transient [, segments: M boolean run masks, forward only])
     checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
@@ -416,14 +415,14 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     terms["features"] = features
     terms["context_and_rope"] = R * T * (H * (f + c) + f) + 2 * R * (Q + K) * d.head_dim * c
     terms["objective"] = R * Q * 29.0 + R * T * 25.0   # block ids/positions/labels/weights; batch tensors
-    # segments: the boolean run masks, built once per step and shared by every layer (dense rows: one per layer)
+    # segments: the boolean run masks, built once per step and shared by every layer (dense rows: one per layer);
+    # they live during the draft forward only (freed with the key intervals before the backward's transients)
     terms["attention_masks"] = shapes["segment_pairs"] * 1.0 if settings.attention == "segments" else 0.0
     terms["draft_layers"] = layers
     terms["final_norm_and_head"] = R * Q * (H * (f + c) + f) + head_saved
     terms["backward_transient"] = np.maximum(head_transient, layer_backward)
-    draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"]
-                   + terms["attention_masks"] + layers
-                   + terms["final_norm_and_head"] + terms["backward_transient"])
+    draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
+                   + terms["final_norm_and_head"] + np.maximum(terms["attention_masks"], terms["backward_transient"]))
     terms["static"] = static
     terms["draft_phase"] = draft_phase
     terms["peak"] = static + np.maximum(terms["target_phase"], draft_phase)
