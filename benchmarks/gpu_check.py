@@ -15,13 +15,15 @@ whose predicted peak fits every policy; a policy predicted not to fit is skipped
 
 Output: one JSON line ``setup`` (device, world size, peak FLOP/s and its source, attention path, budget), then one
 line per policy: ``policy, ktok_s, mfu, peak_mem_gb, pred_peak_mem_gb, step_time_s, pad_eff`` and
-``pred_peak_mem_gb_ckpt, mem_ratio, tflop_per_step, loss, finite, steps``.
+``pred_peak_mem_gb_ckpt, mem_ratio, tflop_per_step, loss, finite, steps, compiled_steps`` (timed steps during
+which flex_attention compiled: left out of the measurements, see ``run_policy``).
 
 FLOPs used for MFU: ``dflash_lab.model.footprint.step_flops`` on each timed batch (model FLOPs, padding and
 recomputation excluded): target forward 2 P_layer per token + causal attention 4 h d l(l+1)/2 per document, over
 the layers up to the deepest one read; draft 3 x forward (forward + backward) with 2 P_layer per valid block token,
 k/v projections of the context, attention 4 h d per visible (query, key) pair; fc 2 x (forward + weight grad);
-LM head 2 x 2 H V per supervised slot (forward + input grad). MFU = sum over ranks of the timed steps' FLOPs /
+LM head 2 x 2 H V per supervised slot (forward + input grad); the no-grad fixed-anchor pass (model.fixed_anchors
+blocks per document: draft layers and LM head, forward only). MFU = sum over ranks of the timed steps' FLOPs /
 (timed seconds x world size x peak FLOP/s per device). Peak: the device's dense bf16 datasheet figure
 (H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s), else the measured matmul peak (``matmul_tflops``, always
 reported: bf16 8192^3 on GPU, fp32 1024^3 on CPU with the process's threads).
@@ -31,8 +33,8 @@ re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64
 returned to the system when freed, so resident memory follows live tensors); before each timed step it resets the
 kernel's peak-RSS mark (``/proc/self/clear_refs``), and peak = bytes of the tensors alive before the step (weights,
 optimizer state) + (peak RSS during the step - RSS before it). ``pred_peak_mem_gb`` is the footprint model's
-peak of the same batches, for the attention path the step actually runs (``dense`` while the draft builds a dense
-mask tensor, else ``flex``); ``mem_ratio`` = predicted / measured.
+peak of the same batches, for the draft attention path the step actually runs (``footprint.attention_path``: flex
+on GPU, per-document SDPA ``segments`` on CPU; reported in the setup line); ``mem_ratio`` = predicted / measured.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from dflash_lab.data import collate_packed, collate_padded  # noqa: E402
 from dflash_lab.data.lengths import reference_lengths  # noqa: E402
 from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency  # noqa: E402
 from dflash_lab.model import footprint  # noqa: E402
+from dflash_lab.model.attention import flex_compile_count  # noqa: E402
 from dflash_lab.model.build import target_config_only, wrap_target  # noqa: E402
 from dflash_lab.sampling import SEED_BOUNDARIES, policy_from_config  # noqa: E402
 
@@ -134,14 +137,6 @@ def build_benchmark_model(model_cfg: dict, shape: str, device: torch.device, on_
             "draft_intermediate_size", "draft_init_std")
     return wrap_target(target, mask_token_id=mask_id, draft_init_seed=0, **{k: model_cfg[k] for k in keys
                                                                             if k in model_cfg})
-
-
-def attention_path(model, batch: dict) -> str:
-    """``dense`` when the draft's blocks carry a dense boolean mask tensor, else ``flex`` (block masks)."""
-    with torch.no_grad():
-        blocks, _ = model.block_hidden(batch, torch.Generator().manual_seed(0))
-    mask = getattr(blocks, "attn_mask", None)
-    return "dense" if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else "flex"
 
 
 def matmul_tflops(device: torch.device) -> float:
@@ -247,12 +242,13 @@ def run_policy(name, model, train_model, optimizer, autocast, env, device, args,
     flops = footprint.step_flops(step_model, {k: v[timed] for k, v in shapes_all.items()})["total"]
     generator = torch.Generator().manual_seed(1)
     params = model.trainable_parameters()
-    times, peaks, real, padded = [], [], 0, 0
+    times, peaks, real, padded, compiled = [], [], [], [], []
     for step in range(total):
         batch = random_batch(global_batches[step * env.world_size + env.rank], policy.lengths, policy.packed,
                              step_model.target.vocab, generator)
         batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
         anchors = torch.Generator().manual_seed(1000 * step + env.rank)
+        graphs = flex_compile_count()
         _sync(device)
         with PeakMemory(device, static_tensors) as memory:
             start = time.perf_counter()
@@ -271,22 +267,39 @@ def run_policy(name, model, train_model, optimizer, autocast, env, device, args,
         if step >= args.warmup:
             times.append(seconds)
             peaks.append(memory.peak)
-            real += int(batch["real_tokens"])
-            padded += int(batch["padded_tokens"])
-    local = torch.tensor([*times, max(peaks), real, padded, float(result.loss.detach())], dtype=torch.float64,
-                         device=device)
+            real.append(int(batch["real_tokens"]))
+            padded.append(int(batch["padded_tokens"]))
+            compiled.append(float(flex_compile_count() > graphs))
+    local = torch.tensor([*times, *peaks, *real, *padded, *compiled, float(result.loss.detach())],
+                         dtype=torch.float64, device=device)
     gathered = dist.all_gather_rows(local).cpu().numpy()
-    step_times = gathered[:, : args.steps].max(axis=0)           # the slowest rank sets each step's time
-    elapsed = float(step_times.sum())
-    total_real, total_padded = gathered[:, -3].sum(), gathered[:, -2].sum()
-    measured = float(gathered[:, -4].max())
+    per_step = gathered[:, :-1].reshape(env.world_size, 5, args.steps)
     loss = float(gathered[0, -1])
+    step_times, step_peaks, step_real, step_padded, step_compiled = per_step.transpose(1, 0, 2)
+    # A timed step during which some rank compiled flex_attention (a batch shape or layout no warm-up step had,
+    # e.g. the first packed row of several documents) measures the compiler, not the step: such steps are left out
+    # of every number below (all of them only when every timed step compiled; ``compiled_steps`` says how many).
+    clean = ~step_compiled.any(axis=0)
+    if not clean.any():
+        clean[:] = True
+    kept = int(clean.sum())
+    elapsed = float(step_times[:, clean].max(axis=0).sum())      # the slowest rank sets each step's time
+    total_real, total_padded = step_real[:, clean].sum(), step_padded[:, clean].sum()
+    measured = float(step_peaks[:, clean].max())
+    kept_batches = np.repeat(clean, env.world_size)              # timed batches are step-major, rank-minor
+    kept_shapes = {k: v[timed][kept_batches] for k, v in shapes_all.items()}
+    pred = {ckpt: float(footprint.step_memory(step_model, kept_shapes,
+                                              replace(settings, activation_checkpointing=ckpt))["peak"].max())
+            for ckpt in (False, True)}
+    predicted = pred[settings.activation_checkpointing]
+    flops = flops[kept_batches]
     mfu = float(flops.sum()) / (elapsed * env.world_size * peak_flops)
-    return {**out, "ktok_s": ktok_per_s(total_real, elapsed), "mfu": mfu, "peak_mem_gb": measured / footprint.GIB, "step_time_s": elapsed / args.steps,
-            "pad_eff": padding_efficiency(total_real, total_padded),
-            "mem_ratio": pred[settings.activation_checkpointing] / measured,
-            "tflop_per_step": float(flops.sum()) / args.steps / env.world_size / 1e12, "loss": loss,
-            "finite": bool(np.isfinite(loss)), "steps": args.steps}
+    return {**out, "pred_peak_mem_gb": predicted / footprint.GIB, "pred_peak_mem_gb_ckpt": pred[True] / footprint.GIB,
+            "ktok_s": ktok_per_s(total_real, elapsed), "mfu": mfu, "peak_mem_gb": measured / footprint.GIB,
+            "step_time_s": elapsed / kept, "pad_eff": padding_efficiency(total_real, total_padded),
+            "mem_ratio": predicted / measured, "tflop_per_step": float(flops.sum()) / kept / env.world_size / 1e12,
+            "loss": loss, "finite": bool(np.isfinite(loss)), "steps": kept,
+            "compiled_steps": int(step_compiled.any(axis=0).sum())}
 
 
 def main(argv=None) -> None:
@@ -311,9 +324,8 @@ def main(argv=None) -> None:
     scale = SHAPES[args.shape]["length_scale"]
     lengths = reference_lengths("seed", args.num_samples, seed=0, scale=scale)
     settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size)
-    probe = random_batch(np.arange(2), lengths, True, step_model.target.vocab, torch.Generator().manual_seed(0))
-    settings = replace(settings, attention=attention_path(model, {k: (v.to(device) if torch.is_tensor(v) else v)
-                                                                  for k, v in probe.items()}))
+    # the draft's attention path as training picks it: flex_attention on GPU, per-document SDPA on CPU
+    settings = replace(settings, attention=footprint.attention_path(device.type, model.attention_backend))
     budget = choose_budget(args, lengths, step_model, settings, gpu_mem_gb, env.world_size)
 
     train_model = model

@@ -256,7 +256,7 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
         >>> memory_inputs({"model": {"kind": "tiny"}, "world_size": 8})["settings"].world_size
         8
     """
-    from .model.footprint import Settings, StepModel
+    from .model.footprint import ATTENTION_PATHS, Settings, StepModel
 
     model_cfg = dict(cfg["model"])
     if model_cfg.get("kind") == "hf" and not (model_cfg.get("target_config") or model_cfg.get("target_path")):
@@ -264,7 +264,7 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     settings = Settings(precision=as_choice("precision", cfg.get("precision", "bf16"), ["bf16", "fp32"]),
                         activation_checkpointing=as_bool("activation_checkpointing",
                                                          cfg.get("activation_checkpointing", False)),
-                        attention=as_choice("attention", cfg.get("attention", "flex"), ["flex", "dense"]),
+                        attention=as_choice("attention", cfg.get("attention", "flex"), list(ATTENTION_PATHS)),
                         world_size=as_int("world_size", cfg["world_size"], minimum=1))
     return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
             "gpu_mem_gb": as_float("gpu_mem_gb", cfg.get("gpu_mem_gb", 80), minimum=1.0)}

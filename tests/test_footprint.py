@@ -16,6 +16,7 @@ from dflash_lab.model.footprint import (
     GIB, USABLE_FRACTION, PreflightError, Settings, StepModel, TargetDims, batch_shapes, largest_fitting_max_tokens,
     plan_peak_bytes, preflight, step_flops, step_memory,
 )
+from dflash_lab.model.footprint import attention_path as footprint_attention_path
 
 torch.set_num_threads(1)
 LENGTHS = np.array([60, 50, 40, 30, 20])
@@ -38,12 +39,10 @@ def make_batch(packed: bool):
     return (collate_packed if packed else collate_padded)(samples, list(range(len(LENGTHS))), LENGTHS.tolist(), 0)
 
 
-def attention_path(model, batch) -> str:
-    """The path the step runs: dense while the objective builds a boolean mask tensor (as benchmarks/gpu_check)."""
-    with torch.no_grad():
-        blocks, _ = model.block_hidden(batch, torch.Generator().manual_seed(0))
-    mask = getattr(blocks, "attn_mask", None)
-    return "dense" if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else "flex"
+def attention_path(model) -> str:
+    """The draft attention path the step runs (segments on CPU), as training picks it for the model's device."""
+    device = next(model.draft.parameters()).device
+    return footprint_attention_path(device.type, model.attention_backend)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -88,15 +87,16 @@ def test_saved_activations_match_autograd(precision, packed, layers):
             model(batch, torch.Generator().manual_seed(0))
     step = StepModel.from_model(model)
     shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=packed, model=step)
-    memory = step_memory(step, shapes, Settings(precision=precision, attention=attention_path(model, batch)))
+    memory = step_memory(step, shapes, Settings(precision=precision, attention=attention_path(model)))
     predicted = sum(float(memory[k][0]) for k in ("features", "context_and_rope", "draft_layers",
                                                   "final_norm_and_head"))
     assert predicted == pytest.approx(sum(saved.values()), rel=0.03)
 
 
 def test_matmul_flops_match_torch_flop_counter():
-    """Target forward, draft forward + backward, fc and LM head: the model's matmul FLOPs (a packed row: no padding,
-    every anchor valid) against torch's own count of the step's matrix multiplies."""
+    """Target forward, draft forward + backward, fc, LM head and the no-grad fixed-anchor pass: the model's matmul
+    FLOPs (its total less its attention pairs; a packed row: no padding, every anchor valid) against torch's own
+    count of the step's matrix multiplies (attention kernels excluded by name)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model, batch = tiny_model(), make_batch(packed=True)
@@ -105,10 +105,9 @@ def test_matmul_flops_match_torch_flop_counter():
     matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "scaled_dot_product" not in str(op))
     step = StepModel.from_model(model)
     shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=True, model=step)
-    without_attention = dict(shapes, sq_half=np.zeros(1), context_pairs=np.zeros(1))
-    flops = step_flops(step, without_attention)
-    block_attention = 3 * step.draft.layers * 4 * step.draft.heads * step.draft.head_dim * shapes["anchors"] * 16 * 16
-    assert float(flops["total"][0] - block_attention[0]) == pytest.approx(matmuls, rel=0.01)
+    flops = step_flops(step, shapes)
+    assert step.fixed_anchors == 8 and flops["fixed"][0] > 0   # the step includes the no-grad fixed-anchor pass
+    assert float(flops["total"][0] - flops["attention"][0]) == pytest.approx(matmuls, rel=0.01)
 
 
 def test_memory_grows_with_the_budget_and_checkpointing_saves():
@@ -164,7 +163,21 @@ def test_qwen3_8b_preset_and_planner_columns(tmp_path):
         table.columns)
     assert (table["pred_peak_mem_gb_ckpt"] < table["pred_peak_mem_gb"]).all()
     assert set(table["fits"]) <= {"yes", "ckpt", "no"} and "pred_peak_mem_gb" in (tmp_path / "plan.md").read_text()
-    small = run_plan({**plain, "gpu_mem_gb": 64, "activation_checkpointing": False})
+    # The preset draws anchors as the DFlash recipe does (up to 512 per document): a document shorter than 513
+    # tokens anchors almost every position, ~16 block tokens per token, so 32K tokens fit no GPU, and on 64 GB no
+    # budget that holds the longest document (8,192 tokens) fits, with or without checkpointing.
+    assert plain["model"]["anchor_density"] is None and (table["fits"] == "no").all()
+    assert table["pred_peak_mem_gb_ckpt"].min() > 141
+    recipe_64 = run_plan({**plain, "gpu_mem_gb": 64, "activation_checkpointing": True})
+    assert recipe_64["max_tokens_fit"].isna().all()
+    # Anchors at density 1/16 (at most 512): 32K packed rows fit 80 and 141 GB with checkpointing, not 80 without;
+    # 64 GB fits a smaller budget.
+    density = {**plain, "model": {**plain["model"], "anchor_density": 0.0625}}
+    for gpu_mem_gb in (80, 141):
+        fit = run_plan({**density, "gpu_mem_gb": gpu_mem_gb, "activation_checkpointing": True})
+        assert (fit["max_tokens_fit"] == 32768).all() and fit.loc["packed", "fits"] in ("yes", "ckpt")
+    assert run_plan({**density, "gpu_mem_gb": 80}).loc["packed", "fits"] == "ckpt"
+    small = run_plan({**density, "gpu_mem_gb": 64, "activation_checkpointing": False})
     assert (small["fits"] != "yes").all() and (small["max_tokens_fit"] < 32768).all()
 
 

@@ -1,11 +1,19 @@
 """Memory and FLOP model of one DFlash training step on one rank, and the preflight that refuses a config too big.
 
 The model is a pure function of shapes: the target's HF config (no weights), the draft's shape, the objective
-(block size, anchor rule), the batch layout (rows, row length, document lengths) and the run settings
-(precision, draft activation checkpointing, attention path, world size). It models the attention path training
-runs on GPU: ``flex`` (flex_attention with block masks: no mask tensor, GQA without expanded keys/values).
-``dense`` adds the legacy path's terms (a dense boolean block mask, converted per draft layer, expanded GQA
-keys/values; a dense document mask in the target) so the same formulas size both.
+(block size, anchor rule, fixed anchors), the batch layout (rows, row length, document lengths) and the run
+settings (precision, draft activation checkpointing, attention path, world size). Attention paths
+(``Settings.attention``; ``attention_path`` maps a device and ``DFlashModel.attention_backend`` to one), as
+``dflash_lab.model.attention.attend`` runs them:
+
+* ``flex`` (training on GPU): flex_attention under block masks for the draft and for packed target rows: no mask
+  tensor, keys/values at the kv head count; flex saves its (flattened) q, k, v, output and log-sum-exp.
+* ``segments`` (training on CPU): the draft runs one SDPA per run of blocks sharing a context start (per document
+  of a packed row; the block at a document's first position, which has no context, is its own run) on that run's
+  keys only; rows holding one document run one SDPA on the row. SDPA saves a float copy (c bytes) of each mask;
+  runs save their concatenated keys/values, and a packed row's output concatenated from runs is copied once more.
+  The boolean run masks (1 byte per element) are built once per step. The target runs as on GPU.
+* ``dense`` (the oracle backend): one Q x K mask per row and draft layer, a dense T x T document mask in the target.
 
 Symbols (per rank and step). Shapes: target hidden Ht, layers read Lr (deepest read layer + 1), n read layers,
 MLP width It, vocabulary V, heads ht / kv heads gt of width d; draft hidden H, layers L, heads h, kv heads g,
@@ -15,10 +23,15 @@ a(l) = anchor_quota(l - 1) (``dflash_lab.model.objective``: every token but the 
 document is supervised, the conservative case). N = anchor slots per row (padded: the row maximum; packed: the
 row's sum), Q = N bs block tokens, K = T + Q keys of the draft, S = supervised slots,
 S = sum_docs a(l) m(l) with m(l) = mean over anchor positions of min(bs - 1, tokens after the anchor).
+Segments, per document of a packed row (expectations under the uniform anchor draw): p0 = a / (l - 1) (first
+position anchored), q_run = bs (a - p0) queries on k_run = a l / (a + 1) - 1 + q_run keys (context up to the last
+anchor, then the run's blocks); M = sum_docs (p0 bs^2 + q_run k_run) mask elements, Kc = sum_docs k_run copied
+keys, Qc = Q, and w = 1 - prod_docs (1 - p0) the chance that some run attends to a view of the layer's whole keys
+and values (keeping them: the 2 c K g d term); a row of one document: M = Q K, Kc = Qc = 0, w = 1.
 
 Bytes: c = element size of the compute dtype (2 under bf16 autocast, 4 in fp32), f = 4 (float32 statistics and
-the float32 upcasts inside RMSNorm), k = 2 under autocast (q/k/v and gate/up each save their own bf16 cast of a
-shared float32 input), else 1.
+the float32 upcasts inside RMSNorm). RMSNorm returns the compute dtype, so every projection's input is already in
+it (autocast makes no activation copies).
 
     static    = P_target ct + P_draft (4 weights + 8 AdamW moments) [+ 4 P_draft DDP buckets when W > 1]
     draft     = 4 P_draft grads + 2 P_draft autocast weight casts (bf16)
@@ -26,16 +39,19 @@ shared float32 input), else 1.
               + R T (Ht (f + c) + f)                         context norm
               + 2 R (Q + K) d c                              rotary tables
               + 29 R Q + 25 R T                              block ids/positions/labels/weights; the batch
-              + R [Q (2(f+c) + c + k c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
-                   + k c K H + (f + c) K g d + f K g + attention] x L - R Q H f      saved, per draft layer
-                attention: flex 2 c K g d; dense 2 c K h d + c Q K
+              + (R [Q (2(f+c) + 2c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
+                   + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
+                extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
               + R Q (H (f + c) + f)                          final norm
               + head: S H c, and when S V <= CE_CHUNK_ELEMENTS the saved log-probabilities 4 S V
-              + max(head transient, one layer's backward transient)
+              + max(head transient, one layer's backward transient [, segments: M boolean run masks, forward only])
     checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
     peak      = static + max(target, draft)
+The fixed-anchor pass (``fixed_anchors`` = k blocks per document, no grad) runs after the training forward, while
+its saved tensors are alive; its transient (one layer over the context keys and k bs block tokens per document,
+the LM head on its few slots) is smaller than the backward transient of the training blocks, so it adds no term.
 
 FLOPs (model FLOPs: the real work of a step, no padding, no recomputation; one multiply-add = 2 FLOPs):
 
@@ -44,7 +60,10 @@ FLOPs (model FLOPs: the real work of a step, no padding, no recomputation; one m
                      + 4 h d (bs sum_anchors p + A bs^2)]                         forward + backward
               + 2 x 2 n Ht H sum_docs l                                           fc: forward + weight grad
               + 2 x 2 H V S                                                       LM head: forward + input grad
-with A valid anchors, p an anchor's position in its document (visible context keys, mean (l - 2) / 2).
+    fixed     = L [the draft layer term with Af, pf] + 2 H V Sf                   fixed anchors: forward only
+with A valid anchors, p an anchor's position in its document (visible context keys, mean (l - 2) / 2); Af =
+sum_docs min(k, l - 1) fixed anchors, pf their positions, Sf their supervised slots (the fixed pass reuses the
+projected context; its keys/values are recomputed). ``attention`` reports the query-key-pair part of the total.
 MFU = step FLOPs / (step time x peak FLOP/s).
 
 Cost: O(number of batches) numpy; no tensors are built.
@@ -62,7 +81,7 @@ import torch
 GIB = float(2**30)
 USABLE_FRACTION = 0.9   # of a GPU's memory a step may plan for: CUDA context, allocator fragmentation, workspaces
 PRECISIONS = ("bf16", "fp32")
-ATTENTION_PATHS = ("flex", "dense")
+ATTENTION_PATHS = ("flex", "segments", "dense")
 
 
 class PreflightError(ValueError):
@@ -158,6 +177,7 @@ class StepModel:
     block_size: int
     anchors_per_doc: int | None
     anchor_density: float | None
+    fixed_anchors: int = 0      # blocks per document of the no-grad fixed-anchor pass (0: no such pass)
 
     @property
     def layers_read(self) -> int:
@@ -183,20 +203,22 @@ class StepModel:
         return cls(TargetDims.from_hf_config(config), DraftDims.from_draft_config(draft_cfg),
                    block_size=int(model_cfg.get("block_size", 8)),
                    anchors_per_doc=_optional_int(model_cfg.get("anchors_per_doc", 64)),
-                   anchor_density=_optional_float(model_cfg.get("anchor_density", 0.0625)))
+                   anchor_density=_optional_float(model_cfg.get("anchor_density", 0.0625)),
+                   fixed_anchors=int(model_cfg.get("fixed_anchors", 8) or 0))
 
     @classmethod
     def from_model(cls, model: Any) -> "StepModel":
         """From a built ``DFlashModel`` (what the trainer holds before step 1)."""
         return cls(TargetDims.from_hf_config(model.target.config), DraftDims.from_draft_config(model.draft.cfg),
                    block_size=model.block_size, anchors_per_doc=model.anchors_per_doc,
-                   anchor_density=model.anchor_density)
+                   anchor_density=model.anchor_density, fixed_anchors=model.fixed_anchors)
 
 
 @dataclass(frozen=True)
 class Settings:
     """How the step runs: ``precision`` bf16 (autocast, bf16 target) or fp32; draft activation checkpointing;
-    ``attention`` flex (training's path) or dense (legacy masks); ``world_size`` > 1 adds DDP's gradient buckets."""
+    ``attention``: the draft's attention path (``attention_path``): flex (GPU), segments (CPU training) or dense
+    (the oracle backend); ``world_size`` > 1 adds DDP's gradient buckets."""
 
     precision: str = "bf16"
     activation_checkpointing: bool = False
@@ -208,6 +230,23 @@ class Settings:
             raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
+
+
+def attention_path(device_type: str, backend: str = "auto") -> str:
+    """The ``Settings.attention`` of a training step on ``device_type`` with ``DFlashModel.attention_backend``.
+
+    ``auto`` (training) runs the draft under flex_attention on CUDA and per-document SDPA on CPU (``segments``;
+    one dense SDPA for rows that hold one document), as ``dflash_lab.model.attention.attend`` chooses.
+
+    Example:
+        >>> attention_path("cuda"), attention_path("cpu"), attention_path("cpu", "dense")
+        ('flex', 'segments', 'dense')
+    """
+    if backend == "auto":
+        return "flex" if device_type == "cuda" else "segments"
+    if backend not in ATTENTION_PATHS:
+        raise ValueError(f"attention backend {backend!r}: choose one of auto, {', '.join(ATTENTION_PATHS)}")
+    return backend
 
 
 def _optional_int(value) -> int | None:
@@ -234,7 +273,9 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
     Returns:
         ``rows`` R, ``row_len`` T, ``slots`` N, ``anchors`` A, ``supervised`` S, ``real`` (tokens),
         ``sq_half`` (sum l (l + 1) / 2, causal target attention pairs), ``context_pairs`` (sum over anchors of
-        the context keys they see).
+        the context keys they see, times bs); the fixed-anchor pass's ``fixed_anchors`` Af, ``fixed_supervised``
+        Sf and ``fixed_context_pairs``; the CPU draft attention's (``segments``) mask elements per layer
+        ``segment_pairs`` and keys copied per layer ``segment_keys``.
 
     Example:
         >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 4, "anchors_per_doc": 2,
@@ -250,18 +291,43 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
     sizes = np.array([len(b) for b in batches], dtype=np.int64)
     flat = lengths[np.concatenate(batches)].astype(np.int64) if len(batches) else np.zeros(0, np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bs = model.block_size
     valid = np.maximum(flat - 1, 0)
     quota = anchor_quota(torch.from_numpy(valid), model.anchors_per_doc, model.anchor_density).numpy()
     quota = quota.astype(np.int64)
-    supervised = quota * _mean_targets_per_anchor(flat, model.block_size)
+    targets = _mean_targets_per_anchor(flat, bs)
     context = quota * np.maximum(flat - 2, 0) / 2.0
+    fixed = np.minimum(valid, model.fixed_anchors)
     anchors = np.add.reduceat(quota, starts)
     rows = np.ones_like(sizes) if packed else sizes
-    slots = anchors if packed else np.maximum.reduceat(quota, starts)
-    return {"rows": rows, "row_len": counts.padded // rows, "slots": np.maximum(slots, 1), "anchors": anchors,
-            "supervised": np.add.reduceat(supervised, starts), "real": counts.real,
+    slots = np.maximum(anchors if packed else np.maximum.reduceat(quota, starts), 1)
+    row_len = counts.padded // rows
+    # CPU draft attention (``segments``): rows of one document run one SDPA on the row's Q x K mask; a packed row
+    # of several documents runs one SDPA per run of blocks sharing a context start: the block at a document's
+    # first position (no context: its own block only) and the document's other blocks, whose keys are the context
+    # up to the last anchor and their own blocks (copied into one tensor). Expected sizes under a uniform draw.
+    first = np.where(valid > 0, quota / np.maximum(valid, 1), 0.0)           # P(first position anchored)
+    last_anchor = np.where(quota > 0, quota * flat / (quota + 1.0) - 1.0, 0.0)   # E[max anchor] (doc-relative)
+    run_queries = bs * (quota - first)
+    run_keys = np.where(run_queries > 0, last_anchor + run_queries, 0.0)
+    single = sizes == 1 if packed else np.ones_like(sizes, dtype=bool)
+    q_len = slots * bs
+    dense_pairs = rows * q_len * (row_len + q_len)
+    segment_pairs = np.where(single, dense_pairs, np.add.reduceat(first * bs * bs + run_queries * run_keys, starts))
+    segment_keys = np.where(single, 0.0, np.add.reduceat(run_keys, starts))
+    segment_queries = np.where(single, 0.0, rows * q_len)   # queries whose output is concatenated from runs
+    # A run on one key piece (a first-position block: its own block only) attends to a view of the layer's keys and
+    # values, which keeps them whole; other runs attend to copies. P(some document's first position anchored):
+    segment_whole_kv = np.where(single, 1.0, 1.0 - np.multiply.reduceat(1.0 - first, starts))
+    return {"rows": rows, "row_len": row_len, "slots": slots, "anchors": anchors,
+            "supervised": np.add.reduceat(quota * targets, starts), "real": counts.real,
             "sq_half": np.add.reduceat(flat * (flat + 1) / 2.0, starts),
-            "context_pairs": model.block_size * np.add.reduceat(context, starts)}
+            "context_pairs": bs * np.add.reduceat(context, starts),
+            "fixed_anchors": np.add.reduceat(fixed, starts),
+            "fixed_supervised": np.add.reduceat(fixed * targets, starts),
+            "fixed_context_pairs": bs * np.add.reduceat(fixed * np.maximum(flat - 2, 0) / 2.0, starts),
+            "segment_pairs": segment_pairs, "segment_keys": segment_keys, "segment_queries": segment_queries,
+            "segment_whole_kv": segment_whole_kv}
 
 
 def _mean_targets_per_anchor(lengths: np.ndarray, block_size: int) -> np.ndarray:
@@ -288,7 +354,7 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
 
     t, d = model.target, model.draft
     autocast = settings.precision == "bf16"
-    c, f, k = (2.0, 4.0, 2.0) if autocast else (4.0, 4.0, 1.0)
+    c, f = (2.0, 4.0) if autocast else (4.0, 4.0)
     dense = settings.attention == "dense"
     R = shapes["rows"].astype(np.float64)
     T = shapes["row_len"].astype(np.float64)
@@ -311,10 +377,24 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
         layer_transient = layer_transient + R * T * T * (1 + c)
     terms["target_phase"] = 2 * features + layer_transient
 
-    attention = 2 * c * K * hd + c * Q * K if dense else 2 * c * K * gd
-    layer_saved = R * (Q * H * (2 * (f + c) + c + k * c) + 4 * c * Q * I + (f + 3 * c) * Q * hd
-                       + 2 * f * Q * d.heads + 2 * f * Q + k * c * K * H + (f + c) * K * gd + f * K * d.kv_heads
-                       + attention)
+    # Attention tensors saved per layer beyond the q/k/v/output/log-sum-exp every path keeps (keys and values
+    # at g heads): flex nothing more; dense the float copy of the Q x K mask SDPA makes; segments that copy of
+    # each run's mask, each run's concatenated keys and values, and (rows of several documents) the output
+    # concatenated from the runs, copied again into o_proj's input layout.
+    # The layer's whole keys and values (2 c K g d) are saved by flex and dense, by segments only while some run
+    # attends to a view of them (``segment_whole_kv``, the expected share).
+    whole_kv = 2 * c * K * gd
+    if settings.attention == "dense":
+        attention_extra = R * c * Q * K
+    elif settings.attention == "segments":
+        whole_kv = whole_kv * shapes["segment_whole_kv"]
+        attention_extra = c * (shapes["segment_pairs"] + 2 * shapes["segment_keys"] * gd
+                               + shapes["segment_queries"] * hd)
+    else:
+        attention_extra = 0.0
+    layer_saved = R * (Q * H * (2 * (f + c) + 2 * c) + 4 * c * Q * I + (f + 3 * c) * Q * hd
+                       + 2 * f * Q * d.heads + 2 * f * Q + c * K * H + (f + c) * K * gd + f * K * d.kv_heads
+                       + whole_kv) + attention_extra
     layer_inputs = R * Q * H * c
     if settings.activation_checkpointing:
         layers = d.layers * layer_inputs + layer_saved
@@ -335,11 +415,14 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     terms["features"] = features
     terms["context_and_rope"] = R * T * (H * (f + c) + f) + 2 * R * (Q + K) * d.head_dim * c
     terms["objective"] = R * Q * 29.0 + R * T * 25.0   # block ids/positions/labels/weights; batch tensors
+    # segments: the boolean run masks, built once per step and shared by every layer (dense rows: one per layer);
+    # they live during the draft forward only (freed with the key intervals before the backward's transients)
+    terms["attention_masks"] = shapes["segment_pairs"] * 1.0 if settings.attention == "segments" else 0.0
     terms["draft_layers"] = layers
     terms["final_norm_and_head"] = R * Q * (H * (f + c) + f) + head_saved
     terms["backward_transient"] = np.maximum(head_transient, layer_backward)
     draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
-                   + terms["final_norm_and_head"] + terms["backward_transient"])
+                   + terms["final_norm_and_head"] + np.maximum(terms["attention_masks"], terms["backward_transient"]))
     terms["static"] = static
     terms["draft_phase"] = draft_phase
     terms["peak"] = static + np.maximum(terms["target_phase"], draft_phase)
@@ -351,28 +434,41 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
 
 
 def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``) and ``total``.
+    """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``, ``fixed``), their
+    ``total``, and ``attention``: the part of the total that is attention (query-key pairs), for reference.
 
     Example:
         >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
         >>> s = batch_shapes([np.arange(4)], np.full(4, 100), packed=True, model=m)
         >>> fl = step_flops(m, s)
-        >>> bool(fl["total"][0] == fl["target"][0] + fl["draft"][0] + fl["fc"][0] + fl["head"][0])
+        >>> bool(fl["total"][0] == sum(fl[k][0] for k in ("target", "draft", "fc", "head", "fixed")))
         True
     """
     t, d, bs = model.target, model.draft, model.block_size
     real = shapes["real"].astype(np.float64)
     A = shapes["anchors"].astype(np.float64)
-    target = model.layers_read * (2.0 * t.layer_matmul_params * real
-                                  + 4.0 * t.heads * t.head_dim * shapes["sq_half"])
-    block_tokens = A * bs
-    per_layer = (2.0 * block_tokens * d.layer_matmul_params
-                 + 4.0 * d.hidden * d.kv_heads * d.head_dim * real
-                 + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + block_tokens * bs))
+    Af = shapes["fixed_anchors"].astype(np.float64)
+    target_attention = 4.0 * t.heads * t.head_dim * shapes["sq_half"]
+    target = model.layers_read * (2.0 * t.layer_matmul_params * real + target_attention)
+
+    def draft_layer(anchors, context_pairs):
+        """One draft layer's forward over ``anchors`` blocks: (all FLOPs, attention FLOPs)."""
+        attention = 4.0 * d.heads * d.head_dim * (context_pairs + anchors * bs * bs)
+        return (2.0 * anchors * bs * d.layer_matmul_params + 4.0 * d.hidden * d.kv_heads * d.head_dim * real
+                + attention), attention
+
+    per_layer, layer_attention = draft_layer(A, shapes["context_pairs"])
+    fixed_layer, fixed_attention = draft_layer(Af, shapes["fixed_context_pairs"])
+    # The fixed-anchor pass: forward only (no grad), the context projection reused, its keys/values recomputed.
+    runs_fixed = 1.0 if model.fixed_anchors else 0.0
+    fixed_head = 2.0 * d.hidden * t.vocab * shapes["fixed_supervised"].astype(np.float64)
     out = {"target": target, "draft": 3.0 * d.layers * per_layer, "fc": 2.0 * 2.0 * d.fc_params * real,
-           "head": 2.0 * 2.0 * d.hidden * t.vocab * shapes["supervised"].astype(np.float64)}
-    out["total"] = out["target"] + out["draft"] + out["fc"] + out["head"]
-    return out
+           "head": 2.0 * 2.0 * d.hidden * t.vocab * shapes["supervised"].astype(np.float64),
+           "fixed": runs_fixed * (d.layers * fixed_layer + fixed_head)}
+    out["total"] = out["target"] + out["draft"] + out["fc"] + out["head"] + out["fixed"]
+    out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
+                        + runs_fixed * d.layers * fixed_attention)
+    return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), np.shape(real)) for name, value in out.items()}
 
 
 # -------------------------------------------------------------------------------------------- plans and fits
