@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# docs/ablation_policies/ is a sweep's report folder, rewritten with each ablation run: not scanned here.
+# docs/ablation/ is a sweep's report folder (its README is written from the measured tables): not scanned here.
 SOURCES = [
     ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md")),
     *[p for folder in ("dflash_lab", "benchmarks", "hydra_plugins") for p in sorted((ROOT / folder).rglob("*.py"))],

@@ -1,4 +1,5 @@
-"""Comparison plots (matplotlib, Agg backend, PNG): loss curves, per-band probe accuracy, per-arm metric bars, the
+"""Comparison plots (matplotlib, Agg backend, PNG): loss curves (per step, real token and second), per-band probe
+accuracy, per-band probe loss per arm with the step's bucket shaded, per-arm metric bars, the
 throughput trade-off (one point per setting) and probe loss on the three compute axes. Each function takes the
 loaded records / comparison tables and a path, draws one figure, and returns the path; a figure with nothing to
 draw says so on the canvas instead of failing. Colours follow the arm (setting), the same in every plot.
@@ -50,32 +51,99 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
+LOSS_AXES = (("step", "optimizer step"), ("tokens_seen", "real tokens seen"), ("wall_s", "wall-clock s (training)"))
+
+
+def _loss_axes(steps: pd.DataFrame) -> pd.DataFrame:
+    """The training steps with the x axes of the loss plots: step, cumulative real tokens, cumulative step time."""
+    steps = steps.dropna(subset=["step", "loss"]).sort_values("step")
+    return steps.assign(tokens_seen=pd.to_numeric(steps.get("real_tokens"), errors="coerce").cumsum(),
+                        wall_s=pd.to_numeric(steps.get("step_time_s"), errors="coerce").cumsum())
+
+
 def plot_loss_curves(records: list[RunRecord], path: Path, arms: dict[str, str] | None = None,
                      smooth_alpha: float = 0.1) -> Path:
-    """Training loss per step, every run overlaid (EMA-smoothed, faint raw), one colour per arm.
+    """Training loss against optimizer steps, real tokens seen and training wall-clock, every run overlaid
+    (EMA-smoothed, faint raw), one colour per arm: a policy that looks worse per step may be ahead per token or
+    per second.
 
     Args:
         arms: run_id -> arm label (`comparison.runs`); default: the sampler.
     """
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, axes = plt.subplots(1, len(LOSS_AXES), figsize=(15, 4.2), sharey=True)
     drawable = [r for r in records if not r.steps.empty and r.steps["loss"].notna().any()]
     if not drawable:
-        _empty(ax, "no training losses logged")
+        for ax in axes:
+            _empty(ax, "no training losses logged")
         return _save(fig, path)
     colours = _colours([_arm(r, arms) for r in drawable])
-    labelled: set[str] = set()
-    for record in drawable:
-        steps = record.steps.dropna(subset=["step", "loss"])
-        arm = _arm(record, arms)
-        ax.plot(steps["step"], steps["loss"], color=colours[arm], alpha=0.15, linewidth=0.6)
-        ax.plot(
-            steps["step"], ema(steps["loss"].to_numpy(), smooth_alpha), color=colours[arm], linewidth=1.2,
-            linestyle="--" if record.partial else "-", label=None if arm in labelled else arm,
-        )
-        labelled.add(arm)
-    ax.set(xlabel="step", ylabel="training loss", title="Training loss (EMA; dashed = partial run)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    for ax, (column, label) in zip(axes, LOSS_AXES):
+        labelled: set[str] = set()
+        for record in drawable:
+            steps = _loss_axes(record.steps)
+            if not steps[column].notna().any():
+                continue
+            arm = _arm(record, arms)
+            ax.plot(steps[column], steps["loss"], color=colours[arm], alpha=0.15, linewidth=0.6)
+            ax.plot(steps[column], ema(steps["loss"].to_numpy(), smooth_alpha), color=colours[arm], linewidth=1.2,
+                    linestyle="--" if record.partial else "-", label=None if arm in labelled else arm)
+            labelled.add(arm)
+        ax.set(xlabel=label, title=f"training loss vs {label} (EMA; dashed = partial)", yscale="log")
+    axes[0].set_ylabel("training loss")
+    _legend(axes[0])
+    return _save(fig, path)
+
+
+def _bucket_spans(steps: pd.DataFrame) -> list[tuple[float, float, int]]:
+    """(first step - 1, last step, bucket) of each run of consecutive single-bucket steps (bucket >= 0)."""
+    if "bucket" not in steps.columns:
+        return []
+    rows = steps.dropna(subset=["step", "bucket"]).sort_values("step")
+    spans: list[tuple[float, float, int]] = []
+    for step, bucket in zip(rows["step"].to_numpy(float), rows["bucket"].to_numpy(float)):
+        if bucket < 0:
+            continue
+        if spans and spans[-1][2] == int(bucket) and spans[-1][1] == step - 1:
+            spans[-1] = (spans[-1][0], step, int(bucket))
+        else:
+            spans.append((step - 1, step, int(bucket)))
+    return spans
+
+
+def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, str] | None = None) -> Path:
+    """Probe loss of every band against the step, one panel per arm (its lowest seed), the background shaded by
+    the length bucket each training step came from (same colour as that band's line; unshaded = mixed steps).
+
+    A forgetting loop looks like a band's loss rising while other buckets train and falling when its own bucket
+    returns; under shuffled orders the shading is a fine stripe and the lines should stay smooth.
+    """
+    chosen: dict[str, RunRecord] = {}
+    for record in sorted(records, key=lambda r: (r.seed is None, r.seed if r.seed is not None else 0, r.run_id)):
+        if not record.probes.empty and record.probes["loss"].notna().any():
+            chosen.setdefault(_arm(record, arms), record)
+    if not chosen:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        _empty(ax, "no probe evaluations logged")
+        return _save(fig, path)
+    columns = min(len(chosen), 3)
+    rows = int(np.ceil(len(chosen) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.4 * rows), squeeze=False, sharey=True)
+    bands = sorted({int(b) for r in chosen.values() for b in r.probes["band"].dropna().unique()})
+    palette = plt.get_cmap("viridis", max(len(bands), 2))
+    colour = {band: palette(i) for i, band in enumerate(bands)}
+    for ax, (arm, record) in zip(axes.flat, sorted(chosen.items())):
+        for start, end, bucket in _bucket_spans(record.steps):
+            ax.axvspan(start, end, color=colour.get(bucket, "lightgrey"), alpha=0.12, linewidth=0)
+        for band in bands:
+            probes = record.probes[record.probes["band"] == band].sort_values("step")
+            lo, hi = record_band_edges([record], band)
+            ax.plot(probes["step"], probes["loss"], color=colour[band], linewidth=1.1,
+                    label=f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))
+        ax.set(title=f"{arm} (seed {record.seed})", xlabel="step", yscale="log")
+    for ax in list(axes.flat)[len(chosen):]:
+        ax.set_axis_off()
+    axes[0][0].set_ylabel("probe loss (shading: bucket of the step)")
+    axes[0][0].legend(fontsize=6)
     return _save(fig, path)
 
 
@@ -213,6 +281,7 @@ def write_all_plots(records: list[RunRecord], comparison: Comparison, out_dir: P
     return [
         plot_loss_curves(records, out / "loss_curves.png", arms),
         plot_band_accuracy(records, out / "band_accuracy.png", arms),
+        plot_band_loss_by_arm(records, out / "band_loss_by_arm.png", arms),
         plot_metric_bars(comparison, out / "metric_bars.png"),
         plot_tradeoff(comparison, out / "tradeoff.png"),
         plot_equal_compute(comparison, out / "equal_compute.png"),
