@@ -57,8 +57,13 @@ LOSS_AXES = (("step", "optimizer step"), ("tokens_seen", "real tokens seen"), ("
 def _loss_axes(steps: pd.DataFrame) -> pd.DataFrame:
     """The training steps with the x axes of the loss plots: step, cumulative real tokens, cumulative step time."""
     steps = steps.dropna(subset=["step", "loss"]).sort_values("step")
-    return steps.assign(tokens_seen=pd.to_numeric(steps.get("real_tokens"), errors="coerce").cumsum(),
-                        wall_s=pd.to_numeric(steps.get("step_time_s"), errors="coerce").cumsum())
+
+    def cumulative(column: str) -> pd.Series:
+        if column not in steps.columns:
+            return pd.Series(np.nan, index=steps.index)
+        return pd.to_numeric(steps[column], errors="coerce").cumsum()
+
+    return steps.assign(tokens_seen=cumulative("real_tokens"), wall_s=cumulative("step_time_s"))
 
 
 def plot_loss_curves(records: list[RunRecord], path: Path, arms: dict[str, str] | None = None,
