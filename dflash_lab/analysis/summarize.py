@@ -299,7 +299,10 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     bands, cross = _long_tables(analyses, runs)
     verdict = None
     if protocol.verdict and pairing is not None and not paired.empty:
-        verdict = build_verdict(runs, paired, protocol.verdict)
+        try:
+            verdict = build_verdict(runs, paired, protocol.verdict)
+        except ValueError as error:  # e.g. a sweep still running: its controls have no runs yet
+            notes.append(f"verdict.json not written: {error}")
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
                       curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict)
 
