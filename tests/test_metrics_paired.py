@@ -159,3 +159,69 @@ def test_compute_axes_use_the_attention_column_and_the_world_size():
     axes = budgets.compute_axes(metrics, cost=(0.0, 0.0, 1e-3), world_size=2)
     assert axes["modelled_time_s"].tolist() == pytest.approx([0.0, 0.5, 2.0])  # per rank: 500 then 1500 x 1e-3
     assert budgets.compute_axes(metrics)["modelled_time_s"].isna().all()  # no cost model, no time axis
+
+
+# ------------------------------------------------------------------------------------------------ verdict
+def _verdict_inputs(question_diff, question_ci, question_verdict="inconclusive", positive_ci=(0.03, 0.07),
+                    negative_ci=(-0.004, 0.006)):
+    import pandas as pd
+
+    from dflash_lab.analysis.schema import BETTER
+
+    runs = pd.DataFrame({"arm": ["seq", "bkt", "seqi", "fr", "fri"], "sampler": ["s", "b", "s", "f", "f"],
+                         "data.band_skills": ["aligned", "aligned", "independent", "aligned", "independent"]})
+
+    def row(arm, endpoint, diff, ci, verdict="inconclusive"):
+        return {"policy": arm, "endpoint": endpoint, "diff": diff, "ci_low": ci[0], "ci_high": ci[1],
+                "p_value": 0.0625, "p_holm": 0.25, "verdict": verdict, "better": BETTER[endpoint],
+                "baseline": "fr", "n_pairs": 5, "margin": 0.01, "arm_mean": 18.0, "baseline_mean": 10.0}
+
+    paired = pd.DataFrame([row("seq", "residual_amplitude", 0.05, positive_ci),
+                           row("seqi", "residual_amplitude", 0.001, negative_ci),
+                           row("bkt", "residual_amplitude", question_diff, question_ci, question_verdict),
+                           row("bkt", "ktok_s", 8.0, (7.0, 9.0))])
+    roles = {"endpoint": "residual_amplitude", "positive_control": "sampler=s,data.band_skills=aligned",
+             "negative_control": "sampler=s,data.band_skills=independent",
+             "question": "sampler=b,data.band_skills=aligned"}
+    return runs, paired, roles
+
+
+@pytest.mark.parametrize("diff,ci,tost,answer", [
+    (0.005, (0.002, 0.008), "equivalent", "small"),         # detectable and inside the margin
+    (0.03, (0.02, 0.04), "inconclusive", "yes"),             # detectable, beyond any declared margin
+    (0.001, (-0.002, 0.004), "equivalent", "equivalent"),    # only the equivalence test speaks
+    (0.001, (-0.01, 0.012), "inconclusive", "no detectable effect"),
+])
+def test_verdict_answers(diff, ci, tost, answer):
+    from dflash_lab.analysis.verdict import build_verdict
+
+    verdict = build_verdict(*_verdict_inputs(diff, ci, tost))
+    assert verdict["valid"] and verdict["seeds"] == 5 and verdict["throughput_ratio"] == pytest.approx(1.8)
+    assert verdict["answer"].split(":")[0] == answer
+
+
+def test_verdict_is_inconclusive_when_a_control_fails():
+    from dflash_lab.analysis.verdict import build_verdict
+
+    blind = build_verdict(*_verdict_inputs(0.03, (0.02, 0.04), positive_ci=(-0.01, 0.11)))
+    assert not blind["valid"] and blind["answer"].startswith("inconclusive: the positive control (seq)")
+    # a positive control that moves the "better" way is no signature either
+    wrong_way = build_verdict(*_verdict_inputs(0.03, (0.02, 0.04), positive_ci=(-0.07, -0.03)))
+    assert not wrong_way["positive_control"]["detected"]
+    confounded = build_verdict(*_verdict_inputs(0.03, (0.02, 0.04), negative_ci=(-0.009, -0.002)))
+    assert not confounded["valid"] and "negative control (seqi) reacted" in confounded["answer"]
+
+
+def test_verdict_roles_must_select_one_arm():
+    from dflash_lab.analysis.protocol import protocol_from_section
+    from dflash_lab.analysis.verdict import build_verdict
+
+    runs, paired, roles = _verdict_inputs(0.03, (0.02, 0.04))
+    with pytest.raises(ValueError, match=r"analysis.verdict.question='sampler=s' matches 2 arms"):
+        build_verdict(runs, paired, {**roles, "question": "sampler=s"})
+    with pytest.raises(ValueError, match=r"analysis.verdict.question=.*\['data.seed'\] is not a swept key"):
+        build_verdict(runs, paired, {**roles, "question": "sampler=b,data.seed=1"})
+    with pytest.raises(ValueError, match=r"analysis.verdict: missing \['question'\]"):
+        protocol_from_section({"verdict": {k: v for k, v in roles.items() if k != "question"}})
+    with pytest.raises(ValueError, match="analysis.verdict.endpoint: unknown endpoint 'loss'"):
+        protocol_from_section({"verdict": {**roles, "endpoint": "loss"}})

@@ -20,9 +20,11 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   skills do not depend on length (a confound, e.g. length itself)
     valid                         positive detected and negative not detected; otherwise the answer is
                                   "inconclusive" and says which control failed
-    answer                        valid: "yes" if the question arm's primary interval excludes 0 on the worse side,
-                                  "equivalent" if its TOST verdict is equivalent, else "no detectable effect"
-                                  (with the interval and the share of the positive control's effect it could hide)
+    answer                        valid: "small" if the question arm's primary interval excludes 0 on the worse side
+                                  and its TOST verdict is equivalent (real but inside the declared margin), "yes"
+                                  if it excludes 0 on the worse side only, "equivalent" if TOST only, else "no
+                                  detectable effect" (with the share of the positive control's effect it could
+                                  hide); each with the effect as a share of the positive control's
     throughput_ratio              question arm's mean Ktok/s / its baseline's (the same seeds), from the ktok_s row
 
 Cost: a few table lookups.
@@ -161,11 +163,18 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
     interval = f"{endpoint} diff {_fmt(_number(row['diff']))}, 95% CI [{_fmt(_number(row['ci_low']))}, " \
                f"{_fmt(_number(row['ci_high']))}]"
     speed = "" if verdict["throughput_ratio"] is None else f", at {verdict['throughput_ratio']:.2f}x the throughput"
-    if _excludes_zero(row, "worse"):
-        return f"yes: {verdict['arms']['question']} shows the forgetting signature ({interval}){speed}"
-    if row["verdict"] == "equivalent":
+    share = float(row["diff"]) / abs(positive["diff"]) if positive["diff"] else float("nan")
+    detected, equivalent = _excludes_zero(row, "worse"), row["verdict"] == "equivalent"
+    of_control = f"{share:.0%} of the positive control's {_fmt(positive['diff'])}"
+    if detected and equivalent:
+        return (f"small: {verdict['arms']['question']} shows a detectable forgetting signature ({interval}; "
+                f"{of_control}) that stays inside the margin {row['margin']:g} declared irrelevant before the "
+                f"runs{speed}")
+    if detected:
+        return f"yes: {verdict['arms']['question']} shows the forgetting signature ({interval}; {of_control}){speed}"
+    if equivalent:
         return f"equivalent: no forgetting beyond the declared margin {row['margin']:g} ({interval}){speed}"
     worst = float(row["ci_high"] if row["better"] == "lower" else -row["ci_low"])
-    share = worst / abs(positive["diff"]) if positive["diff"] else np.nan
-    return (f"no detectable effect: {interval}; at most {share:.0%} of the positive control's effect "
+    bound = worst / abs(positive["diff"]) if positive["diff"] else float("nan")
+    return (f"no detectable effect: {interval}; at most {bound:.0%} of the positive control's effect "
             f"({_fmt(positive['diff'])}){speed}")
