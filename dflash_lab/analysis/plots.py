@@ -144,7 +144,8 @@ def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, 
             lo, hi = record_band_edges([record], band)
             ax.plot(probes["step"], probes["loss"], color=colour[band], linewidth=1.1,
                     label=f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))
-        ax.set(title=f"{arm} (seed {record.seed})", xlabel="step", yscale="log")
+        ax.set(xlabel="step", yscale="log")
+        ax.set_title(f"{arm} (seed {record.seed})", fontsize=8)
     for ax in list(axes.flat)[len(chosen):]:
         ax.set_axis_off()
     axes[0][0].set_ylabel("probe loss (shading: bucket of the step)")
