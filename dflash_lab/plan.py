@@ -53,6 +53,10 @@ BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
 MAX_SWEEP_K = 256  # more buckets than this is no longer bucketing
 
 
+TRIM_ROUNDS = 3     # CostModel.fit: refits after dropping stalled steps
+TRIM_SIGMAS = 2.5   # a step slower than the fit by more than this many robust standard deviations is a stall
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-rank step time = c0 + c1 x padded tokens + c2 x attention tokens (seconds).
@@ -69,10 +73,26 @@ class CostModel:
         return self.c0 + self.c1 * np.asarray(padded, dtype=np.float64) + self.c2 * np.asarray(attention, np.float64)
 
     @classmethod
-    def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray) -> "CostModel":
-        """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention).
+    def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray,
+            trim_rounds: int = TRIM_ROUNDS) -> "CostModel":
+        """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention), robust to
+        stalls.
 
-        Columns are scaled to unit maximum first, so the solver sees comparable magnitudes.
+        Logged step times have a heavy right tail (garbage collection, other processes, a first call of a new
+        shape): on a shared CPU the slowest 10% of steps take 1.4x the median and single steps 10x. Least squares
+        would follow that tail and predict every step too slow, while Ktok/s is defined on the median step
+        (``throughput.steady_state_ktok_s``). So each of ``trim_rounds`` rounds drops the steps slower than the
+        current fit by more than TRIM_SIGMAS robust standard deviations (1.4826 x the residuals' median absolute
+        deviation) and refits on the rest. Columns are scaled to unit maximum, so the solver sees comparable
+        magnitudes.
+
+        Example:
+            >>> padded = np.tile([1000.0, 2000.0, 3000.0, 4000.0], 25)
+            >>> times = 0.01 + 1e-5 * padded
+            >>> times[::10] *= 5  # stalls
+            >>> model = CostModel.fit(padded, np.zeros_like(padded), times)
+            >>> round(model.c0, 4), round(model.c1 * 1e5, 3)
+            (0.01, 1.0)
         """
         from scipy.optimize import nnls
 
@@ -82,7 +102,15 @@ class CostModel:
         x = np.stack([np.ones_like(y), np.asarray(padded, np.float64), np.asarray(attention, np.float64)], axis=1)
         scale = np.abs(x).max(axis=0)
         scale[scale == 0] = 1.0
-        coef, _ = nnls(x / scale, y)
+        keep = np.ones(y.size, dtype=bool)
+        for _ in range(trim_rounds + 1):
+            coef, _ = nnls(x[keep] / scale, y[keep])
+            residual = y - (x / scale) @ coef
+            spread = 1.4826 * np.median(np.abs(residual[keep] - np.median(residual[keep])))
+            slow = residual > np.median(residual[keep]) + TRIM_SIGMAS * spread
+            if spread == 0 or (~slow).sum() < 3 or np.array_equal(~slow, keep):
+                break
+            keep = ~slow
         return cls(*map(float, coef / scale))
 
     @classmethod
