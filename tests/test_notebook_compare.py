@@ -134,3 +134,34 @@ def test_ablation_sweep_composes_every_policy_with_train_yaml():
             assert point.sampler.name == policy and point.seed == 2
             assert point.experiment == "ablation_policies"
             assert point.trainer.epochs == 2 and point.data.num_samples == 1000 and point.probes.every == 10
+
+
+def test_forgetting_sweep_composes_every_arm_and_declares_its_protocol():
+    """sweeps/forgetting_ablation.yaml: 9 arm files x 5 seeds; every arm composes into the sampler and data it names,
+    every arm runs the same optimizer steps, and the declared protocol (baseline, margins, verdict roles) is valid."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from dflash_lab.analysis.protocol import protocol_from_section
+
+    expected = {
+        "aligned_full_random": ("full_random", "aligned"), "aligned_full_random_equal_tokens": ("full_random", "aligned"),
+        "aligned_bucketed": ("bucketed", "aligned"), "aligned_bucketed_run8": ("bucketed", "aligned"),
+        "aligned_bucketed_megabatch": ("bucketed_megabatch", "aligned"),
+        "aligned_bucket_sequential": ("bucket_sequential", "aligned"),
+        "independent_full_random": ("full_random", "independent"), "independent_bucketed": ("bucketed", "independent"),
+        "independent_bucket_sequential": ("bucket_sequential", "independent"),
+    }
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        base = ["hydra.job.num=0", "hydra.runtime.output_dir=/tmp/unused"]
+        cfg = compose(config_name="forgetting_ablation", overrides=base, return_hydra_config=True)
+        params = cfg.hydra.sweeper.params
+        assert params["+arm"].split(",") == list(expected) and params["seed"].split(",") == list("01234")
+        for arm, (sampler, skills) in expected.items():
+            point = compose(config_name="forgetting_ablation", overrides=[f"+arm={arm}", "seed=3"])
+            assert (point.sampler.name, point.data.band_skills, point.seed) == (sampler, skills, 3), arm
+            assert point.trainer.max_steps == 390 and point.probes.per_band >= 24
+        assert compose(config_name="forgetting_ablation", overrides=["+arm=aligned_bucketed_run8"]).sampler.run_length == 8
+        protocol = protocol_from_section(OmegaConf.to_container(point.analysis, resolve=True))
+        assert protocol.verdict["positive_control"] == "sampler=bucket_sequential,data.band_skills=aligned"
+        assert protocol.margins["residual_amplitude"] == 0.01
