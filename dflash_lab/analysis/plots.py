@@ -43,6 +43,17 @@ def _legend(ax: plt.Axes) -> None:
         ax.legend(fontsize=6)
 
 
+def _panel_grid(count: int, panel_size: tuple[float, float]) -> tuple[plt.Figure, np.ndarray]:
+    """Up to 3 panels per row sharing the y axis; panels past `count` are hidden."""
+    columns = min(count, 3)
+    rows = int(np.ceil(count / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(panel_size[0] * columns, panel_size[1] * rows), squeeze=False,
+                             sharey=True)
+    for ax in list(axes.flat)[count:]:
+        ax.set_axis_off()
+    return fig, axes
+
+
 def _save(fig: plt.Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -130,9 +141,7 @@ def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, 
         fig, ax = plt.subplots(figsize=(6, 3))
         _empty(ax, "no probe evaluations logged")
         return _save(fig, path)
-    columns = min(len(chosen), 3)
-    rows = int(np.ceil(len(chosen) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.4 * rows), squeeze=False, sharey=True)
+    fig, axes = _panel_grid(len(chosen), (5.2, 3.4))
     bands = sorted({int(b) for r in chosen.values() for b in r.probes["band"].dropna().unique()})
     palette = plt.get_cmap("viridis", max(len(bands), 2))
     colour = {band: palette(i) for i, band in enumerate(bands)}
@@ -146,8 +155,6 @@ def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, 
                     label=f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))
         ax.set(xlabel="step", yscale="log")
         ax.set_title(f"{arm} (seed {record.seed})", fontsize=8)
-    for ax in list(axes.flat)[len(chosen):]:
-        ax.set_axis_off()
     axes[0][0].set_ylabel("probe loss (shading: bucket of the step)")
     axes[0][0].legend(fontsize=6)
     return _save(fig, path)
@@ -161,9 +168,7 @@ def plot_band_accuracy(records: list[RunRecord], path: Path, arms: dict[str, str
         fig, ax = plt.subplots(figsize=(6, 3))
         _empty(ax, "no probe evaluations logged")
         return _save(fig, path)
-    columns = min(len(bands), 3)
-    rows = int(np.ceil(len(bands) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    fig, axes = _panel_grid(len(bands), (4.2, 3.2))
     colours = _colours([_arm(r, arms) for r in with_probes])
     for ax, band in zip(axes.flat, bands):
         labelled: set[str] = set()
@@ -178,8 +183,6 @@ def plot_band_accuracy(records: list[RunRecord], path: Path, arms: dict[str, str
         lo, hi = record_band_edges(with_probes, band)
         ax.set_title(f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))  # lengths in (lo, hi]
         ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(bands):]:
-        ax.set_axis_off()
     axes[0][0].set_ylabel("probe accuracy")
     axes[0][0].legend(fontsize=7)
     return _save(fig, path)
