@@ -29,7 +29,7 @@ time); ETA = epochs x steps per epoch x mean step time.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -43,12 +43,13 @@ from .sampling import (
     FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, smallest_k_for_efficiency,
     validate_boundaries, validate_lengths,
 )
-from .sampling.stats import plan_padding, plan_stats
+from .sampling.anchors import anchor_rule_name, block_tokens_per_sample, valid_positions_from_lengths
+from .sampling.stats import batch_block_tokens, plan_padding, plan_stats, supervision_shares
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data (dflash_lab.conf), in a checkout and a wheel
 PLAN_CONF_DIR = Path(__file__).resolve().parent / "conf_plan"  # groups only the planner uses (cost, data=lengths)
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
-SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "drop_last", "overlong")
+SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "max_block_tokens", "drop_last", "overlong")
 BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
 MAX_SWEEP_K = 256  # more buckets than this is no longer bucketing
 
@@ -59,24 +60,39 @@ TRIM_SIGMAS = 2.5   # a step slower than the fit by more than this many robust s
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-rank step time = c0 + c1 x padded tokens + c2 x attention tokens (seconds).
+    """Per-rank step time (seconds) of a batch, one of two forms:
 
-    Token counts are those of ``metrics.throughput.batch_token_counts`` (attention tokens: rows x longest^2 for
-    padded batches, the sum of squared document lengths for a packed row), the same numbers the trainer logs.
+    * linear: ``c0 + c1 x padded tokens + c2 x attention tokens + c3 x block tokens``, with the token counts of
+      ``metrics.throughput.batch_token_counts`` (attention tokens: rows x longest^2 for padded batches, the sum of
+      squared document lengths for a packed row) and the block tokens of ``sampling.anchors`` (anchors x block
+      size: the draft's work), the same numbers the trainer logs;
+    * FLOPs: ``c0 + executed FLOPs / (mfu x peak)``, with the step's FLOPs from the memory/FLOP model
+      (``model.footprint.step_flops``: target, draft, head, with the anchors of each document; ``executed``
+      counts what padded batches also run: padded tokens and padding anchor slots) and ``peak`` the GPU's dense
+      BF16 FLOP/s (a ``gpu`` preset). Used when ``mfu`` is set; MFU itself counts model FLOPs only.
     """
 
     c0: float
-    c1: float
+    c1: float = 0.0
     c2: float = 0.0
+    c3: float = 0.0
+    mfu: float | None = None
+    peak_tflops: float | None = None
 
-    def step_time(self, padded: np.ndarray, attention: np.ndarray) -> np.ndarray:
-        return self.c0 + self.c1 * np.asarray(padded, dtype=np.float64) + self.c2 * np.asarray(attention, np.float64)
+    def step_time(self, padded: np.ndarray, attention: np.ndarray, blocks: np.ndarray | float = 0.0) -> np.ndarray:
+        """Linear form (``mfu`` unset)."""
+        return (self.c0 + self.c1 * np.asarray(padded, dtype=np.float64)
+                + self.c2 * np.asarray(attention, np.float64) + self.c3 * np.asarray(blocks, np.float64))
+
+    def flop_step_time(self, flops: np.ndarray) -> np.ndarray:
+        """FLOPs form: ``c0 + flops / (mfu x peak)``."""
+        return self.c0 + np.asarray(flops, dtype=np.float64) / (float(self.mfu) * float(self.peak_tflops) * 1e12)
 
     @classmethod
     def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray,
-            trim_rounds: int = TRIM_ROUNDS) -> "CostModel":
-        """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention), robust to
-        stalls.
+            trim_rounds: int = TRIM_ROUNDS, blocks: np.ndarray | None = None) -> "CostModel":
+        """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention, block
+        tokens), robust to stalls.
 
         Logged step times have a heavy right tail (garbage collection, other processes, a first call of a new
         shape): on a shared CPU the slowest 10% of steps take 1.4x the median and single steps 10x. Least squares
@@ -84,7 +100,7 @@ class CostModel:
         (``throughput.steady_state_ktok_s``). So each of ``trim_rounds`` rounds drops the steps slower than the
         current fit by more than TRIM_SIGMAS robust standard deviations (1.4826 x the residuals' median absolute
         deviation) and refits on the rest. Columns are scaled to unit maximum, so the solver sees comparable
-        magnitudes.
+        magnitudes; a column that is all zero (no block tokens logged) gets a zero coefficient.
 
         Example:
             >>> padded = np.tile([1000.0, 2000.0, 3000.0, 4000.0], 25)
@@ -99,7 +115,9 @@ class CostModel:
         y = np.asarray(step_time, dtype=np.float64)
         if y.size < 3:
             raise ValueError(f"need at least 3 logged steps to fit the cost model, got {y.size}")
-        x = np.stack([np.ones_like(y), np.asarray(padded, np.float64), np.asarray(attention, np.float64)], axis=1)
+        block_column = np.zeros_like(y) if blocks is None else np.asarray(blocks, np.float64)
+        x = np.stack([np.ones_like(y), np.asarray(padded, np.float64), np.asarray(attention, np.float64),
+                      block_column], axis=1)
         scale = np.abs(x).max(axis=0)
         scale[scale == 0] = 1.0
         keep = np.ones(y.size, dtype=bool)
@@ -115,7 +133,8 @@ class CostModel:
 
     @classmethod
     def from_run(cls, run_dir: str | Path, warmup_steps: int = 10) -> "CostModel":
-        """Fit from a run's metrics.jsonl: per-rank step times against per-rank padded and attention tokens."""
+        """Fit from a run's metrics.jsonl: per-rank step times against per-rank padded, attention and block tokens
+        (runs logged before block tokens were recorded fit without that term)."""
         run_dir = Path(run_dir)
         rows, bad = read_jsonl(run_dir / METRICS_FILE)
         if not rows:
@@ -130,9 +149,10 @@ class CostModel:
         except (OSError, ValueError):
             world = 1
         rows = rows[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
-        column = lambda name: np.asarray([r[name] for r in rows], dtype=np.float64)  # noqa: E731
+        column = lambda name: np.asarray([r.get(name) or 0 for r in rows], dtype=np.float64)  # noqa: E731
         # Logged token counts are summed over ranks; the model is per rank.
-        return cls.fit(column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"))
+        return cls.fit(column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"),
+                       blocks=column("block_tokens") / world)
 
 
 def calibrate_cost(
@@ -176,15 +196,33 @@ def calibrate_cost(
     return CostModel.fit(np.asarray(padded, float), np.asarray(attention, float), np.asarray(seconds))
 
 
-def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0) -> dict[str, float]:
+def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0,
+                       step_model: Any = None) -> dict[str, float]:
     """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks).
 
     Ktok/s is predicted with the trainer's definition (``throughput.steady_state_ktok_s``: the median over steps of
     a step's real tokens / its time), so prediction and measurement compare like with like; ETA sums step times.
+    Block tokens per batch come from the policy's own (``Admission.block_tokens``; none: 0). The FLOPs form of
+    the cost model (``cost.mfu``) needs ``step_model`` (``model.footprint.StepModel``) and also reports
+    ``pred_mfu`` (model FLOPs over the run's time at the preset's peak).
     """
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
-    per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"])
+    _, per_batch_blocks = batch_block_tokens(policy, plan.batches)   # block slots run, padding slots included
+    flops = None
+    if cost.mfu is not None:
+        from .model.footprint import batch_shapes, policy_anchors, step_flops
+
+        if step_model is None or cost.peak_tflops is None:
+            raise ValueError("cost.mfu needs the model's shape (model=qwen3_8b or model.target_config) and a gpu "
+                             "preset (gpu=rtx_pro_6000|h100|h200) for its peak FLOP/s")
+        shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=step_model,
+                              anchors=policy_anchors(policy, step_model))
+        counted = step_flops(step_model, shapes)
+        flops = counted["total"]
+        per_batch = cost.flop_step_time(counted["executed"])
+    else:
+        per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"], per_batch_blocks)
     step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
     step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
     if not step_times.size:
@@ -192,13 +230,16 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
                 "eta_s": float("nan"), "eta_days": float("nan")}
     mean_step = float(step_times.mean())
     eta = full_run_eta_seconds(epochs, plan.steps, mean_step)
-    return {
+    out = {
         "step_time_s": mean_step,
         "ktok_s": steady_state_ktok_s([ktok_per_s(r, t) for r, t in zip(step_real, step_times)], warmup_steps=0),
         "epoch_hours": float(step_times.sum()) / 3600.0,
         "eta_s": eta,
         "eta_days": eta / 86400.0,
     }
+    if flops is not None:  # model FLOPs of every rank over the epoch's time at world_size x peak
+        out["mfu"] = float(flops.sum() / (step_times.sum() * policy.world_size * cost.peak_tflops * 1e12))
+    return out
 
 
 def policy_names(policies: Any) -> list[str]:
@@ -257,28 +298,78 @@ def plan_table(
     cost: CostModel,
     bands: Sequence[int] | None = None,
     memory: Mapping[str, Any] | None = None,
+    block_tokens: np.ndarray | None = None,
 ) -> pd.DataFrame:
     """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA, and with
-    ``memory`` (``memory_inputs``) the predicted peak GPU memory, TFLOPs per step and fit (``memory_columns``)."""
+    ``memory`` (``memory_inputs``) the memory plan (``model.footprint.memory_plan``: an ``auto`` block budget and
+    checkpointing resolved against the GPU), predicted peak GPU memory, TFLOPs per step and fit
+    (``memory_columns``). ``block_tokens`` (per sample, ``sampling.anchors``) add the block-token columns and the
+    supervision share per band (``share <lo>-<hi>``, over ``bands`` or the first bucketed policy's boundaries)."""
     rows = []
+    share_bands = list(bands) if bands is not None else None
     for name, sampler_cfg in samplers.items():
-        policy = policy_from_config(sampler_cfg, lengths, seed=seed, world_size=world_size, rank=0)
+        sampler_cfg, chosen = resolve_block_budget(sampler_cfg, lengths, memory, seed=seed, block_tokens=block_tokens)
+        policy = policy_from_config(sampler_cfg, lengths, seed=seed, world_size=world_size, rank=0,
+                                    block_tokens=block_tokens)
+        if share_bands is None and policy.boundaries:
+            share_bands = list(policy.boundaries)
+        step_model = memory["model"] if memory else None
+        predicted = predict_throughput(policy, cost, epochs, step_model=step_model)
         rows.append(
             {
                 **plan_stats(policy, bands=bands),
-                **{f"pred_{k}": v for k, v in predict_throughput(policy, cost, epochs).items()},
-                **(memory_columns(policy, lengths, sampler_cfg, seed=seed, **memory) if memory else {}),
+                **{f"pred_{k}": v for k, v in predicted.items()},
+                **(memory_columns(policy, lengths, sampler_cfg, seed=seed, block_tokens=block_tokens,
+                                  **{**memory, "settings": chosen}) if memory else {}),
+                "max_block_tokens": sampler_cfg.get("max_block_tokens"),
                 "boundaries": policy.boundaries,
+                "_policy": policy,
             }
         )
+    if block_tokens is not None:
+        if share_bands is None:
+            share_bands = quantile_bands(lengths)
+        for row in rows:
+            row.update({f"share {band}": v for band, v in supervision_shares(row["_policy"], share_bands).items()})
+    for row in rows:
+        del row["_policy"]
     return pd.DataFrame(rows).set_index("policy")
+
+
+def quantile_bands(lengths: np.ndarray, count: int = 6) -> list[int]:
+    """``count`` equal-count length bands (edges, first 0, last the longest).
+
+    Example:
+        >>> quantile_bands(np.arange(1, 101), 4)
+        [0, 26, 51, 76, 100]
+    """
+    qs = np.unique(np.quantile(lengths, np.linspace(0, 1, count + 1)[1:-1], method="higher").astype(np.int64))
+    return [0, *[int(q) for q in qs if q < lengths.max()], int(lengths.max())]
+
+
+def resolve_block_budget(sampler_cfg: Mapping[str, Any], lengths: np.ndarray, memory: Mapping[str, Any] | None, *,
+                         seed: int, block_tokens: np.ndarray | None) -> tuple[dict[str, Any], Any]:
+    """The sampler config with ``max_block_tokens`` resolved (``auto``: ``model.footprint.memory_plan``), and the
+    memory settings with the checkpointing the plan chose (None without memory inputs: ``auto`` = no budget)."""
+    cfg = dict(sampler_cfg)
+    if memory is None:
+        if cfg.get("max_block_tokens") == "auto":
+            cfg["max_block_tokens"] = None
+        return cfg, None
+    from .model.footprint import memory_plan
+
+    chosen = memory_plan(memory["model"], lengths, cfg, memory["settings"],
+                         activation_checkpointing=memory["activation_checkpointing"], gpu_mem_gb=memory["gpu_mem_gb"],
+                         seed=seed, block_tokens=block_tokens)
+    cfg["max_block_tokens"] = chosen.max_block_tokens
+    return cfg, replace(memory["settings"], activation_checkpointing=chosen.activation_checkpointing)
 
 
 def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """Inputs of the memory/FLOP columns from the plan config: the model's shape from its config alone (no
-    weights), ``precision``, ``activation_checkpointing``, ``attention``, ``world_size`` and ``gpu_mem_gb``.
-    None (columns left out) when the model config gives no target shape (``model=hf`` without ``target_config``
-    or ``target_path``).
+    weights), ``precision``, ``activation_checkpointing`` (true | false | auto), ``attention``, ``world_size``
+    and the GPU's memory (``gpu.memory_gb`` of a preset, else ``gpu_mem_gb``). None (columns left out) when the
+    model config gives no target shape (``model=hf`` without ``target_config`` or ``target_path``).
 
     Example:
         >>> memory_inputs({"model": {"kind": "tiny"}, "world_size": 8})["settings"].world_size
@@ -289,27 +380,35 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     model_cfg = dict(cfg["model"])
     if model_cfg.get("kind") == "hf" and not (model_cfg.get("target_config") or model_cfg.get("target_path")):
         return None
+    checkpointing = cfg.get("activation_checkpointing", False)
+    if checkpointing != "auto":
+        checkpointing = as_bool("activation_checkpointing", checkpointing)
     settings = Settings(precision=as_choice("precision", cfg.get("precision", "bf16"), ["bf16", "fp32"]),
-                        activation_checkpointing=as_bool("activation_checkpointing",
-                                                         cfg.get("activation_checkpointing", False)),
+                        activation_checkpointing=checkpointing is True,
                         attention=as_choice("attention", cfg.get("attention", "flex"), list(ATTENTION_PATHS)),
                         world_size=as_int("world_size", cfg["world_size"], minimum=1))
+    preset = (cfg.get("gpu") or {}).get("memory_gb")
+    gpu_mem_gb = preset if preset is not None else cfg.get("gpu_mem_gb", 80)
     return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
-            "gpu_mem_gb": as_float("gpu_mem_gb", cfg.get("gpu_mem_gb", 80), minimum=1.0)}
+            "activation_checkpointing": checkpointing,
+            "gpu_mem_gb": as_float("gpu.memory_gb" if preset is not None else "gpu_mem_gb", gpu_mem_gb, minimum=1.0)}
 
 
 def memory_columns(policy: Policy, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], *, model, settings,
-                   gpu_mem_gb: float, seed: int) -> dict[str, Any]:
+                   gpu_mem_gb: float, seed: int, block_tokens: np.ndarray | None = None,
+                   activation_checkpointing: Any = None) -> dict[str, Any]:
     """``pred_peak_mem_gb`` (worst step), ``pred_peak_mem_gb_ckpt``, ``pred_tflop_per_step``, ``fits``
-    (yes | ckpt | no, ``dflash_lab.model.footprint.plan_footprint``) and ``max_tokens_fit``: the largest
-    ``sampler.max_tokens`` that fits with the configured checkpointing (the configured one when it fits)."""
+    (yes | ckpt | no, ``dflash_lab.model.footprint.plan_footprint``), ``ckpt`` (the checkpointing the memory plan
+    uses) and ``max_tokens_fit``: the largest ``sampler.max_tokens`` that fits with that checkpointing (the
+    configured one when it fits)."""
     from .model.footprint import USABLE_FRACTION, largest_fitting_max_tokens, plan_footprint
 
     out = plan_footprint(policy, model, settings, gpu_mem_gb=gpu_mem_gb)
     fits_now = out["fits"] == "yes" or (out["fits"] == "ckpt" and settings.activation_checkpointing)
+    out["ckpt"] = "on" if settings.activation_checkpointing else "off"
     out["max_tokens_fit"] = int(sampler_cfg["max_tokens"]) if fits_now else largest_fitting_max_tokens(
         lengths, sampler_cfg, model, settings, budget_gb=USABLE_FRACTION * gpu_mem_gb, seed=seed,
-        world_size=policy.world_size)
+        world_size=policy.world_size, block_tokens=block_tokens)
     return out
 
 
@@ -403,7 +502,15 @@ def data_keys(kind: Any) -> list[str]:
 
 
 def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None) -> np.ndarray:
-    """Sample lengths for planning: a reference workload (``kind: lengths``) or a dataset's cached lengths.
+    """Sample lengths for planning (``load_plan_data``'s first half)."""
+    return load_plan_data(data_cfg, model_cfg)[0]
+
+
+def load_plan_data(data_cfg: Mapping[str, Any],
+                   model_cfg: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sample lengths and valid anchor positions for planning: a reference workload (``kind: lengths``: every
+    token supervised, ``sampling.anchors.valid_positions_from_lengths``) or a dataset's cached arrays (its own
+    loss masks, ``TokenizedDataset.anchor_positions``).
 
     Raises:
         ValueError: an unknown data kind, a key the kind does not use (e.g. ``data.path`` with ``kind: lengths``),
@@ -419,7 +526,8 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
         workload = as_choice("data.workload", data_cfg["workload"], WORKLOADS)
         num_samples = as_int("data.num_samples", data_cfg["num_samples"], minimum=1, example=800000)
         seed = as_int("data.seed", data_cfg.get("seed", 0), minimum=0)
-        return validate_lengths(reference_lengths(workload, num_samples, seed=seed))
+        lengths = validate_lengths(reference_lengths(workload, num_samples, seed=seed))
+        return lengths, valid_positions_from_lengths(lengths)
     from .data import build_dataset
     from .data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 
@@ -432,7 +540,7 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
     else:
         tokenizer = ByteTokenizer()
     train, _ = build_dataset(kind, tokenizer=tokenizer, **data_cfg).split()
-    return validate_lengths(train.lengths)
+    return validate_lengths(train.lengths), train.anchor_positions()
 
 
 # ---- what a person reads: the narrow table, its legend, the recommendation (plan.csv keeps every column) -----------
@@ -467,6 +575,9 @@ NARROW_COLUMNS = (
            "(0 = every batch one length)"),
     Column("adjacent_length_corr", "order r", _number(2),
            "correlation of consecutive batches' mean lengths (near 1 = a sorted, drifting order)"),
+    Column("block_tokens", "blk/step", _number(0),
+           "block tokens (anchors x block size: the draft's work) per rank and step, padding slots included, "
+           "mean of the epoch plan (its bound, sampler.max_block_tokens, is in plan.csv)"),
     Column("pred_peak_mem_gb", "peak GiB", _gib, "predicted peak GPU memory per rank, worst step"),
     Column("fits", "fits", str, "yes | ckpt (only with activation checkpointing) | no, against 90% of gpu_mem_gb"),
 )
@@ -475,7 +586,8 @@ FULL_COLUMNS = (
     "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_s",
-    "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "fits", "max_tokens_fit",
+    "block_tokens", "block_tokens_max", "block_per_token", "thinned", "max_block_tokens", "pred_mfu",
+    "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "ckpt", "fits", "max_tokens_fit",
 )
 
 
@@ -618,8 +730,10 @@ def plan_keys() -> list[str]:
     return [k for k in raw if k not in ("defaults", "hydra")] + groups
 
 
-def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int) -> CostModel:
-    """The cost model ``cost.*`` asks for: fitted on a run, calibrated by a micro-benchmark, or given."""
+def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int,
+                     gpu_cfg: Mapping[str, Any] | None = None) -> CostModel:
+    """The cost model ``cost.*`` asks for: fitted on a run, calibrated by a micro-benchmark, the FLOPs form at a
+    model FLOP utilisation (``cost.mfu``, with the ``gpu`` preset's peak), or given coefficients."""
     valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
     refuse_unknown_keys("cost", cost_cfg, valid)
     from_run = cost_cfg.get("from_run")
@@ -629,7 +743,24 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
         return CostModel.from_run(from_run)
     if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
         return calibrate_cost(model_cfg, max_tokens, seed=seed)
-    return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2")))
+    mfu = as_float("cost.mfu", cost_cfg.get("mfu"), minimum=1e-6, maximum=1.0, allow_none=True, example=0.3)
+    if mfu is not None:
+        peak = (gpu_cfg or {}).get("bf16_dense_tflops")
+        if peak is None:
+            raise ValueError(f"cost.mfu={mfu:g} prices steps by their model FLOPs at a share of the GPU's peak: "
+                             f"choose a gpu preset (gpu=rtx_pro_6000, gpu=h100 or gpu=h200)")
+        return CostModel(as_float("cost.c0", cost_cfg.get("c0", 0.0), minimum=0.0), mfu=mfu,
+                         peak_tflops=as_float("gpu.bf16_dense_tflops", peak, minimum=1e-3))
+    return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2", "c3")))
+
+
+def plan_block_tokens(valid: np.ndarray, model_cfg: Mapping[str, Any] | None) -> np.ndarray | None:
+    """Block tokens per sample under the model config's anchor rule (``sampling.anchors``); None without one."""
+    if not model_cfg or "block_size" not in model_cfg:
+        return None
+    return block_tokens_per_sample(valid, block_size=as_int("model.block_size", model_cfg["block_size"], minimum=2),
+                                   anchors_per_doc=model_cfg.get("anchors_per_doc"),
+                                   anchor_density=model_cfg.get("anchor_density"))
 
 
 def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
@@ -652,14 +783,15 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     floors = recommend_floors(cfg.get("recommend"))
     samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
-    cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed)
-    lengths = load_lengths(cfg["data"], cfg.get("model"))
+    cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
+    lengths, valid = load_plan_data(cfg["data"], cfg.get("model"))
+    block_tokens = plan_block_tokens(valid, cfg.get("model"))
 
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     memory = memory_inputs(cfg)
     table = plan_table(lengths, samplers, seed=seed, world_size=world_size, epochs=epochs, cost=cost, bands=bands,
-                       memory=memory)
+                       memory=memory, block_tokens=block_tokens)
     table.to_csv(out_dir / "plan.csv")
     advice = recommendation(table, floors, activation_checkpointing=bool(
         memory and memory["settings"].activation_checkpointing))
@@ -670,13 +802,19 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
+    shares = [c for c in table.columns if c.startswith("share ")]
     readable = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
-        f"{epochs:g} epochs; cost model step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention\n"
+        f"{epochs:g} epochs; {describe_cost(cost)}\n"
+        + describe_anchors(cfg.get("model"), block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
-        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n" + advice["line"] + "\n"
+        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n"
+        + (f"Supervision share per length band (block tokens of an epoch in each band):\n\n"
+           f"{to_markdown(table, [Column(c, c.removeprefix('share '), _number(3)) for c in shares])}\n\n"
+           if shares else "")
+        + advice["line"] + "\n"
     )
     full = to_markdown(table, full_columns(table))
     (out_dir / "plan.md").write_text(f"{readable}\n## Every column (full precision in plan.csv)\n\n{full}\n")
@@ -689,7 +827,8 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         plot_k_sweep(sweep, out_dir / "k_sweep.png")
         print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
     if target_pad_eff is not None:
-        shared = {k: v for k, v in cfg["sampler"].items() if k in SHARED_KEYS and k != "max_tokens"}
+        shared = {k: v for k, v in cfg["sampler"].items()
+                  if k in SHARED_KEYS and k not in ("max_tokens", "max_block_tokens")}
         found = smallest_k_for_efficiency(
             lengths, target_pad_eff, max_tokens=max_tokens, method=sweep_method, seed=seed, **shared
         )
@@ -698,6 +837,36 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
               f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
     print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md (every column)")
     return table
+
+
+def describe_cost(cost: CostModel) -> str:
+    """One line naming the cost model's form and coefficients.
+
+    Example:
+        >>> describe_cost(CostModel(0.0, mfu=0.2, peak_tflops=500))
+        'cost model: step = model FLOPs / (0.2 MFU x 500 TFLOP/s) + 0 s'
+    """
+    if cost.mfu is not None:
+        return f"cost model: step = model FLOPs / ({cost.mfu:g} MFU x {cost.peak_tflops:g} TFLOP/s) + {cost.c0:g} s"
+    return (f"cost model: step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention + {cost.c3:g} x "
+            f"block tokens")
+
+
+def describe_anchors(model_cfg: Mapping[str, Any] | None, block_tokens: np.ndarray | None) -> str:
+    """One line naming the anchor rule the block-token columns use.
+
+    Example:
+        >>> describe_anchors({"block_size": 16, "anchors_per_doc": 512, "anchor_density": None}, np.array([16]))
+        'anchor rule: recipe (min(512, valid positions) anchors per document, block size 16)'
+    """
+    if block_tokens is None or not model_cfg:
+        return "anchor rule: unknown (no model config): no block-token columns"
+    density = model_cfg.get("anchor_density")
+    if anchor_rule_name(density) == "recipe":
+        what = f"min({model_cfg.get('anchors_per_doc')}, valid positions) anchors per document"
+    else:
+        what = f"ceil({density:g} x valid positions) anchors per document, at most {model_cfg.get('anchors_per_doc')}"
+    return f"anchor rule: {anchor_rule_name(density)} ({what}, block size {model_cfg['block_size']})"
 
 
 def main() -> None:

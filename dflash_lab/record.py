@@ -74,6 +74,7 @@ STEP_FIELDS = (
     "real_tokens",    # real (non-pad) tokens, all ranks
     "padded_tokens",  # padded tokens, all ranks (packed rows: their used length)
     "attn_tokens",    # attention cost, all ranks: rows x longest^2 padded, sum of squared documents packed
+    "block_tokens",   # draft block tokens trained (anchors x block size), all ranks: the draft's work
     "pad_eff",        # real / padded
     "batch_size",     # documents, all ranks
     "max_len",        # longest document of the step
@@ -179,6 +180,7 @@ class StepStats:
     real_tokens: float     # sum
     padded_tokens: float   # sum
     attn_tokens: float     # sum
+    block_tokens: float    # sum: anchors x block size of the training blocks
     documents: float       # sum
     max_len: float         # max
     grad_norm: float       # first: the clipped-gradient norm is the same on every rank after DDP's all-reduce
@@ -288,6 +290,7 @@ def step_row(
         "real_tokens": int(stats.real_tokens),
         "padded_tokens": int(stats.padded_tokens),
         "attn_tokens": int(stats.attn_tokens),
+        "block_tokens": int(stats.block_tokens),
         "pad_eff": throughput.padding_efficiency(stats.real_tokens, stats.padded_tokens),
         "batch_size": int(stats.documents),
         "max_len": int(stats.max_len),

@@ -54,9 +54,10 @@ from dflash_lab.model import build_model, footprint, heldout_prompts, measure_ac
 from dflash_lab.probes import DEFAULT_BANDS, PresentationRecorder, ProbeSets, heldout_evaluator, validate_bands
 from dflash_lab.run_logger import RunLogger, close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
 from dflash_lab.sampling import policy_from_config
+from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 
 FAILED_EXIT_CODE = 1
-CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "logger", "probes", "analysis", "seed", "resume",
+CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
                    "run_dir", "experiment")
 
 
@@ -104,7 +105,7 @@ class TrainerSettings:
     grad_clip: float = 1.0
     global_loss_norm: bool = True
     skip_nonfinite: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False   # auto: on where the preflight says the step needs it
     gpu_mem_gb: float | None = None
     num_threads: int | None = None
     num_workers: int = 0
@@ -125,7 +126,8 @@ class TrainerSettings:
         "epochs": _int(1), "max_steps": _int(0, allow_none=True), "grad_accum": _int(1),
         "lr": _float(minimum=0.0), "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
         "weight_decay": _float(minimum=0.0), "betas": _betas, "grad_clip": _float(minimum=0.0),
-        "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "activation_checkpointing": as_bool,
+        "global_loss_norm": as_bool, "skip_nonfinite": as_bool,
+        "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
         "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
         "num_threads": _int(1, allow_none=True), "num_workers": _int(0), "log_every": _int(1),
         "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
@@ -247,6 +249,47 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
     )
 
 
+def gpu_memory_gb(config: Mapping[str, Any], trainer: TrainerSettings, device: torch.device) -> float | None:
+    """Memory of one GPU for the memory plan: ``gpu.memory_gb`` (a preset), else ``trainer.gpu_mem_gb``, else the
+    device's own total; None on CPU."""
+    preset = (config.get("gpu") or {}).get("memory_gb")
+    if preset is not None:
+        return as_float("gpu.memory_gb", preset, minimum=1.0)
+    if trainer.gpu_mem_gb is not None:
+        return trainer.gpu_mem_gb
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return None
+
+
+def resolve_memory_plan(config: Mapping[str, Any], trainer: TrainerSettings, model, dataset, device: torch.device,
+                        world_size: int, seed: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
+    """The sampler config with ``max_block_tokens`` resolved, the memory plan (``footprint.memory_plan``: ``auto``
+    block budget and checkpointing chosen from the memory model where the GPU's memory is known) and the block
+    tokens of every sample under the model's anchor rule (``sampling.anchors``; None without a block budget: the
+    pass over the loss mask is skipped when nothing reads it). The model takes the plan's block budget (fair
+    thinning of any batch over it) and checkpointing."""
+    sampler_cfg = dict(config["sampler"])
+    requested = sampler_cfg.get("max_block_tokens")
+    gpu_gb = gpu_memory_gb(config, trainer, device)
+    needs_blocks = requested is not None and not (requested == "auto" and gpu_gb is None)
+    block_tokens = None
+    if needs_blocks:
+        block_tokens = block_tokens_per_sample(dataset.anchor_positions(), block_size=model.block_size,
+                                               anchors_per_doc=model.anchors_per_doc,
+                                               anchor_density=model.anchor_density)
+    memory = footprint.memory_plan(
+        footprint.StepModel.from_model(model), dataset.lengths, sampler_cfg,
+        footprint.Settings(precision=trainer.precision, world_size=world_size,
+                           attention=footprint.attention_path(device.type, model.attention_backend)),
+        activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=seed,
+        block_tokens=block_tokens)
+    sampler_cfg["max_block_tokens"] = memory.max_block_tokens
+    model.max_block_tokens = memory.max_block_tokens
+    model.draft.activation_checkpointing = memory.activation_checkpointing
+    return sampler_cfg, memory, (block_tokens if memory.max_block_tokens is not None else None)
+
+
 def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     """A resolved plain-dict copy of the config (the one place a DictConfig is read)."""
     if isinstance(cfg, DictConfig):
@@ -333,13 +376,16 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
 
     # ---- 2. model, data, policy, loader ----------------------------------------------------------------------
     model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
-                                   activation_checkpointing=trainer.activation_checkpointing)
+                                   activation_checkpointing=trainer.activation_checkpointing is True)
     model.to(device)
     # probes need probes.per_band held-out samples in every band: the split tops up short bands
     train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split(
         bands=probe_cfg.bands if probe_cfg.every > 0 else None, per_band=probe_cfg.per_band)
-    policy = policy_from_config(config["sampler"], train_ds.lengths, seed=seed, world_size=env.world_size,
-                                rank=env.rank)
+    sampler_cfg, memory, block_tokens = resolve_memory_plan(config, trainer, model, train_ds, device,
+                                                            env.world_size, seed)
+    log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
+    policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=seed, world_size=env.world_size, rank=env.rank,
+                                block_tokens=block_tokens)
     longest = int(policy.lengths.max())
     if (probe_cfg.every or probe_cfg.presentations) and longest > probe_cfg.bands[-1]:
         raise ValueError(f"probes.bands={probe_cfg.bands} end at {probe_cfg.bands[-1]} but training samples reach "
@@ -350,11 +396,11 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     )
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
     if device.type == "cuda":  # a config that cannot fit stops here, naming the fix, not at step 1 with an OOM
-        memory_gb = trainer.gpu_mem_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
         fit = footprint.preflight(
-            footprint.StepModel.from_model(model), train_ds.lengths, config["sampler"],
-            footprint.Settings(precision=trainer.precision, activation_checkpointing=trainer.activation_checkpointing,
-                               world_size=env.world_size), gpu_mem_gb=memory_gb, seed=seed)
+            footprint.StepModel.from_model(model), train_ds.lengths, sampler_cfg,
+            footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
+                               world_size=env.world_size), gpu_mem_gb=gpu_memory_gb(config, trainer, device),
+            seed=seed, block_tokens=block_tokens)
         log.info(f"preflight: predicted peak {fit['pred_peak_mem_gb']:.1f} GiB of {fit['budget_gb']:.1f} usable")
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={config['sampler'].get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
@@ -494,7 +540,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
 
         # -- forward / backward / optimizer (compute) --
         t_compute = time.perf_counter()
-        device_sums = torch.zeros(4, dtype=torch.float64, device=device)  # ce_sum, weight_sum, correct, count
+        device_sums = torch.zeros(5, dtype=torch.float64, device=device)  # ce, weight, correct, count, blocks
         doc_correct, doc_count = [], []
         for micro, batch in enumerate(micro_batches):
             batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
@@ -513,7 +559,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
                 objective = out.weighted_ce_sum if trainer.global_loss_norm else out.loss / len(micro_batches)
                 objective.backward()
             device_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double(),
-                                        out.correct.double(), out.count.double()])
+                                        out.correct.double(), out.count.double(), out.num_blocks.double()])
             doc_correct.append(out.doc_correct)
             doc_count.append(out.doc_count)
         if trainer.global_loss_norm:
@@ -525,7 +571,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         doc_lengths = [policy.lengths[b["sample_index"].cpu().numpy()] for b in micro_batches]
         stats = record.gather_step_stats({
             "ce_sum": device_sums[0], "weight_sum": device_sums[1], "correct": device_sums[2],
-            "count": device_sums[3], "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
+            "count": device_sums[3], "block_tokens": device_sums[4] * model.block_size, "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
             **record.local_batch_stats(doc_lengths, packed=policy.packed),
         }, dist.all_gather_rows, device)
         lr = schedule.lr(step)

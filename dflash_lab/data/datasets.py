@@ -98,6 +98,33 @@ class TokenizedDataset:
         has the key; ``jsonl`` lists every reason of ``data.jsonl.SKIP_REASONS``, zeros included)."""
         return {"skipped": {}, **self.meta.get("stats", {})}
 
+    def anchor_positions(self, chunk_tokens: int = 1 << 24) -> np.ndarray:
+        """Valid anchor positions of each sample (``t`` and ``t + 1`` both supervised, inside the sample): what
+        the anchor rule (``sampling.anchors``) reads to count a sample's blocks. One pass over the loss mask, in
+        chunks of about ``chunk_tokens`` so a memory-mapped mask is never loaded whole.
+
+        Example:
+            >>> ds = TokenizedDataset(np.zeros(7, np.int32), np.array([1, 1, 1, 0, 1, 1, 1], bool),
+            ...                       np.array([0, 3, 7]), np.array([3, 4]), {})
+            >>> ds.anchor_positions().tolist()
+            [2, 2]
+        """
+        counts = np.zeros(len(self._all_lengths), dtype=np.int64)
+        offsets = np.asarray(self._offsets, dtype=np.int64)
+        first = 0
+        while first < counts.size:  # whole samples per chunk
+            last = int(np.searchsorted(offsets, offsets[first] + chunk_tokens, side="right")) - 1
+            last = min(max(last, first + 1), counts.size)
+            lo, hi = int(offsets[first]), int(offsets[last])
+            mask = np.asarray(self._loss_mask[lo:hi], dtype=bool)
+            pair = np.zeros(hi - lo, dtype=np.int64)
+            pair[:-1] = mask[:-1] & mask[1:]
+            pair[offsets[first + 1:last + 1] - lo - 1] = 0  # a sample's last token pairs with the next sample
+            sums = np.add.reduceat(pair, offsets[first:last] - lo) if hi > lo else np.zeros(last - first, np.int64)
+            counts[first:last] = np.where(np.diff(offsets[first:last + 1]) > 0, sums, 0)
+            first = last
+        return counts[self.source_indices]
+
     def subset(self, indices) -> TokenizedDataset:
         """A view holding samples ``indices`` of this dataset (renumbered 0..len-1)."""
         return TokenizedDataset(self._tokens, self._loss_mask, self._offsets, self._all_lengths, self.meta,

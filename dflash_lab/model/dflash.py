@@ -161,6 +161,8 @@ class DFlashModel(nn.Module):
         attention_backend: ``auto`` (flex where supported, see dflash_lab.model.attention) or ``flex`` /
             ``segments`` / ``dense`` (tests and benchmarks; ``dense`` is the oracle and also gives the target
             the dense document mask).
+        max_block_tokens: the step's block budget (``sampler.max_block_tokens``); a batch whose anchors exceed
+            it is thinned proportionally (``objective.thin_quota``). None: no budget.
     """
 
     CE_CHUNK_ELEMENTS = 1 << 27   # logits elements above which the LM head + CE run in checkpointed chunks
@@ -168,7 +170,7 @@ class DFlashModel(nn.Module):
     def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int = 8,
                  loss_gamma: float | None = None, anchors_per_doc: int | None = 64,
                  anchor_density: float | None = 0.0625, draft_init_seed: int = 0, fixed_anchors: int = 8,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", max_block_tokens: int | None = None):
         super().__init__()
         if block_size < 2:
             raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one prediction")
@@ -179,6 +181,11 @@ class DFlashModel(nn.Module):
         self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(block_size)
         self.anchors_per_doc = anchors_per_doc
         self.anchor_density = anchor_density
+        if max_block_tokens is not None and int(max_block_tokens) < self.block_size:
+            raise ValueError(f"sampler.max_block_tokens={max_block_tokens}: below one block ({self.block_size} "
+                             f"tokens); raise it (the recipe's 512 anchors x 16 = 8192 per document)")
+        # The step's block budget (the sampler's second budget): a batch over it is thinned (objective.thin_quota).
+        self.max_block_tokens = None if max_block_tokens is None else int(max_block_tokens)
         self.draft_init_seed = int(draft_init_seed)
         if int(fixed_anchors) < 0:
             raise ValueError(f"model.fixed_anchors={fixed_anchors}: use 0 (off) or a number of blocks per document")
@@ -311,8 +318,9 @@ class DFlashModel(nn.Module):
                         self.draft.project_context(features))
 
     def _random_blocks(self, inputs: _Encoded, generator: torch.Generator | None):
+        max_anchors = None if self.max_block_tokens is None else self.max_block_tokens // self.block_size
         anchors, valid, anchor_doc = sample_anchors(inputs.loss_mask, inputs.doc_ids, generator, self.anchors_per_doc,
-                                                    self.anchor_density, inputs.num_docs)
+                                                    self.anchor_density, inputs.num_docs, max_anchors)
         return self._blocks(inputs, anchors, valid, anchor_doc)
 
     def _blocks(self, inputs: _Encoded, anchors, valid, anchor_doc):

@@ -261,7 +261,7 @@ def _optional_float(value) -> float | None:
 
 
 def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: bool,
-                 model: StepModel) -> dict[str, np.ndarray]:
+                 model: StepModel, anchors: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Per batch: the layout numbers the formulas read (arrays of one value per batch).
 
     Args:
@@ -269,6 +269,9 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
         lengths: effective document lengths (``policy.lengths``).
         packed: True when a batch is one packed row.
         model: the step model (block size and anchor rule).
+        anchors: anchors of each sample (indexed like ``lengths``; ``policy_anchors``: the plan's block tokens /
+            block size, i.e. the rule on the data's own valid positions under the block budget). None: the rule
+            on ``l - 1`` valid positions (every token supervised, the conservative case).
 
     Returns:
         ``rows`` R, ``row_len`` T, ``slots`` N, ``anchors`` A, ``supervised`` S, ``real`` (tokens),
@@ -293,8 +296,11 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     bs = model.block_size
     valid = np.maximum(flat - 1, 0)
-    quota = anchor_quota(torch.from_numpy(valid), model.anchors_per_doc, model.anchor_density).numpy()
-    quota = quota.astype(np.int64)
+    if anchors is None:
+        quota = anchor_quota(torch.from_numpy(valid), model.anchors_per_doc, model.anchor_density).numpy()
+        quota = quota.astype(np.int64)
+    else:
+        quota = np.asarray(anchors, dtype=np.int64)[np.concatenate(batches)] if len(batches) else valid
     targets = _mean_targets_per_anchor(flat, bs)
     context = quota * np.maximum(flat - 2, 0) / 2.0
     fixed = np.minimum(valid, model.fixed_anchors)
@@ -435,7 +441,9 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
 
 def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``, ``fixed``), their
-    ``total``, and ``attention``: the part of the total that is attention (query-key pairs), for reference.
+    ``total``, ``attention``: the part of the total that is attention (query-key pairs), for reference, and
+    ``executed``: the FLOPs the hardware runs, padding tokens and padding anchor slots of padded batches included
+    (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``).
 
     Example:
         >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
@@ -466,12 +474,38 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
            "head": 2.0 * 2.0 * d.hidden * t.vocab * shapes["supervised"].astype(np.float64),
            "fixed": runs_fixed * (d.layers * fixed_layer + fixed_head)}
     out["total"] = out["target"] + out["draft"] + out["fc"] + out["head"] + out["fixed"]
+    # What the hardware runs: a padded batch also computes its padding tokens (target, fc, context keys/values)
+    # and its padding anchor slots (rows x the row maximum; a padding slot attends to its own block only).
+    padded = (shapes["rows"] * shapes["row_len"]).astype(np.float64)
+    slots = (shapes["rows"] * shapes["slots"]).astype(np.float64)
+    padded_pairs = np.where(padded > real, shapes["rows"] * shapes["row_len"] * (shapes["row_len"] + 1) / 2.0,
+                            shapes["sq_half"])
+    executed_target = model.layers_read * (2.0 * t.layer_matmul_params * padded
+                                           + 4.0 * t.heads * t.head_dim * padded_pairs)
+    executed_layer = (2.0 * slots * bs * d.layer_matmul_params + 4.0 * d.hidden * d.kv_heads * d.head_dim * padded
+                      + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + slots * bs * bs))
+    out["executed"] = (executed_target + 3.0 * d.layers * executed_layer + 2.0 * 2.0 * d.fc_params * padded
+                       + out["head"] + out["fixed"])
     out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
                         + runs_fixed * d.layers * fixed_attention)
     return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), np.shape(real)) for name, value in out.items()}
 
 
 # -------------------------------------------------------------------------------------------- plans and fits
+
+
+def policy_anchors(policy: Any, model: StepModel) -> np.ndarray | None:
+    """Anchors per sample of a policy built with block tokens (``Admission.block_tokens`` / block size), else None.
+
+    Example:
+        >>> from dflash_lab.sampling import build_policy
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> p = build_policy("packed", np.array([50, 60]), max_tokens=128, block_tokens=np.array([16, 400]))
+        >>> policy_anchors(p, m).tolist()
+        [2, 50]
+    """
+    blocks = getattr(policy.admission, "block_tokens", None)
+    return None if blocks is None else blocks // model.block_size
 
 
 def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem_gb: float,
@@ -492,7 +526,8 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
         'yes'
     """
     plan = policy.global_plan(epoch)
-    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model)
+    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model,
+                          anchors=policy_anchors(policy, model))
     plain = float(step_memory(model, shapes, replace(settings, activation_checkpointing=False))["peak"].max())
     ckpt = float(step_memory(model, shapes, replace(settings, activation_checkpointing=True))["peak"].max())
     budget = USABLE_FRACTION * gpu_mem_gb * GIB
@@ -503,7 +538,7 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
 
 
 def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel, settings: Settings, *,
-                    seed: int, world_size: int, epoch: int = 0) -> float:
+                    seed: int, world_size: int, epoch: int = 0, block_tokens: np.ndarray | None = None) -> float:
     """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``.
 
     Example:
@@ -515,15 +550,17 @@ def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: 
     """
     from dflash_lab.sampling import policy_from_config
 
-    policy = policy_from_config(dict(sampler_cfg), lengths, seed=seed, world_size=world_size, rank=0)
+    policy = policy_from_config(dict(sampler_cfg), lengths, seed=seed, world_size=world_size, rank=0,
+                                block_tokens=block_tokens)
     plan = policy.global_plan(epoch)
-    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model)
+    shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model,
+                          anchors=policy_anchors(policy, model))
     return float(step_memory(model, shapes, settings)["peak"].max())
 
 
 def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel,
                                settings: Settings, *, budget_gb: float, seed: int, world_size: int,
-                               granularity: int = 512) -> int | None:
+                               granularity: int = 512, block_tokens: np.ndarray | None = None) -> int | None:
     """The largest ``sampler.max_tokens`` (a multiple of ``granularity``, at most the configured one) whose plan's
     predicted peak is at most ``budget_gb`` GiB; None when even the smallest legal budget is over.
 
@@ -546,7 +583,8 @@ def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, An
 
     def fits(granules: int) -> bool:
         cfg = {**dict(sampler_cfg), "max_tokens": granules * granularity}
-        return plan_peak_bytes(lengths, cfg, model, settings, seed=seed, world_size=world_size) <= budget
+        return plan_peak_bytes(lengths, cfg, model, settings, seed=seed, world_size=world_size,
+                               block_tokens=block_tokens) <= budget
 
     if not fits(lo):
         return None
@@ -556,8 +594,54 @@ def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, An
     return lo * granularity
 
 
+BLOCK_GRANULARITY = 1024   # block budgets are searched in steps of this many block tokens
+
+
+def largest_fitting_block_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel,
+                                 settings: Settings, *, budget_gb: float, seed: int, world_size: int,
+                                 block_tokens: np.ndarray) -> int | None:
+    """The largest ``sampler.max_block_tokens`` whose plan's predicted peak is at most ``budget_gb`` GiB, at the
+    configured ``sampler.max_tokens``; None when even the smallest budget that keeps the objective is over.
+
+    The smallest budget that keeps the objective holds the document with the most block tokens (a smaller one
+    would thin that document's anchors, ``cap_block_tokens``). The largest one worth searching is what the token
+    budget can bring (its rows' block tokens without a block budget); a plan that fits there is returned as
+    ``None``-free: the token budget binds first. Bisection in BLOCK_GRANULARITY steps; each probe re-plans.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8, "anchor_density": None})
+        >>> blocks = np.full(500, 8 * 64)
+        >>> largest_fitting_block_tokens(np.full(500, 100), {"name": "packed", "max_tokens": 4096}, m, Settings(),
+        ...                              budget_gb=80, seed=0, world_size=1, block_tokens=blocks)
+        20480
+    """
+    budget = budget_gb * GIB
+    smallest = int(np.max(block_tokens))
+    from dflash_lab.sampling import policy_from_config
+
+    unbounded = policy_from_config({**dict(sampler_cfg), "max_block_tokens": None}, lengths, seed=seed,
+                                   world_size=world_size, rank=0, block_tokens=block_tokens)
+    largest = max(smallest, int(max(block_tokens[b].sum() for b in unbounded.global_plan(0).batches)))
+
+    def fits(value: int) -> bool:
+        probe = {**dict(sampler_cfg), "max_block_tokens": int(value)}
+        return plan_peak_bytes(lengths, probe, model, settings, seed=seed, world_size=world_size,
+                               block_tokens=block_tokens) <= budget
+
+    if not fits(smallest):
+        return None
+    if fits(largest):
+        return largest
+    lo, hi = smallest, largest   # fits(lo), not fits(hi)
+    while hi - lo > BLOCK_GRANULARITY:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], settings: Settings, *,
-              gpu_mem_gb: float, seed: int, epoch: int = 0) -> dict[str, float]:
+              gpu_mem_gb: float, seed: int, epoch: int = 0,
+              block_tokens: np.ndarray | None = None) -> dict[str, float]:
     """Check before step 1 that the configured run fits on the GPU; raise PreflightError naming the fix if not.
 
     Args:
@@ -567,6 +651,7 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
         settings: precision, ``trainer.activation_checkpointing``, attention path, world size.
         gpu_mem_gb: memory of one GPU in GiB (the device's total when the config leaves it unset).
         seed, epoch: the plan to check (epoch 0: the shapes of later epochs follow the same distribution).
+        block_tokens: per-sample block tokens (``sampling.anchors``); needed with ``sampler.max_block_tokens``.
 
     Returns:
         ``{"pred_peak_mem_gb": ..., "budget_gb": ...}`` when it fits.
@@ -582,30 +667,135 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
         72
     """
     peak = plan_peak_bytes(lengths, sampler_cfg, model, settings, seed=seed, world_size=settings.world_size,
-                           epoch=epoch)
+                           epoch=epoch, block_tokens=block_tokens)
     budget = USABLE_FRACTION * gpu_mem_gb * GIB
     if peak <= budget:
         return {"pred_peak_mem_gb": peak / GIB, "budget_gb": budget / GIB}
     fixes = []
+    if block_tokens is not None:
+        best_blocks = largest_fitting_block_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget / GIB,
+                                                   seed=seed, world_size=settings.world_size,
+                                                   block_tokens=block_tokens)
+        if best_blocks is not None:
+            fixes.append(f"set sampler.max_block_tokens={best_blocks} (or auto: the largest block budget that fits)")
     best = largest_fitting_max_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget / GIB, seed=seed,
-                                      world_size=settings.world_size)
+                                      world_size=settings.world_size, block_tokens=block_tokens)
     if best is not None:
-        fixes.append(f"set sampler.max_tokens={best} (the largest budget that fits)")
+        fixes.append(f"set sampler.max_tokens={best} (the largest token budget that fits)")
     if not settings.activation_checkpointing:
         ckpt_settings = replace(settings, activation_checkpointing=True)
         ckpt_peak = plan_peak_bytes(lengths, sampler_cfg, model, ckpt_settings, seed=seed,
-                                    world_size=settings.world_size, epoch=epoch)
+                                    world_size=settings.world_size, epoch=epoch, block_tokens=block_tokens)
         if ckpt_peak <= budget:
             fixes.append(f"or set trainer.activation_checkpointing=true (predicted {ckpt_peak / GIB:.1f} GiB)")
         elif best is None:
             ckpt_best = largest_fitting_max_tokens(lengths, sampler_cfg, model, ckpt_settings,
-                                                   budget_gb=budget / GIB, seed=seed, world_size=settings.world_size)
+                                                   budget_gb=budget / GIB, seed=seed, world_size=settings.world_size,
+                                                   block_tokens=block_tokens)
             if ckpt_best is not None:
                 fixes.append(f"set trainer.activation_checkpointing=true and sampler.max_tokens={ckpt_best}")
     if not fixes:
-        fixes.append("no sampler.max_tokens fits: lower model.anchors_per_doc / model.anchor_density or use a "
-                     "GPU with more memory")
+        fixes.append("no sampler.max_tokens fits: lower model.anchors_per_doc / model.anchor_density, set "
+                     "sampler.max_block_tokens, or use a GPU with more memory")
     raise PreflightError(
         f"predicted peak GPU memory {peak / GIB:.1f} GiB per rank exceeds {budget / GIB:.1f} GiB "
         f"({USABLE_FRACTION:.0%} of gpu_mem_gb={gpu_mem_gb:g}) for sampler={sampler_cfg['name']} "
         f"max_tokens={sampler_cfg['max_tokens']}: " + "; ".join(fixes))
+
+
+# ----------------------------------------------------------------------------------------------- memory plan
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run uses after ``auto`` is resolved: the block budget, draft activation checkpointing, and why."""
+
+    max_block_tokens: int | None
+    activation_checkpointing: bool
+    reason: str
+
+
+def _check_auto(key: str, value: Any, kind: str) -> Any:
+    if value is None or value == AUTO:
+        return value
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key}={value!r}: use true, false or auto")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise ValueError(f"{key}={value!r}: use a positive number of block tokens (anchors x block size, e.g. "
+                         f"65536), auto (the largest that fits the GPU) or null (no block budget)")
+    return int(value)
+
+
+def memory_plan(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], settings: Settings, *,
+                activation_checkpointing: Any, gpu_mem_gb: float | None, seed: int,
+                block_tokens: np.ndarray | None) -> MemoryPlan:
+    """Resolve ``sampler.max_block_tokens`` and ``activation_checkpointing`` (each a value or ``auto``).
+
+    Rules (the trainer's preflight, the planner and gpu_check share them):
+
+    * no GPU memory known (CPU training): ``auto`` block budget = none, ``auto`` checkpointing = off;
+    * ``max_block_tokens: auto``: the largest block budget whose plan's predicted peak is at most 90% of the GPU
+      (``largest_fitting_block_tokens``) with the checkpointing in force;
+    * ``activation_checkpointing: auto``: off when the step fits without it; with an ``auto`` block budget, off
+      when the budget that fits without it is at least half the one that fits with it (recomputing every draft
+      layer costs about a third more draft FLOPs, a budget twice as large halves the steps of block-bound
+      batches), else on.
+
+    Raises:
+        PreflightError: nothing fits; the message names the settings tried.
+
+    Example:
+        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8, "anchor_density": None})
+        >>> blocks = np.full(64, 8 * 64)
+        >>> plan = memory_plan(m, np.full(64, 100), {"name": "packed", "max_tokens": 1024, "max_block_tokens": "auto"},
+        ...                    Settings(), activation_checkpointing="auto", gpu_mem_gb=80, seed=0, block_tokens=blocks)
+        >>> plan.max_block_tokens, plan.activation_checkpointing
+        (5120, False)
+    """
+    value = _check_auto("sampler.max_block_tokens", sampler_cfg.get("max_block_tokens"), "int")
+    ckpt = _check_auto("activation_checkpointing", activation_checkpointing, "bool")
+    if value != AUTO and ckpt != AUTO:   # nothing to choose: ``preflight`` checks the fit and names the fixes
+        return MemoryPlan(value, bool(ckpt), "as configured")
+    if gpu_mem_gb is None:
+        return MemoryPlan(None if value == AUTO else value, bool(ckpt is True),
+                          "no GPU memory known: no automatic block budget, checkpointing as configured")
+    if value is not None and block_tokens is None:
+        raise ValueError("sampler.max_block_tokens needs per-sample block tokens (sampling.anchors)")
+    budget_gb = USABLE_FRACTION * gpu_mem_gb
+    candidates = [False, True] if ckpt == AUTO or ckpt is None else [bool(ckpt)]
+    found: dict[bool, int | None] = {}
+    fits: dict[bool, bool] = {}
+    for choice in candidates:
+        run = replace(settings, activation_checkpointing=choice)
+        if value == AUTO:
+            found[choice] = largest_fitting_block_tokens(lengths, sampler_cfg, model, run, budget_gb=budget_gb,
+                                                         seed=seed, world_size=settings.world_size,
+                                                         block_tokens=block_tokens)
+            fits[choice] = found[choice] is not None
+        else:
+            found[choice] = value
+            cfg = {**dict(sampler_cfg), "max_block_tokens": value}
+            fits[choice] = plan_peak_bytes(lengths, cfg, model, run, seed=seed, world_size=settings.world_size,
+                                           block_tokens=block_tokens) <= budget_gb * GIB
+        if choice is False and fits[False] and value != AUTO:
+            break   # fits without checkpointing: never pay for recomputation
+    if len(candidates) == 2 and fits.get(False) and fits.get(True) and value == AUTO:
+        choose = not (found[False] >= found[True] / 2)
+        why = (f"checkpointing {'on' if choose else 'off'}: block budget {found[False]:,} without it, "
+               f"{found[True]:,} with it")
+    elif any(fits.values()):
+        choose = next(c for c in candidates if fits.get(c))
+        why = ("fits without draft activation checkpointing" if not choose else
+               "draft activation checkpointing on: the step does not fit without it")
+    else:
+        tried = ", ".join(f"checkpointing {'on' if c else 'off'}" for c in candidates)
+        raise PreflightError(
+            f"no block budget keeps the objective within {budget_gb:.1f} GiB ({USABLE_FRACTION:.0%} of "
+            f"{gpu_mem_gb:g}) for sampler={sampler_cfg['name']} max_tokens={sampler_cfg['max_tokens']} ({tried}): "
+            f"lower sampler.max_tokens, set trainer.activation_checkpointing=true, use model.anchor_density, or a "
+            f"GPU with more memory")
+    blocks = found[choose]
+    return MemoryPlan(blocks, choose, f"block budget {blocks if blocks is not None else 'none'}; {why}")

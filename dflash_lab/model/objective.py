@@ -6,6 +6,12 @@ or ``ceil(anchor_density * valid)`` (at least 1, at most anchors_per_doc) when a
 replacement: one uniform number per (row, position) from the caller's ``torch.Generator`` (so a step's anchors
 are a pure function of the batch shape and the generator state: reproducible and resumable), sorted by
 (document, random) inside each row, the first ``quota`` of each document kept.
+The rule is ``dflash_lab.sampling.anchors`` (where samplers read the block tokens each document brings to a step);
+``anchor_quota`` is its torch form. A step's block budget (``max_block_tokens``, the sampler's second budget) is
+met by the sampler; should a batch still exceed it (a batch not planned with block tokens, e.g. a benchmark's),
+the anchors are thinned: in a packed row every document's quota by the same factor (``thin_quota``, largest
+remainders first), in a padded batch (one document per row, every row running the widest row's slots) each
+document is capped at an equal share ``max_anchors // rows``; no document loses more than its fair share.
 Fixed anchors (``fixed_anchors``): the same valid positions, but ranked by a hash of (example id, position), so an
 example is scored on the same blocks every time it is seen (per-example forgetting, probe bands).
 
@@ -66,8 +72,36 @@ def anchor_quota(valid_per_doc: torch.Tensor, anchors_per_doc: int | None,
     return torch.minimum(quota, valid_per_doc)
 
 
+def thin_quota(quota: torch.Tensor, max_anchors: int | None) -> torch.Tensor:
+    """Quotas scaled down to ``max_anchors`` in total, proportionally (module docstring); unchanged when they fit.
+
+    Each document keeps ``floor(q x f)`` with ``f = max_anchors / sum(q)``; the anchors left over go one each to
+    the documents with the largest remainders (ties: lower document id), so the total is exactly ``max_anchors``.
+
+    Example:
+        >>> thin_quota(torch.tensor([300, 100, 0]), 200).tolist()
+        [150, 50, 0]
+        >>> thin_quota(torch.tensor([3, 3, 3]), 4).tolist()
+        [2, 1, 1]
+        >>> thin_quota(torch.tensor([5, 2]), None).tolist()
+        [5, 2]
+    """
+    total = int(quota.sum().item())
+    if max_anchors is None or total <= int(max_anchors):
+        return quota
+    exact = quota.double() * (int(max_anchors) / total)
+    kept = torch.floor(exact).long()
+    left = int(max_anchors) - int(kept.sum().item())
+    if left > 0:
+        remainder = exact - kept
+        order = torch.argsort(-remainder, stable=True)[:left]
+        kept[order] += 1
+    return torch.minimum(kept, quota)
+
+
 def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, generator: torch.Generator | None,
-                   anchors_per_doc: int | None, anchor_density: float | None, num_docs: int | None = None):
+                   anchors_per_doc: int | None, anchor_density: float | None, num_docs: int | None = None,
+                   max_anchors: int | None = None):
     """Draw anchors per document.
 
     Args:
@@ -76,6 +110,8 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, generator: to
         anchors_per_doc: cap (or fixed count without a density) of anchors per document.
         anchor_density: anchors per valid position (None: use anchors_per_doc).
         num_docs: D (default: max doc id + 1).
+        max_anchors: the step's anchor budget (``max_block_tokens // block_size``); quotas over it are thinned
+            (``thin_quota``). None: no budget.
 
     Returns:
         (anchors Long[R, N], valid Bool[R, N], anchor_doc Long[R, N]); N >= 1.
@@ -87,6 +123,12 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, generator: to
     docs = max(docs, 1)
     valid_per_doc = torch.bincount(doc_ids[ok], minlength=docs)
     quota = anchor_quota(valid_per_doc, anchors_per_doc, anchor_density)
+    if max_anchors is not None and docs == rows:
+        # one document per row (a padded batch): every row runs the widest row's anchor slots, so the budget caps
+        # each document at an equal share of it, as the sampler's rows x widest test does
+        quota = quota.clamp(max=max(1, int(max_anchors) // rows))
+    else:
+        quota = thin_quota(quota, max_anchors)
     gen_device = generator.device if generator is not None else torch.device("cpu")
     noise = torch.rand((rows, length), generator=generator, device=gen_device, dtype=torch.float64).to(device)
     # Sort key groups a row's valid positions by document, in random order inside a document.

@@ -105,7 +105,8 @@ class Bucketed:
         batches: list[np.ndarray] = []
         keys = []
         for bucket, members in enumerate(self.members):
-            packed, widest = pack_in_order(self.order_bucket(members, bucket, rng), self._row_cost, self.budget)
+            packed, widest = pack_in_order(self.order_bucket(members, bucket, rng), self._row_cost, self.budget,
+                                           self.admission.block_tokens)
             batches += packed
             keys.append(np.stack([np.full(len(packed), bucket, dtype=np.float64), widest], axis=1))
         key = np.concatenate(keys) if keys else np.zeros((0, 2))

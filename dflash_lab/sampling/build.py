@@ -4,6 +4,7 @@ ones listed."""
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any, Mapping
 
@@ -21,7 +22,7 @@ POLICIES = {
     cls.name: cls for cls in (SortedStatic, FullRandom, Bucketed, BucketedMegabatch, Packed, BucketSequential)
 }
 # Keys every policy accepts (the budget and the remainder/overlong rules); the rest are the policy's own.
-COMMON_KEYS = ("max_samples", "quadratic_length", "drop_last", "overlong")
+COMMON_KEYS = ("max_samples", "quadratic_length", "max_block_tokens", "drop_last", "overlong")
 
 
 def policy_keys(name: str) -> list[str]:
@@ -29,7 +30,7 @@ def policy_keys(name: str) -> list[str]:
 
     Example:
         >>> policy_keys("packed")
-        ['chunk_rows', 'drop_last', 'max_samples', 'overlong', 'quadratic_length']
+        ['chunk_rows', 'drop_last', 'max_block_tokens', 'max_samples', 'overlong', 'quadratic_length']
     """
     as_choice("sampler.name", name, POLICIES)
     own = [p for p in inspect.signature(POLICIES[name].__init__).parameters
@@ -45,6 +46,7 @@ def build_policy(
     seed: int = 0,
     world_size: int = 1,
     rank: int = 0,
+    block_tokens: Any = None,
     **params: Any,
 ) -> Policy:
     """Build a batching policy over a lengths array.
@@ -56,7 +58,10 @@ def build_policy(
         max_tokens: padded token budget per rank per step (``packed``: real tokens per row).
         seed: plan seed; with (lengths, params, epoch, world_size) it fixes every batch.
         world_size, rank: data-parallel layout; each rank gets the same number of batches.
-        **params: ``max_samples``, ``quadratic_length``, ``drop_last``, ``overlong`` (error|truncate|drop), and the
+        block_tokens: block tokens of each sample under the model's anchor rule (``sampling.anchors``); needed
+            with ``max_block_tokens`` (a step's second budget), otherwise optional and unused.
+        **params: ``max_samples``, ``quadratic_length``, ``max_block_tokens``, ``drop_last``, ``overlong``
+            (error|truncate|drop), and the
             policy's own (``policy_keys(name)``: ``boundaries``/``num_buckets``/``fit_method``/``run_length``,
             ``megabatch_batches``, ``chunk_rows``, ``real_tokens_per_step``).
 
@@ -77,11 +82,12 @@ def build_policy(
     raw = validate_lengths(lengths)
     drop_last = as_bool("sampler.drop_last", params.pop("drop_last", False))
     overlong = as_choice("sampler.overlong", params.pop("overlong", "error"), OVERLONG_MODES)
-    budget = TokenBudget(max_tokens, params.pop("max_samples", None), params.pop("quadratic_length", None))
+    budget = TokenBudget(max_tokens, params.pop("max_samples", None), params.pop("quadratic_length", None),
+                         params.pop("max_block_tokens", None))
     cls = POLICIES[name]
     if cls is Packed and budget.quadratic_length is not None:
         raise ValueError("sampler.quadratic_length does not apply to packed rows (no padding); remove it")
-    admission = admit(raw, budget.longest_allowed(), overlong)
+    admission = admit(raw, budget.longest_allowed(), overlong, block_tokens, budget.max_block_tokens)
     if admission.kept.size == 0:
         raise ValueError("no sample fits the budget after overlong=drop; raise sampler.max_tokens")
     planner = cls(admission, budget, seed=seed, world_size=world_size, drop_last=drop_last, **params)
@@ -91,11 +97,17 @@ def build_policy(
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()},
         "boundaries": planner.boundaries,
     }
+    if admission.block_tokens is not None and budget.max_block_tokens is not None:
+        # The plan depends on the block budget and tokens too: a resume on data with other anchor counts is refused.
+        # (Without a block budget the config stays as before, so older checkpoints keep resuming.)
+        config["max_block_tokens"] = budget.max_block_tokens
+        config["block_tokens_digest"] = hashlib.sha256(admission.block_tokens.tobytes()).hexdigest()[:16]
     return Policy(planner, admission, world_size=world_size, rank=rank, config=config, raw_lengths=raw)
 
 
 def policy_from_config(
-    sampler_cfg: Mapping[str, Any], lengths: Any, *, seed: int, world_size: int = 1, rank: int = 0
+    sampler_cfg: Mapping[str, Any], lengths: Any, *, seed: int, world_size: int = 1, rank: int = 0,
+    block_tokens: Any = None,
 ) -> Policy:
     """Build a policy from a plain ``conf/sampler/<name>.yaml`` mapping (``name`` and ``max_tokens`` + the rest).
 
@@ -111,4 +123,9 @@ def policy_from_config(
         raise ValueError(f"the sampler config lacks {missing}: set sampler=<name> (conf/sampler/*.yaml) and "
                          f"sampler.max_tokens")
     name, max_tokens = params.pop("name"), params.pop("max_tokens")
-    return build_policy(name, lengths, max_tokens=max_tokens, seed=seed, world_size=world_size, rank=rank, **params)
+    if params.get("max_block_tokens") == "auto":
+        # auto is the largest block budget that fits the GPU (``model.footprint.memory_plan``, which the trainer
+        # and planner run first); with no GPU to fit (CPU training, a direct build) there is no block budget.
+        params["max_block_tokens"] = None
+    return build_policy(name, lengths, max_tokens=max_tokens, seed=seed, world_size=world_size, rank=rank,
+                        block_tokens=block_tokens, **params)

@@ -5,8 +5,11 @@ A policy only decides *which samples go together and in what order*. Everything 
 - ``validate_lengths``: the one check of a lengths array, wherever lengths enter (policies, boundary fitting,
   the planner): positive whole numbers up to ``MAX_LENGTH``, checked in the input's own dtype before any cast.
 - ``TokenBudget``: when a padded batch is full. A row of length ``l`` costs ``l`` (or ``l + l^2/q`` with a quadratic
-  term), a batch costs ``rows x max row cost`` and must stay ``<= max_tokens``; optionally ``rows <= max_samples``.
-- ``pack_in_order``: greedy packing along a given order (one pass, O(N), memory O(N) whatever the budget);
+  term), a batch costs ``rows x max row cost`` and must stay ``<= max_tokens``; optionally ``rows <= max_samples``
+  and, with ``max_block_tokens``, the batch's block tokens (its documents' anchors x block size, ``anchors.py``)
+  ``<= max_block_tokens``: the second budget that bounds the draft's work, which tokens alone do not.
+- ``pack_in_order``: greedy packing along a given order (one pass, O(N), memory O(N) whatever the budget), closing
+  a batch at whichever budget (tokens, rows, block tokens) the next sample would break first;
   ``pack_real_tokens``: batches of about a target number of real tokens (sum of lengths) instead.
 - ``group_into_steps``: turns a global batch list into steps of ``world_size`` batches. Batches are sorted by a cost
   key so the W batches of one step are neighbours in length (no rank waits on a much longer batch), and the
@@ -106,6 +109,8 @@ class TokenBudget:
         max_samples: optional cap on rows per batch.
         quadratic_length: optional q; a row of length l then costs ``l + l^2 / q`` (lhotse's ``quadratic_duration``
             idea: long rows cost more than linear because of attention).
+        max_block_tokens: optional cap on a batch's block tokens (sum over its documents of anchors x block size;
+            the per-sample counts come with the lengths, ``Admission.block_tokens``).
 
     Example:
         >>> TokenBudget(4096, quadratic_length=1024).longest_allowed()  # 1599 + 1599^2 / 1024 <= 4096
@@ -115,9 +120,13 @@ class TokenBudget:
     max_tokens: int
     max_samples: int | None = None
     quadratic_length: float | None = None
+    max_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         max_tokens = as_int("sampler.max_tokens", self.max_tokens, minimum=1, maximum=MAX_BUDGET, example=4096)
+        max_block_tokens = as_int("sampler.max_block_tokens", self.max_block_tokens, minimum=1, maximum=MAX_BUDGET,
+                                  allow_none=True, example=65536)
+        object.__setattr__(self, "max_block_tokens", max_block_tokens)
         max_samples = as_int("sampler.max_samples", self.max_samples, minimum=1, allow_none=True, example=64)
         q = as_float("sampler.quadratic_length", self.quadratic_length, allow_none=True, example=4096)
         if q is not None and q <= 0:
@@ -153,11 +162,54 @@ class Admission:
     kept: np.ndarray  # int64 indices of samples that take part in plans
     truncated: int = 0
     dropped: int = 0
+    block_tokens: np.ndarray | None = None  # int64 block tokens per sample (anchors x block size), capped at the
+    #                                          block budget; None: the plan has no block budget
+    thinned: int = 0  # samples whose anchors alone exceed the block budget: capped to it (anchors thinned)
 
 
-def admit(lengths: np.ndarray, longest_allowed: int, overlong: str) -> Admission:
-    """Apply ``overlong=error|truncate|drop`` to samples longer than ``longest_allowed``; never silently."""
+def cap_block_tokens(block_tokens: Any, size: int, max_block_tokens: int | None) -> tuple[np.ndarray | None, int]:
+    """Per-sample block tokens checked and capped at the step's block budget: ``(capped, samples capped)``.
+
+    A document whose anchors alone exceed ``max_block_tokens`` keeps ``max_block_tokens // block_size`` of them
+    (the model applies the same cap, ``DFlashModel.max_block_tokens``); with a budget of at least the recipe's
+    512 x 16 = 8,192 block tokens no document is ever capped.
+
+    Example:
+        >>> capped, n = cap_block_tokens([8, 4000, 16], 3, 1024)
+        >>> capped.tolist(), n
+        ([8, 1024, 16], 1)
+    """
+    if block_tokens is None:
+        if max_block_tokens is not None:
+            raise ValueError(
+                "sampler.max_block_tokens needs the block tokens of every sample (anchors x block size under the "
+                "model's anchor rule); the trainer and planner compute them (sampling.anchors), a direct "
+                "build_policy call passes block_tokens=..."
+            )
+        return None, 0
+    arr = np.asarray(block_tokens)
+    if arr.shape != (size,) or arr.dtype.kind not in "iu" or (arr.size and int(arr.min()) < 0):
+        raise ValueError(f"block_tokens must hold one non-negative integer per sample ({size}), got shape "
+                         f"{arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if max_block_tokens is None:
+        return arr, 0
+    over = arr > max_block_tokens
+    return np.minimum(arr, max_block_tokens), int(over.sum())
+
+
+def admit(lengths: np.ndarray, longest_allowed: int, overlong: str, block_tokens: Any = None,
+          max_block_tokens: int | None = None) -> Admission:
+    """Apply ``overlong=error|truncate|drop`` to samples longer than ``longest_allowed``; never silently.
+    Block tokens (optional) are checked and capped at ``max_block_tokens`` (``cap_block_tokens``)."""
     as_choice("sampler.overlong", overlong, OVERLONG_MODES)
+    blocks, thinned = cap_block_tokens(block_tokens, lengths.size, max_block_tokens)
+    admission = _admit_lengths(lengths, longest_allowed, overlong)
+    admission.block_tokens, admission.thinned = blocks, thinned
+    return admission
+
+
+def _admit_lengths(lengths: np.ndarray, longest_allowed: int, overlong: str) -> Admission:
     too_long = lengths > longest_allowed
     n_over = int(too_long.sum())
     all_idx = np.arange(lengths.size, dtype=np.int64)
@@ -176,9 +228,15 @@ def admit(lengths: np.ndarray, longest_allowed: int, overlong: str) -> Admission
 
 
 def pack_in_order(
-    order: np.ndarray, row_cost: np.ndarray, budget: TokenBudget
+    order: np.ndarray, row_cost: np.ndarray, budget: TokenBudget, block_tokens: np.ndarray | None = None
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Greedy token-budget batches along ``order``: close a batch when the next row would break the budget.
+
+    With ``budget.max_block_tokens`` and per-sample ``block_tokens``, a batch also closes when its block slots
+    would exceed ``max_block_tokens``: like tokens, block tokens are padded to the batch's widest row (every row
+    of a padded batch runs as many anchor slots as its row with the most anchors), so the test is ``rows x most
+    block tokens <= max_block_tokens`` (each sample's count is at most the budget, ``cap_block_tokens``, so every
+    sample fits alone).
 
     Cost: one pass over N samples in plain Python floats (about 0.1 us per sample; measured faster here than a
     vectorised binary-lifting variant, whose O(N log R) numpy passes cost more than the single loop), one slicing
@@ -212,26 +270,42 @@ def pack_in_order(
     cuts: list[int] = []
     close = cuts.append
     rows, widest = 0, 0.0
-    for position, cost in enumerate(ordered_costs.tolist()):
-        if cost > widest:
-            widest = cost
-        if widest > allowed[rows]:
-            close(position)
-            rows, widest = 1, cost
-        else:
-            rows += 1
+    if budget.max_block_tokens is None or block_tokens is None:
+        for position, cost in enumerate(ordered_costs.tolist()):
+            if cost > widest:
+                widest = cost
+            if widest > allowed[rows]:
+                close(position)
+                rows, widest = 1, cost
+            else:
+                rows += 1
+    else:  # the same pass with the widest row's block tokens (a separate loop keeps the common case fast)
+        block_limit, widest_block = int(budget.max_block_tokens), 0
+        for position, (cost, block) in enumerate(zip(ordered_costs.tolist(), block_tokens[order].tolist())):
+            if cost > widest:
+                widest = cost
+            if block > widest_block:
+                widest_block = block
+            if widest > allowed[rows] or (rows + 1) * widest_block > block_limit:
+                close(position)
+                rows, widest, widest_block = 1, cost, block
+            else:
+                rows += 1
     return split_at(order, cuts), np.maximum.reduceat(ordered_costs, np.asarray([0, *cuts], dtype=np.int64))
 
 
 def pack_real_tokens(
-    order: np.ndarray, lengths: np.ndarray, target: int, max_samples: int | None = None
+    order: np.ndarray, lengths: np.ndarray, target: int, max_samples: int | None = None,
+    block_tokens: np.ndarray | None = None, max_block_tokens: int | None = None,
 ) -> list[np.ndarray]:
     """Greedy batches along ``order`` of about ``target`` real tokens each (sum of lengths), ``rows <= max_samples``.
 
     A batch closes at the sample boundary nearest to ``target``: the next sample joins when the batch would then
     overshoot the target by no more than it now falls short. So a batch holds at most ``target + longest / 2`` real
     tokens and the mean lands close to ``target`` (a strict ``<= target`` rule would fall short by about half a
-    mean sample length). Padding is not looked at. Cost: one O(N) pass in plain Python ints.
+    mean sample length). Padding is not looked at. With ``max_block_tokens`` a batch also closes before its padded
+    block slots (rows x most block tokens, as in ``pack_in_order``) would exceed that budget. Cost: one O(N) pass
+    in plain Python ints.
 
     Example:
         >>> [b.tolist() for b in pack_real_tokens(np.arange(5), np.array([4, 4, 2, 9, 2]), 9)]
@@ -240,13 +314,17 @@ def pack_real_tokens(
     cap = int(max_samples) if max_samples else int(order.size)
     twice_target = 2 * int(target)
     cuts: list[int] = []
-    total = rows = 0
-    for position, length in enumerate(lengths[order].tolist()):
-        if rows and (rows == cap or 2 * total + length > twice_target):  # overshoot > shortfall: close first
+    total = rows = widest_block = 0
+    block_limit = int(max_block_tokens) if max_block_tokens is not None and block_tokens is not None else None
+    block_of = block_tokens[order].tolist() if block_limit is not None else [0] * order.size
+    for position, (length, block) in enumerate(zip(lengths[order].tolist(), block_of)):
+        over_blocks = block_limit is not None and (rows + 1) * max(widest_block, block) > block_limit
+        if rows and (rows == cap or 2 * total + length > twice_target or over_blocks):  # overshoot > shortfall
             cuts.append(position)
-            total = rows = 0
+            total = rows = widest_block = 0
         total += length
         rows += 1
+        widest_block = max(widest_block, block)
     return split_at(order, cuts)
 
 

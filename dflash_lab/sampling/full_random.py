@@ -72,10 +72,11 @@ class FullRandom:
         kept = self.admission.kept
         order = kept[rng.permutation(kept.size)]
         if self.real_tokens is None:
-            batches, widest = pack_in_order(order, self._row_cost, self.budget)
+            batches, widest = pack_in_order(order, self._row_cost, self.budget, self.admission.block_tokens)
             return arrange_steps(batches, widest, self.world_size, rng, drop_last=self.drop_last)
         lengths = self.admission.lengths
-        batches = pack_real_tokens(order, lengths, self.real_tokens, self.budget.max_samples)
+        batches = pack_real_tokens(order, lengths, self.real_tokens, self.budget.max_samples,
+                                   self.admission.block_tokens, self.budget.max_block_tokens)
         sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
         starts = np.cumsum(sizes) - sizes  # batches are consecutive slices of `order`
         padded = sizes * np.maximum.reduceat(lengths[order], starts)

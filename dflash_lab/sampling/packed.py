@@ -42,14 +42,19 @@ def best_fit_decreasing(
     capacity: int,
     max_docs: int | None,
     open_rows: Sequence[tuple[np.ndarray, int]] = (),
+    block_tokens: np.ndarray | None = None,
+    block_capacity: int | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Best-fit-decreasing bin packing of ``docs`` into rows of ``capacity`` tokens.
 
     Each document, longest first, goes to the open row whose free space is smallest but sufficient (found by
     bisection over a sorted list of free spaces); rows with less space than the shortest document, or holding
     ``max_docs`` documents, are closed. ``open_rows`` are partly filled rows to continue, as (documents, free
-    tokens) pairs; they come first in the result. Cost: O(n log n) sort + O(n log r) bisection (r open rows) with
-    list inserts of O(r).
+    tokens) pairs; they come first in the result. With a block budget (``block_tokens`` per document and
+    ``block_capacity`` per row) a row must also have the document's block tokens free: the search walks on from
+    the best token fit to the next rows until one has (a new row when none has), and a row whose free block
+    tokens fall below the chunk's smallest document's is closed. Cost: O(n log n) sort + O(n log r) bisection
+    (r open rows) with list inserts of O(r); with a block budget the walk adds at most O(r) per document.
 
     Returns:
         ``(rows, free)``: each row's document indices, and each row's free tokens.
@@ -61,27 +66,49 @@ def best_fit_decreasing(
         >>> rows, free = best_fit_decreasing(np.array([2, 3]), np.array([6, 5, 4, 3]), 10, None, [(np.array([0]), 4)])
         >>> [r.tolist() for r in rows], free.tolist()
         ([[0, 2], [3]], [0, 7])
+        >>> rows, _ = best_fit_decreasing(np.arange(4), np.array([6, 5, 4, 3]), 10, None,
+        ...                               block_tokens=np.array([8, 8, 8, 8]), block_capacity=16)
+        >>> [r.tolist() for r in rows]
+        [[0, 2], [1, 3]]
+        >>> rows, _ = best_fit_decreasing(np.arange(4), np.array([6, 5, 4, 3]), 10, None,
+        ...                               block_tokens=np.array([8, 8, 16, 8]), block_capacity=16)
+        >>> [r.tolist() for r in rows]
+        [[0, 3], [1], [2]]
     """
     order = docs[np.argsort(-lengths[docs], kind="stable")]
     sizes = lengths[order].tolist()
     smallest = sizes[-1] if sizes else capacity + 1
+    use_blocks = block_tokens is not None and block_capacity is not None
+    blocks = block_tokens[order].tolist() if use_blocks else [0] * len(sizes)
+    block_cap = int(block_capacity) if use_blocks else 0
+    smallest_block = min(blocks) if use_blocks and blocks else 0
     rows: list[list[int]] = [r.tolist() for r, _ in open_rows]
+    block_left = [block_cap - (int(block_tokens[r].sum()) if use_blocks else 0) for r, _ in open_rows]
+
+    def stays_open(row: int, left: int) -> bool:
+        return (left >= smallest and (max_docs is None or len(rows[row]) < max_docs)
+                and (not use_blocks or block_left[row] >= smallest_block))
+
     # Free space of open rows, ascending, and the row id of each entry.
-    free_of = sorted((int(left), row) for row, (_, left) in enumerate(open_rows)
-                     if left >= smallest and (max_docs is None or len(rows[row]) < max_docs))
+    free_of = sorted((int(left), row) for row, (_, left) in enumerate(open_rows) if stays_open(row, int(left)))
     free = [left for left, _ in free_of]
     row_of_free = [row for _, row in free_of]
-    for doc, size in zip(order.tolist(), sizes):
+    for doc, size, block in zip(order.tolist(), sizes, blocks):
         slot = bisect.bisect_left(free, size)
+        if use_blocks:  # walk on to the first sufficient row with room for the document's block tokens
+            while slot < len(free) and block_left[row_of_free[slot]] < block:
+                slot += 1
         if slot == len(free):
             row = len(rows)
             rows.append([doc])
+            block_left.append(block_cap - block)
             left = capacity - size
         else:
             left = free.pop(slot) - size
             row = row_of_free.pop(slot)
             rows[row].append(doc)
-        if left >= smallest and (max_docs is None or len(rows[row]) < max_docs):
+            block_left[row] -= block
+        if stays_open(row, left):
             slot = bisect.bisect_left(free, left)
             free.insert(slot, left)
             row_of_free.insert(slot, row)
@@ -117,12 +144,19 @@ class Packed:
         self.chunk_tokens = min(self.chunk_rows * budget.max_tokens, total_tokens + 1)
         self.carry_free = int(CARRY_FREE_SHARE * budget.max_tokens)
         self.carry_rows = max(1, self.chunk_rows // 16)
+        kept_blocks = None if admission.block_tokens is None else admission.block_tokens[admission.kept]
+        self.min_block = int(kept_blocks.min()) if kept_blocks is not None and kept_blocks.size else 0
 
     def underfull(self, rows: list[np.ndarray], free: np.ndarray) -> np.ndarray:
         """Indices of the rows to carry on: the emptiest rows over ``carry_free`` free that could take documents."""
         open_rows = free > self.carry_free
         if self.budget.max_samples is not None:  # a row full by document count cannot be improved
             open_rows &= np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)) < self.budget.max_samples
+        blocks = self.admission.block_tokens
+        if blocks is not None and self.budget.max_block_tokens is not None:  # nor one full by block tokens
+            room = self.budget.max_block_tokens - np.fromiter((int(blocks[r].sum()) for r in rows), np.int64,
+                                                              count=len(rows))
+            open_rows &= room >= self.min_block
         candidates = np.flatnonzero(open_rows)
         return candidates[np.argsort(-free[candidates], kind="stable")[: self.carry_rows]]
 
@@ -136,7 +170,8 @@ class Packed:
         carried: list[tuple[np.ndarray, int]] = []  # (documents, free tokens) of rows continued in the next chunk
         for i, chunk in enumerate(chunks):
             chunk_rows, free = best_fit_decreasing(
-                chunk, lengths, self.budget.max_tokens, self.budget.max_samples, carried
+                chunk, lengths, self.budget.max_tokens, self.budget.max_samples, carried,
+                self.admission.block_tokens, self.budget.max_block_tokens,
             )
             carried = []
             if i + 1 < len(chunks):

@@ -29,7 +29,7 @@ class SortedStatic:
         lengths, kept = admission.lengths, admission.kept
         tie_break = kept[epoch_rng(seed, 0, stream=10).permutation(kept.size)]
         order = tie_break[np.argsort(lengths[tie_break], kind="stable")]
-        self._batches, _ = pack_in_order(order, budget.row_cost(lengths), budget)
+        self._batches, _ = pack_in_order(order, budget.row_cost(lengths), budget, admission.block_tokens)
         # Position in sorted order is the step-grouping key: a step takes W consecutive sorted batches.
         self._key = np.arange(len(self._batches))
 

@@ -83,7 +83,51 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
         "bucket_run_length": diversity.bucket_run_length(step_bucket),
         "within_batch_spread": diversity.within_batch_spread(batches, lengths),
         **{k: v for k, v in policy.diagnostics(epoch).items() if k != "steps"},
+        **block_stats(policy, batches),
     }
+
+
+def batch_block_tokens(policy: Policy, batches: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per batch: block tokens trained (the sum over its documents) and block slots run (a padded batch runs
+    rows x its most block tokens, as its tokens are padded to the longest row; a packed row runs the sum)."""
+    blocks = policy.admission.block_tokens
+    if blocks is None or not len(batches):
+        empty = np.zeros(len(batches))
+        return empty, empty
+    sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+    starts = np.r_[0, np.cumsum(sizes)[:-1]]
+    per_sample = blocks[np.concatenate(batches)]
+    trained = np.add.reduceat(per_sample, starts)
+    slots = trained if policy.packed else sizes * np.maximum.reduceat(per_sample, starts)
+    return trained, slots
+
+
+def block_stats(policy: Policy, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+    """Block tokens of a plan built with them (``sampling.anchors``): ``block_tokens`` (block slots run, padding
+    slots included, mean per rank and step: what ``sampler.max_block_tokens`` bounds), ``block_tokens_max`` (the
+    worst batch), ``block_pad_eff`` (trained / run block tokens), ``block_per_token`` (trained block tokens per
+    real token) and ``thinned`` (samples whose anchors alone exceed the block budget); empty without them."""
+    if policy.admission.block_tokens is None or not len(batches):
+        return {}
+    trained, slots = batch_block_tokens(policy, batches)
+    real = batch_token_counts(batches, policy.lengths, packed=policy.packed).real
+    return {"block_tokens": float(slots.mean()), "block_tokens_max": int(slots.max()),
+            "block_pad_eff": float(trained.sum() / max(1, slots.sum())),
+            "block_per_token": float(trained.sum() / max(1, real.sum())), "thinned": policy.admission.thinned}
+
+
+def supervision_shares(policy: Policy, bands: Sequence[int], *, epoch: int = 0) -> dict[str, float]:
+    """Share of one epoch plan's block tokens (the supervision) in each length band ``(lo, hi]``, counting every
+    presentation (repeated remainder batches twice, dropped ones not). Under a per-document anchor rule the shares
+    are the data's own whatever the policy: a batch's make-up never changes a document's anchors."""
+    from .anchors import supervision_share
+
+    blocks = policy.admission.block_tokens
+    if blocks is None:
+        return {}
+    plan = policy.global_plan(epoch)
+    counts = np.bincount(np.concatenate(plan.batches), minlength=blocks.size) if plan.batches else None
+    return supervision_share(blocks, policy.lengths, list(bands), counts)
 
 
 def smallest_k_for_efficiency(
