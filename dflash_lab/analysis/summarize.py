@@ -10,6 +10,7 @@ analysis.arms; what is tested (baseline, endpoints, margins, cost model) follows
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,91 @@ def _step_band_tokens(record: RunRecord, notes: list[str]) -> pd.DataFrame | Non
     )
 
 
+def explains(notes: str, column: str) -> bool:
+    """Whether a run's notes name `column` as a whole word: the note that says why that cell is empty.
+
+    Example:
+        >>> explains("cross_band_effect: 9 probe evals", "cross_band_effect")
+        True
+        >>> explains("residual_jumpiness: 3 steps", "jumpiness")
+        False
+    """
+    return re.search(rf"(?<!\w){re.escape(column)}(?!\w)", notes) is not None
+
+
+def _note_undefined(notes: list[str], reasons: dict[str, str]) -> None:
+    """One note per distinct reason, naming the columns it leaves NaN: "a, b: reason"."""
+    by_reason: dict[str, list[str]] = {}
+    for column, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(column)
+    notes.extend(f"{', '.join(columns)}: {reason}" for reason, columns in by_reason.items())
+
+
+def _dynamics_reasons(dynamics: forgetting.ProbeDynamics, start_step: float, period: int | None,
+                      tokens_known: bool) -> dict[str, str]:
+    """Why each probe-dynamics comparison column of a run is NaN (the documented minima of metrics.forgetting).
+
+    Example:
+        >>> short = forgetting.probe_dynamics(pd.DataFrame({b: [3.0, 2.9, 2.8] for b in range(6)}, index=[0, 5, 10]),
+        ...                                   None)
+        >>> reasons = _dynamics_reasons(short, 0.0, None, False)
+        >>> reasons["residual_amplitude"]
+        '3 probe evals from the steady-state start (step 0), minimum 8'
+        >>> reasons["cross_band_effect"].split(", ")[1]
+        'minimum 11 with 6 probe bands (forgetting.cross_band_min_evals)'
+    """
+    reasons: dict[str, str] = {}
+    window = f"{dynamics.window_evals} probe evals from the steady-state start (step {start_step:.0f})"
+    short = dynamics.window_evals < forgetting.MIN_EVALS
+    no_tokens = "no per-step band token counts (no presentations, no mean_len)"
+    rank_deficient = "every band's share fit is rank-deficient (band shares barely vary in the window)"
+    if not np.isfinite(dynamics.residual_amplitude):
+        reasons["residual_amplitude"] = (f"{window}, minimum {forgetting.MIN_EVALS}" if short
+                                         else "undefined on the window's probe losses")
+    if not np.isfinite(dynamics.own_share_slope):
+        if short:
+            reasons["own_share_slope"] = f"{window}, minimum {forgetting.MIN_EVALS}"
+        elif not tokens_known:
+            reasons["own_share_slope"] = no_tokens
+        elif dynamics.share_intervals < forgetting.MIN_EVALS - 1:
+            reasons["own_share_slope"] = (f"{dynamics.share_intervals} intervals with training tokens in the window, "
+                                          f"minimum {forgetting.MIN_EVALS - 1}")
+        else:
+            reasons["own_share_slope"] = rank_deficient
+    if not np.isfinite(dynamics.cross_band_effect):
+        needed = forgetting.cross_band_min_evals(dynamics.n_bands)
+        if dynamics.n_bands < 3:
+            reasons["cross_band_effect"] = f"{dynamics.n_bands} probe bands in the window, minimum 3"
+        elif dynamics.window_evals < needed:
+            reasons["cross_band_effect"] = (f"{window}, minimum {needed} with {dynamics.n_bands} probe bands "
+                                            "(forgetting.cross_band_min_evals)")
+        elif not tokens_known:
+            reasons["cross_band_effect"] = no_tokens
+        elif dynamics.share_intervals + 1 < needed:
+            reasons["cross_band_effect"] = (f"{dynamics.share_intervals} intervals with training tokens in the window, "
+                                            f"minimum {needed - 1} with {dynamics.n_bands} probe bands")
+        else:
+            reasons["cross_band_effect"] = rank_deficient
+    if period and not np.isfinite(dynamics.loop_score):
+        reasons["loop_score"] = (
+            f"a period of {period} steps ({dynamics.loop_lag_evals} evals) needs at least 2 periods of probe evals "
+            f"after the steady-state start, {window}"
+            if dynamics.loop_lag_evals > dynamics.window_evals // 2 else "undefined on the window's band residuals")
+    return reasons
+
+
+# Why a comparison column read from the summary is NaN when nothing more specific is known.
+_FALLBACK_REASONS = {
+    "ktok_s": "not in summary.json and no ktok_s in metrics.jsonl",
+    "pad_eff": "not in summary.json and no real/padded tokens in metrics.jsonl",
+    "final_loss": "not in summary.json and no logged loss",
+    "tau": "not in summary.json (measured at the end of training)",
+}
+
+
+_ENDPOINTS = frozenset(budgets.ENDPOINT_OF_AXIS.values())
+
+
 def _throughput_and_final(row: dict, steps: pd.DataFrame) -> None:
     """Fill figures a partial run (or a summary lacking them) did not report from the logged steps."""
     step, loss, acc = _column(steps, "step"), _column(steps, "loss"), _column(steps, "acc")
@@ -152,22 +238,29 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         if report.steady_steps < 8:
             notes.append(f"jumpiness: only {report.steady_steps} steady-state steps")
         if not np.isfinite(report.spike_score):
-            notes.append("spike_score: fewer than 33 steps")
+            notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once 32 losses precede it "
+                         "(minimum 33)")
     else:
-        notes.append("no loss series: jumpiness NaN")
+        count = 0 if loss is None else int(np.isfinite(loss).sum())
+        _note_undefined(notes, {c: f"{count} logged losses, minimum 3" for c in ("jumpiness", "spike_score")})
 
     bands, cross = pd.DataFrame(), pd.DataFrame()
     probes = record.probes.dropna(subset=["step", "band"])
-    if not probes.empty:
+    period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
+    if probes.empty:
+        _note_undefined(notes, {c: "no probe evals" for c in ("band_forgetting", "residual_amplitude",
+                                                              "own_share_slope", "cross_band_effect")}
+                        | ({"loop_score": "no probe evals"} if period else {}))
+    else:
         bands = forgetting.band_forgetting_table(probes.dropna(subset=["acc"]))
         row["band_forgetting"] = float(bands["forgetting"].mean())
         row["final_drop"] = float(bands["final_drop"].mean())
         row["max_final_drop"] = float(bands["final_drop"].max())
         probe_loss = probes.pivot_table(index="step", columns="band", values="loss", aggfunc="last").sort_index()
         probe_loss = probe_loss.dropna(axis=1, how="all")  # a band whose blocks could never be scored
-        period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
-        dynamics = forgetting.probe_dynamics(probe_loss, _step_band_tokens(record, notes),
-                                             start_step=steady_start_step, period_steps=period)
+        step_band_tokens = _step_band_tokens(record, notes)
+        dynamics = forgetting.probe_dynamics(probe_loss, step_band_tokens, start_step=steady_start_step,
+                                             period_steps=period)
         row.update(
             forgetting_window_evals=dynamics.window_evals, residual_amplitude=dynamics.residual_amplitude,
             own_share_slope=dynamics.own_share_slope, own_share_slope_se=dynamics.own_share_slope_se,
@@ -175,26 +268,21 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
             loop_lag_evals=float(dynamics.loop_lag_evals) if dynamics.loop_lag_evals else np.nan,
             order_period_steps=float(period) if period else np.nan,
         )
-        if dynamics.window_evals < forgetting.MIN_EVALS:
-            notes.append(f"forgetting: {dynamics.window_evals} probe evals from the steady-state start (step "
-                         f"{steady_start_step:.0f}); amplitude, slope and cross effect need {forgetting.MIN_EVALS}")
-        elif not np.isfinite(dynamics.own_share_slope):
-            notes.append("own_share_slope: no per-step band token counts")
-        if period and not np.isfinite(dynamics.loop_score):
-            notes.append(f"loop_score: a period of {period} steps needs at least 2 periods of probe evals "
-                         "after the steady-state start")
+        _note_undefined(notes, _dynamics_reasons(dynamics, steady_start_step, period, step_band_tokens is not None))
         bands = bands.join(dynamics.per_band, how="left")
         cross = dynamics.cross_matrix
 
     presentations = record.presentations.dropna(subset=["sample_index", "step", "acc"])
-    if not presentations.empty:
+    if presentations.empty:
+        notes.append("forgetting_events_per_example: no example presentations")
+    else:
         summary_all = forgetting.example_forgetting(presentations, theta)
         row["forgetting_events_per_example"] = summary_all.events_per_example
         row["frac_ever_forgotten"] = summary_all.frac_ever_forgotten
         row["frac_never_learned"] = summary_all.frac_never_learned
         if summary_all.n_examples == 0:
-            notes.append(f"forgetting events: no example presented {forgetting.MIN_PRESENTATIONS} times "
-                         f"(needs >= {forgetting.MIN_PRESENTATIONS} epochs)")
+            notes.append(f"forgetting_events_per_example: no example presented {forgetting.MIN_PRESENTATIONS} "
+                         f"times (needs >= {forgetting.MIN_PRESENTATIONS} epochs)")
         by_band = forgetting.example_forgetting_by_band(presentations, theta).add_prefix("examples_")
         bands = by_band if bands.empty else bands.join(by_band, how="outer")
 
@@ -206,8 +294,21 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         row["modelled_time_s"] = float(axes["modelled_time_s"].iloc[-1])
     if len(curve):
         row["probe_loss_final"] = float(curve["probe_loss"].iloc[-1])
+    _note_unexplained(row, notes, applies_loop=bool(period))
     row["notes"] = "; ".join(dict.fromkeys(notes))
     return RunAnalysis(row=row, bands=bands, cross=cross, curve=curve)
+
+
+def _note_unexplained(row: dict, notes: list[str], applies_loop: bool) -> None:
+    """Never a silent empty cell: a NaN comparison column no note names yet gets its fallback reason. Not here:
+    the equal-compute endpoints (set across runs, `_budget_endpoints`) and loop_score of a shuffled order (NaN by
+    definition; order_period_steps is NaN too)."""
+    text = "; ".join(notes)
+    for column in COMPARISON_COLUMNS:
+        if column in _ENDPOINTS or (column == "loop_score" and not applies_loop) or np.isfinite(row[column]):
+            continue
+        if not explains(text, column):
+            notes.append(f"{column}: {_FALLBACK_REASONS.get(column, 'undefined on this run')}")
 
 
 def _bucket_column(steps: pd.DataFrame) -> np.ndarray | None:
@@ -313,6 +414,21 @@ def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.Dat
     common = budgets.common_budgets(finished) if finished else {axis: float("nan") for axis in budgets.AXES}
     for axis, endpoint in budgets.ENDPOINT_OF_AXIS.items():
         runs[endpoint] = [budgets.probe_loss_at(a.curve, axis, common[axis]) for a in analyses]
+        if endpoint not in COMPARISON_COLUMNS:
+            continue
+        for index, analysis in zip(runs.index, analyses):
+            if np.isfinite(runs.at[index, endpoint]):
+                continue
+            end = budgets.curve_end(analysis.curve, axis)
+            if not np.isfinite(end):
+                reason = f"no probe curve on the {axis} axis"
+            elif not np.isfinite(common[axis]):
+                reason = f"no common {axis} budget (a finished run cannot be placed on that axis)"
+            elif end < common[axis]:
+                reason = f"the probe curve ends at {end:.0f} {axis}, before the common budget {common[axis]:.0f}"
+            else:
+                reason = f"no probe loss at the common budget {common[axis]:.0f} {axis}"
+            runs.at[index, "notes"] = "; ".join(filter(None, [runs.at[index, "notes"], f"{endpoint}: {reason}"]))
     curves = [a.curve.assign(run_id=a.row["run_id"]) for a in analyses if len(a.curve)]
     frame = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
     if len(frame):

@@ -33,6 +33,9 @@ Formulas (L_b(t): probe loss of band b at eval step t; B bands; logs are natural
                        equal effect of all other bands on b is not identifiable from shares (beta absorbs it).
                        cross-band effect = mean of C[a, b] over pairs a not in {b, r(b)} (needs >= 3 bands).
                        > 0: training on bands farther than the neighbour raises b's loss more (interference).
+    minimum evals      n = window evals (n - 1 intervals). A and beta: n >= 8 (MIN_EVALS). Cross-band effect:
+                       n >= max(8, B + 5) (cross_band_min_evals; each fit has B + 2 columns and keeps 2 residual
+                       degrees of freedom), 11 for 6 bands. Below it the figure is NaN and the run's notes say why.
     loop score         only for periodic orders (PERIODIC_ORDERS, period P = steps per epoch): mean over bands of
                        the lag-L autocorrelation of e_b (jumpiness.autocorrelation), L = round(P / E) evals,
                        E = median eval interval; NaN for shuffled orders (no period to look at; A and beta apply)
@@ -58,6 +61,19 @@ MIN_PRESENTATIONS = 3
 PERIODIC_ORDERS = frozenset({"bucket_sequential"})
 TREND_COLUMNS = 3  # [1, log t, log^2 t]
 MIN_EVALS = 8  # evals in the window for A, beta and the cross effect: the fits keep a few degrees of freedom
+
+
+def cross_band_min_evals(n_bands: int) -> int:
+    """Fewest window evals for the cross-band effect with `n_bands` probe bands: the fit of each band has
+    TREND_COLUMNS + 1 + (n_bands - 2) columns and keeps 2 residual degrees of freedom on the n - 1 intervals, so
+    n >= TREND_COLUMNS + n_bands + 2, never below MIN_EVALS. The one place this rule lives (`cross_band_effects`,
+    analysis.summarize's notes).
+
+    Example:
+        >>> cross_band_min_evals(3), cross_band_min_evals(4), cross_band_min_evals(6)
+        (8, 9, 11)
+    """
+    return max(MIN_EVALS, TREND_COLUMNS + int(n_bands) + 2)
 
 
 # ---------------------------------------------------------------------------------------------------------- bands
@@ -449,8 +465,8 @@ def cross_band_effects(probe_loss: pd.DataFrame, interval_tokens: pd.DataFrame) 
         interval_tokens: `interval_band_tokens` for those evals.
 
     Returns:
-        CrossBandEffect; C is NaN on the diagonal, at a = r(b), and where a fit is rank-deficient or has fewer
-        than 2 residual degrees of freedom.
+        CrossBandEffect; C is NaN on the diagonal, at a = r(b), and where a fit is rank-deficient; all NaN with
+        fewer than `cross_band_min_evals` evals (counted as intervals with training tokens + 1).
 
     Example:
         >>> rng = np.random.default_rng(1)
@@ -468,14 +484,14 @@ def cross_band_effects(probe_loss: pd.DataFrame, interval_tokens: pd.DataFrame) 
     matrix = pd.DataFrame(np.nan, index=pd.Index(bands, name="train_band"), columns=pd.Index(bands, name="probe_band"))
     if len(bands) < 3:
         return CrossBandEffect(float("nan"), matrix, {})
+    reference = {band: reference_band(band, bands) for band in bands}
+    if len(changes) + 1 < cross_band_min_evals(len(bands)):
+        return CrossBandEffect(float("nan"), matrix, reference)
     shares = tokens.div(tokens.sum(axis=1), axis=0)
     basis = trend_basis(changes.index.to_numpy())
-    reference = {band: reference_band(band, bands) for band in bands}
     for band in bands:
         others = [a for a in bands if a not in (band, reference[band])]
         design = np.column_stack([basis, shares[band].to_numpy(), shares[others].to_numpy()])
-        if len(changes) < design.shape[1] + 2:
-            continue
         fit = least_squares(design, changes[band].to_numpy())
         matrix.loc[others, band] = fit.coef[-len(others):]
     values = matrix.to_numpy(dtype=np.float64)
@@ -559,6 +575,8 @@ class ProbeDynamics:
     window_evals: int
     per_band: pd.DataFrame
     cross_matrix: pd.DataFrame
+    n_bands: int = 0  # bands with probe losses in the window
+    share_intervals: int = 0  # intervals with training tokens that beta and the cross effect fit on
 
 
 def probe_dynamics(
@@ -610,4 +628,6 @@ def probe_dynamics(
         window_evals=int(len(window.dropna())),
         per_band=per_band,
         cross_matrix=cross.matrix,
+        n_bands=int(window.shape[1]),
+        share_intervals=int(own.n_intervals),
     )
