@@ -150,9 +150,10 @@ class CostModel:
             world = 1
         rows = rows[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
         column = lambda name: np.asarray([r.get(name) or 0 for r in rows], dtype=np.float64)  # noqa: E731
-        # Logged token counts are summed over ranks; the model is per rank.
+        # Logged token counts are summed over ranks; the model is per rank. Block slots (what runs, padding anchor
+        # slots included) price the draft, as the planner's plans count them.
         return cls.fit(column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"),
-                       blocks=column("block_tokens") / world)
+                       blocks=column("block_slots") / world)
 
 
 def calibrate_cost(

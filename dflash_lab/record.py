@@ -75,6 +75,7 @@ STEP_FIELDS = (
     "padded_tokens",  # padded tokens, all ranks (packed rows: their used length)
     "attn_tokens",    # attention cost, all ranks: rows x longest^2 padded, sum of squared documents packed
     "block_tokens",   # draft block tokens trained (anchors x block size), all ranks: the draft's work
+    "block_slots",    # block tokens run, padding anchor slots of padded rows included (rows x most anchors x bs)
     "pad_eff",        # real / padded
     "batch_size",     # documents, all ranks
     "max_len",        # longest document of the step
@@ -181,6 +182,7 @@ class StepStats:
     padded_tokens: float   # sum
     attn_tokens: float     # sum
     block_tokens: float    # sum: anchors x block size of the training blocks
+    block_slots: float     # sum: block tokens run (padding anchor slots included)
     documents: float       # sum
     max_len: float         # max
     grad_norm: float       # first: the clipped-gradient norm is the same on every rank after DDP's all-reduce
@@ -291,6 +293,7 @@ def step_row(
         "padded_tokens": int(stats.padded_tokens),
         "attn_tokens": int(stats.attn_tokens),
         "block_tokens": int(stats.block_tokens),
+        "block_slots": int(stats.block_slots),
         "pad_eff": throughput.padding_efficiency(stats.real_tokens, stats.padded_tokens),
         "batch_size": int(stats.documents),
         "max_len": int(stats.max_len),

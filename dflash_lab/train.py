@@ -541,7 +541,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         # -- forward / backward / optimizer (compute) --
         t_compute = time.perf_counter()
         device_sums = torch.zeros(5, dtype=torch.float64, device=device)  # ce, weight, correct, count, blocks
-        doc_correct, doc_count = [], []
+        doc_correct, doc_count, block_slots = [], [], 0
         for micro, batch in enumerate(micro_batches):
             batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
             anchor_generator.manual_seed(anchor_seed(seed, step, micro * env.world_size + env.rank))
@@ -560,6 +560,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
                 objective.backward()
             device_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double(),
                                         out.correct.double(), out.count.double(), out.num_blocks.double()])
+            block_slots += out.num_slots * model.block_size
             doc_correct.append(out.doc_correct)
             doc_count.append(out.doc_count)
         if trainer.global_loss_norm:
@@ -571,7 +572,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         doc_lengths = [policy.lengths[b["sample_index"].cpu().numpy()] for b in micro_batches]
         stats = record.gather_step_stats({
             "ce_sum": device_sums[0], "weight_sum": device_sums[1], "correct": device_sums[2],
-            "count": device_sums[3], "block_tokens": device_sums[4] * model.block_size, "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
+            "count": device_sums[3], "block_tokens": device_sums[4] * model.block_size, "block_slots": float(block_slots), "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
             **record.local_batch_stats(doc_lengths, packed=policy.packed),
         }, dist.all_gather_rows, device)
         lr = schedule.lr(step)

@@ -54,6 +54,7 @@ class StepOutput:
     doc_correct: torch.Tensor       # Long[D], documents in batch["sample_index"] order (fixed anchors when on)
     doc_count: torch.Tensor         # Long[D]
     num_blocks: torch.Tensor        # valid anchors (blocks) in the batch
+    num_slots: int = 0              # anchor slots run (rows x the row maximum; padding slots included)
 
     @property
     def acc(self) -> torch.Tensor:
@@ -369,6 +370,7 @@ class DFlashModel(nn.Module):
             doc_correct=doc_correct,
             doc_count=doc_count,
             num_blocks=blocks.valid.sum(),
+            num_slots=int(blocks.valid.numel()),
         )
 
     def _head_logits_ce(self, hidden: torch.Tensor, labels: torch.Tensor):
