@@ -211,6 +211,26 @@ def _grads(model):
     return [p.grad.clone() for p in model.draft.parameters()]
 
 
+@pytest.mark.parametrize("chunk_slots", [None, 7])
+def test_fused_lm_head_gives_the_reference_loss_and_draft_gradients(chunk_slots):
+    # None: the reference keeps the whole logits; 7: both paths chunk (7 slots per chunk)
+    batch = collate_packed(_samples([40, 30]), [0, 1], [40, 30], 0)
+    outs = []
+    for fused in (False, True):
+        model = _model()
+        model.fused_head_ce = fused
+        if chunk_slots:
+            model.CE_CHUNK_ELEMENTS = TOK.vocab_size * chunk_slots
+        out = model(batch, torch.Generator().manual_seed(3))
+        out.loss.backward()
+        outs.append((out, _grads(model)))
+    (ref, ref_grads), (fused, fused_grads) = outs
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-6, atol=0)
+    assert fused.correct == ref.correct and torch.equal(fused.per_pos_correct, ref.per_pos_correct)
+    for x, y in zip(fused_grads, ref_grads):
+        assert float((x - y).norm() / y.norm()) < 1e-6
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_fast_attention_matches_the_dense_mask_oracle_forward_and_gradients(packed):
     # auto: the target runs flex_attention (packed) or its own causal attention (padded); the draft runs exact

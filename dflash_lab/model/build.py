@@ -20,7 +20,7 @@ from pathlib import Path
 from dflash_lab.config_check import as_bool, as_int, refuse_unknown_keys
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
-from dflash_lab.model.draft import DFlashDraft, DraftConfig, default_target_layer_ids
+from dflash_lab.model.draft import DFlashDraft, DraftConfig, check_compile_layers, default_target_layer_ids
 from dflash_lab.model.target import load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
                 pretrain_data: dict | None = None,
                 target_path: str | None = None, target_config: str | dict | None = None, dtype: str = "auto",
                 device: str | None = None, attn_implementation: str = "sdpa", mask_token_id: int | None = None,
-                fixed_anchors: int = 8, activation_checkpointing: bool = False,
+                fixed_anchors: int = 8, activation_checkpointing: bool = False, compile_layers: bool | str = "auto",
                 **other):
     """Build the DFlash model and the target's tokenizer from plain config values.
 
@@ -69,6 +69,9 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         fixed_anchors: blocks per document scored at anchors drawn once from the example id (per-example
             accuracy and probes; 0: off). See DFlashModel.
         activation_checkpointing: recompute draft layers in the backward pass (``trainer.activation_checkpointing``).
+        compile_layers: torch.compile the draft layers' RMSNorm, rope and MLP: true, false or ``auto`` (the default
+            when the key is absent: on CUDA, off on CPU where each graph takes ~20 s to compile). See
+            dflash_lab.model.draft.
         **other: the model config's ``decode_*`` keys (read by the trainer); any other key is refused.
 
     Returns:
@@ -83,6 +86,7 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
     refuse_unknown_keys("model", other, valid_model_keys())
     fixed_anchors = as_int("model.fixed_anchors", fixed_anchors, minimum=0, example=8)
     activation_checkpointing = as_bool("trainer.activation_checkpointing", activation_checkpointing)
+    compile_layers = check_compile_layers(compile_layers)
     if kind == "tiny":
         tokenizer = ByteTokenizer()
         arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
@@ -113,7 +117,7 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
                         anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, draft_layers=draft_layers,
                         target_layer_ids=target_layer_ids, draft_intermediate_size=draft_intermediate_size,
                         draft_init_seed=draft_init_seed, draft_init_std=draft_init_std, fixed_anchors=fixed_anchors,
-                        activation_checkpointing=activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing, compile_layers=compile_layers)
     model.stop_token_ids = list(tokenizer.stop_token_ids)
     return model, tokenizer
 
@@ -128,7 +132,7 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
                 anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
                 target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
                 draft_init_seed: int = 0, draft_init_std: float | None = None, fixed_anchors: int = 8,
-                activation_checkpointing: bool = False) -> DFlashModel:
+                activation_checkpointing: bool = False, compile_layers: bool | str = "auto") -> DFlashModel:
     """A DFlashModel around an already built (frozen) HF causal-LM target: a draft shaped like the target.
 
     ``build_model`` uses it for both kinds; ``benchmarks/gpu_check.py`` uses it on a randomly initialised
@@ -142,7 +146,7 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
     draft_cfg = draft_config_for_target(target.config, draft_layers=draft_layers, target_layer_ids=target_layer_ids,
                                         draft_intermediate_size=draft_intermediate_size)
     draft = DFlashDraft(draft_cfg, init_seed=int(draft_init_seed), init_std=draft_init_std,
-                        activation_checkpointing=activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing, compile_layers=compile_layers)
     weight = target.get_input_embeddings().weight
     draft.to(device=weight.device)  # draft master weights stay float32; autocast handles bf16 on GPU
     model = DFlashModel(target, draft, mask_token_id=mask_token_id, block_size=int(block_size), loss_gamma=loss_gamma,

@@ -8,7 +8,9 @@ Step (``forward(batch, generator)``):
     2. anchors per document from the generator, blocks [anchor, MASK...] (dflash_lab.model.objective);
     3. draft on the blocks: queries = block tokens, keys/values = [projected context ; block], each block token
        seeing its document's context before the anchor and its own block;
-    4. target LM head on the supervised slots only; weighted CE, accuracy, per-slot and per-document counts.
+    4. target LM head on the supervised slots only; weighted CE, accuracy, per-slot and per-document counts. The
+       head + CE run as torch's fused ``F.linear_cross_entropy`` (no S x V logits kept; argmax from a chunked
+       no-grad pass), or as the chunked reference (dflash_lab.model.head).
     5. with ``fixed_anchors`` = k > 0: the draft (no grad, same weights, before the update) also scores k blocks
        per document at anchors drawn once from the example id (``objective.fixed_anchors``);
        ``StepOutput.doc_correct / doc_count`` count those blocks only, so an example's accuracy is measured on the
@@ -18,7 +20,8 @@ Returns a StepOutput with the loss and the raw weighted CE sum / weight sum, so 
 global weight across ranks and accumulation steps. ``evaluate`` (probes) scores the fixed anchors only.
 
 Cost: one target forward (no grad, up to the deepest layer read) over R x T tokens; a draft forward/backward
-over N x bs block tokens per row (N anchors); the LM head only on supervised slots; fixed anchors: one no-grad
+over N x bs block tokens per row (N anchors); the LM head only on supervised slots (fused: 4 S H V multiply-adds,
+reference: 2, 3 when chunked); fixed anchors: one no-grad
 draft pass over k x bs tokens per document (its context keys/values are recomputed).
 """
 
@@ -31,12 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dflash_lab.model.attention import (
     BACKENDS, TRANSFORMERS_NAME, causal_document_intervals, document_starts, register_with_transformers,
 )
 from dflash_lab.model.draft import DFlashDraft
+from dflash_lab.model.head import head_ce
 from dflash_lab.model.objective import build_blocks, default_gamma, draft_key_intervals, fixed_anchors, sample_anchors
 
 
@@ -164,14 +167,18 @@ class DFlashModel(nn.Module):
             the dense document mask).
         max_block_tokens: the step's block budget (``sampler.max_block_tokens``); a batch whose anchors exceed
             it is thinned proportionally (``objective.thin_quota``). None: no budget.
+        fused_head_ce: the LM head + CE run as torch's fused ``F.linear_cross_entropy`` when gradients are needed
+            (dflash_lab.model.head; False: the chunked reference path, also the fallback where the op is missing;
+            auto: fused on CUDA only, where it saves the logits' memory; on CPU it measured 3.3x slower).
     """
 
-    CE_CHUNK_ELEMENTS = 1 << 27   # logits elements above which the LM head + CE run in checkpointed chunks
+    CE_CHUNK_ELEMENTS = 1 << 27   # logits elements the LM head holds at once (chunks above it; fused: chunk size)
 
     def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int = 8,
                  loss_gamma: float | None = None, anchors_per_doc: int | None = 64,
                  anchor_density: float | None = 0.0625, draft_init_seed: int = 0, fixed_anchors: int = 8,
-                 attention_backend: str = "auto", max_block_tokens: int | None = None):
+                 attention_backend: str = "auto", max_block_tokens: int | None = None,
+                 fused_head_ce: bool | str = "auto"):
         super().__init__()
         if block_size < 2:
             raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one prediction")
@@ -194,6 +201,9 @@ class DFlashModel(nn.Module):
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r}: choose one of {', '.join(BACKENDS)}")
         self.attention_backend = attention_backend
+        if fused_head_ce not in (True, False, "auto"):
+            raise ValueError(f"fused_head_ce={fused_head_ce!r}: use true, false or auto (fused on CUDA only)")
+        self.fused_head_ce = fused_head_ce
         register_with_transformers()
         self.target_layer_ids = list(draft.cfg.target_layer_ids)
         self.stop_token_ids: list[int] = []   # set by build_model from the tokenizer; ends decoding
@@ -373,31 +383,25 @@ class DFlashModel(nn.Module):
             num_slots=int(blocks.valid.numel()),
         )
 
-    def _head_logits_ce(self, hidden: torch.Tensor, labels: torch.Tensor):
-        logits = self.lm_head(hidden).float()
-        return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
-
     def _head_ce(self, hidden: torch.Tensor, labels: torch.Tensor):
-        """Per-slot CE and argmax through the frozen LM head; chunked for large vocabularies.
+        """Per-slot CE and argmax through the frozen LM head (dflash_lab.model.head): torch's fused
+        linear_cross_entropy when gradients are needed (``fused_head_ce``), else the chunked reference.
 
         Logits of S slots x V words in float32 would dominate memory on a real target (32K slots x 152K words
-        = 20 GB); above ``CE_CHUNK_ELEMENTS`` the head runs in chunks under activation checkpointing, so only
-        one chunk's logits exist at a time (recomputed in backward).
+        = 20 GB): no path holds more than ``CE_CHUNK_ELEMENTS`` logits at once (the reference's whole-batch path
+        only below that).
         """
-        vocab = self.target.get_output_embeddings().weight.shape[0]
-        if hidden.shape[0] * vocab <= self.CE_CHUNK_ELEMENTS:
-            return self._head_logits_ce(hidden, labels)
-        chunk = max(1, self.CE_CHUNK_ELEMENTS // vocab)
-        ces, preds = [], []
-        for start in range(0, hidden.shape[0], chunk):
-            part = slice(start, start + chunk)
-            if torch.is_grad_enabled():
-                ce, pred = checkpoint(self._head_logits_ce, hidden[part], labels[part], use_reentrant=False)
-            else:
-                ce, pred = self._head_logits_ce(hidden[part], labels[part])
-            ces.append(ce)
-            preds.append(pred)
-        return torch.cat(ces), torch.cat(preds)
+        head = self.target.get_output_embeddings()   # an nn.Linear in every HF causal LM
+        return head_ce(hidden, head.weight, head.bias, labels, chunk_elements=self.CE_CHUNK_ELEMENTS,
+                       fused=self.uses_fused_head(hidden.device))
+
+    def uses_fused_head(self, device: torch.device | str | None = None) -> bool:
+        """Whether the LM head runs fused on ``device`` (default: the target's): ``fused_head_ce`` true, or auto
+        on CUDA (on these CPUs the fused op measured 3.3x slower than the chunked reference, docs/model_speed.md)."""
+        if self.fused_head_ce != "auto":
+            return bool(self.fused_head_ce)
+        device = torch.device(device) if device is not None else self.target.get_input_embeddings().weight.device
+        return device.type == "cuda"
 
     # -- decoding helpers ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -423,12 +427,14 @@ class DFlashModel(nn.Module):
 
     def baseline_model(self) -> DFlashModel:
         """A DFlashModel sharing this target with a freshly initialised (untrained) draft: the tau baseline."""
-        fresh = DFlashDraft(copy.deepcopy(self.draft.cfg), init_seed=self.draft_init_seed, init_std=self.draft.init_std)
+        fresh = DFlashDraft(copy.deepcopy(self.draft.cfg), init_seed=self.draft_init_seed, init_std=self.draft.init_std,
+                            compile_layers=self.draft.compile_layers)
         param = next(self.draft.parameters())
         fresh.to(device=param.device, dtype=param.dtype)
         baseline = DFlashModel(self.target, fresh, mask_token_id=self.mask_token_id, block_size=self.block_size,
                                loss_gamma=self.loss_gamma, anchors_per_doc=self.anchors_per_doc,
                                anchor_density=self.anchor_density, draft_init_seed=self.draft_init_seed,
-                               fixed_anchors=self.fixed_anchors, attention_backend=self.attention_backend)
+                               fixed_anchors=self.fixed_anchors, attention_backend=self.attention_backend,
+                               fused_head_ce=self.fused_head_ce)
         baseline.stop_token_ids = list(self.stop_token_ids)
         return baseline

@@ -15,6 +15,16 @@ RMSNorm normalises in float32 and returns the input's dtype (bf16 activations un
 DFlash draft (Qwen3RMSNorm on a bf16 model) does. ``activation_checkpointing`` recomputes each layer in the
 backward pass instead of storing its activations.
 
+Compiled layers (``compile_layers``: True, False or ``"auto"`` = on CUDA only): RMSNorm, the rotary embedding and
+the SwiGLU MLP (its three matmuls with the silu product between them) run through ``torch.compile`` (fullgraph:
+no graph breaks), which fuses their pointwise work into a few kernels instead of one kernel (and one saved
+tensor) per elementwise op; attention is compiled separately (flex_attention, dflash_lab.model.attention).
+Each piece sees one layout whatever the batch: norms and the MLP take [tokens, features] (the token count
+marked dynamic), rope [rows, heads, length, d] (rows and length dynamic), so a process compiles a bounded set of
+graphs per piece (grad / no-grad mode, inputs with / without grad, size-1 dimensions specialised) and then never
+recompiles per step. Compiling costs ~20 s per graph on a slow CPU, hence off on CPU under ``"auto"``. What a
+compiled piece saves for backward is AOTAutograd's choice (at most what the eager ops save).
+
 Cost per layer: O(Q * C * hidden) attention for Q block tokens that each see C context keys (C = the anchor's
 offset in its document, + bs) + O(Q * hidden * intermediate) MLP + O(T * hidden * kv_dim) context keys/values;
 the context projection is O(T * n_layers_used * hidden^2).
@@ -22,6 +32,7 @@ the context projection is O(T * n_layers_used * hidden^2).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -88,6 +99,83 @@ class DraftConfig:
         return asdict(self)
 
 
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised over the last dimension in float32, scaled by ``weight``, returned in ``x``'s dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(dtype) * x.to(dtype)   # float32 weights x bf16 would promote to float32
+
+
+def swiglu_mlp(h: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+               down_weight: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(h)) * up(h)), bias-free."""
+    return F.linear(F.silu(F.linear(h, gate_weight)) * F.linear(h, up_weight), down_weight)
+
+
+@functools.cache
+def _compiled(fn):
+    # dynamic=None: only the dimensions marked dynamic at the call are symbolic (hidden sizes stay static)
+    return torch.compile(fn, fullgraph=True)
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """[..., features] -> [tokens, features] with the token count dynamic for the compiler."""
+    flat = x.reshape(-1, x.shape[-1])
+    torch._dynamo.maybe_mark_dynamic(flat, 0)
+    return flat
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The draft's pointwise pieces, eager or compiled (see the module docstring); layers take one as an argument.
+
+    Under a Python dispatch mode (FlopCounterMode, memory trackers) the compiled pieces run eager: such modes do
+    not compose with compiled graphs (as with flex_attention in dflash_lab.model.attention).
+    """
+
+    compiled: bool
+
+    def _use_compiled(self) -> bool:
+        return self.compiled and not torch._C._len_torch_dispatch_stack()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._use_compiled():
+            return rms_norm(x, weight, eps)
+        return _compiled(rms_norm)(_tokens_first(x), weight, eps).view(x.shape)
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self._use_compiled():
+            return apply_rope(x, cos, sin)
+        for tensor, dims in ((x, (0, 2)), (cos, (0, 1)), (sin, (0, 1))):   # rows and length
+            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+        return _compiled(apply_rope)(x, cos, sin)
+
+    def mlp(self, h: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+            down_weight: torch.Tensor) -> torch.Tensor:
+        if not self._use_compiled():
+            return swiglu_mlp(h, gate_weight, up_weight, down_weight)
+        out = _compiled(swiglu_mlp)(_tokens_first(h), gate_weight, up_weight, down_weight)
+        return out.view(*h.shape[:-1], out.shape[-1])
+
+
+EAGER = LayerOps(compiled=False)
+
+
+def check_compile_layers(compile_layers) -> bool | str:
+    """``compile_layers`` if it is True, False or ``"auto"``, else ValueError."""
+    if not (isinstance(compile_layers, bool) or compile_layers == "auto"):
+        raise ValueError(f"model.compile_layers={compile_layers!r}: choose true, false or auto")
+    return compile_layers
+
+
+def layer_ops(compile_layers: bool | str, device: torch.device) -> LayerOps:
+    """The pieces for a ``compile_layers`` setting on ``device`` (``"auto"``: compiled on CUDA only)."""
+    compiled = compile_layers is True or (compile_layers == "auto" and device.type == "cuda")
+    return LayerOps(compiled=compiled)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale: normalised in float32, returned in the input's dtype."""
 
@@ -96,11 +184,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(dtype) * x.to(dtype)   # float32 weights x bf16 would promote to float32
+    def forward(self, x: torch.Tensor, ops: LayerOps = EAGER) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -132,15 +217,15 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None):
+    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None, ops: LayerOps = EAGER):
         rows, q_len, _ = x.shape
         d = self.cfg.head_dim
         kv_in = torch.cat([context, x], dim=1)
-        q = self.q_norm(self.q_proj(x).view(rows, q_len, -1, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(rows, kv_in.shape[1], -1, d)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(rows, q_len, -1, d), ops).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(rows, kv_in.shape[1], -1, d), ops).transpose(1, 2)
         v = self.v_proj(kv_in).view(rows, kv_in.shape[1], -1, d).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
+        q = ops.apply_rope(q, *rope_q)
+        k = ops.apply_rope(k, *rope_kv)
         # d ** -0.5 exactly as the HF target computes it: compiled flex guards on the scale's value
         out = attend(q, k, v, attention, scale=d ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
@@ -158,10 +243,10 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None):
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, attention)
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+    def forward(self, x, context, rope_q, rope_kv, attention: KeyIntervals | None, ops: LayerOps = EAGER):
+        x = x + self.self_attn(self.input_layernorm(x, ops), context, rope_q, rope_kv, attention, ops)
+        h = self.post_attention_layernorm(x, ops)
+        return x + ops.mlp(h, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class DFlashDraft(nn.Module):
@@ -175,13 +260,16 @@ class DFlashDraft(nn.Module):
             times smaller than the target embeddings it adds to, and learning stalls at the unigram).
         activation_checkpointing: recompute each layer in the backward pass (memory ~ one layer's activations
             instead of all layers', for one more forward of the layers).
+        compile_layers: run RMSNorm, rope and the MLP through torch.compile: True, False or ``"auto"`` (on CUDA
+            only; resolved per call from the inputs' device). See the module docstring.
     """
 
     def __init__(self, cfg: DraftConfig, init_seed: int = 0, init_std: float | None = None,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, compile_layers: bool | str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = bool(activation_checkpointing)
+        self.compile_layers = check_compile_layers(compile_layers)
         in_features = len(cfg.target_layer_ids) * (cfg.target_hidden_size or cfg.hidden_size)
         self.fc = nn.Linear(in_features, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -210,7 +298,8 @@ class DFlashDraft(nn.Module):
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """[R, T, n_layers * H_target] target features -> [R, T, H] normalised draft context."""
-        return self.hidden_norm(self.fc(self._compute_dtype(target_features)))
+        ops = layer_ops(self.compile_layers, target_features.device)
+        return self.hidden_norm(self.fc(self._compute_dtype(target_features)), ops)
 
     def forward(self, context: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, attention: KeyIntervals | None) -> torch.Tensor:
@@ -234,10 +323,11 @@ class DFlashDraft(nn.Module):
         key_positions = torch.cat([context_positions, block_positions], dim=1)
         rope_kv = rope_cos_sin(key_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context = context.to(dtype)
+        ops = layer_ops(self.compile_layers, block_embeds.device)
         x = block_embeds
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, context, rope_q, rope_kv, attention, use_reentrant=False)
+                x = checkpoint(layer, x, context, rope_q, rope_kv, attention, ops, use_reentrant=False)
             else:
-                x = layer(x, context, rope_q, rope_kv, attention)
-        return self.norm(x)
+                x = layer(x, context, rope_q, rope_kv, attention, ops)
+        return self.norm(x, ops)

@@ -43,8 +43,11 @@ it (autocast makes no activation copies).
                    + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
                 extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
               + R Q (H (f + c) + f)                          final norm
-              + head: S H c, and when S V <= CE_CHUNK_ELEMENTS the saved log-probabilities 4 S V
+              + head: S H c (the hidden slots; fused head: nothing more, no logits),
+                      reference head with S V <= CE_CHUNK_ELEMENTS: + the saved log-probabilities 4 S V
               + max(head transient, one layer's backward transient [, segments: M boolean run masks, forward only])
+                head transient: fused s V f (one chunk's logits, s = min(S, CE_CHUNK_ELEMENTS / V) rows);
+                reference: s V (2c + 4f) chunked, S V (2c + 3f) whole (bf16; 4f and 3f in fp32)
     checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
@@ -60,6 +63,7 @@ FLOPs (model FLOPs: the real work of a step, no padding, no recomputation; one m
                      + 4 h d (bs sum_anchors p + A bs^2)]                         forward + backward
               + 2 x 2 n Ht H sum_docs l                                           fc: forward + weight grad
               + 2 x 2 H V S                                                       LM head: forward + input grad
+                (the fused head's argmax pass and backward recompute, 2 H V S more, are recomputation)
     fixed     = L [the draft layer term with Af, pf] + 2 H V Sf                   fixed anchors: forward only
 with A valid anchors, p an anchor's position in its document (visible context keys, mean (l - 2) / 2); Af =
 sum_docs min(k, l - 1) fixed anchors, pf their positions, Sf their supervised slots (the fixed pass reuses the
@@ -77,6 +81,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from dflash_lab.model.head import FUSED_AVAILABLE
 
 GIB = float(2**30)
 USABLE_FRACTION = 0.9   # of a GPU's memory a step may plan for: CUDA context, allocator fragmentation, workspaces
@@ -178,6 +184,8 @@ class StepModel:
     anchors_per_doc: int | None
     anchor_density: float | None
     fixed_anchors: int = 0      # blocks per document of the no-grad fixed-anchor pass (0: no such pass)
+    fused_head_ce: bool = FUSED_AVAILABLE   # LM head + CE as torch's linear_cross_entropy (dflash_lab.model.head;
+    #                                          training runs it on CUDA: the planner's default prices a GPU step)
 
     @property
     def layers_read(self) -> int:
@@ -211,7 +219,8 @@ class StepModel:
         """From a built ``DFlashModel`` (what the trainer holds before step 1)."""
         return cls(TargetDims.from_hf_config(model.target.config), DraftDims.from_draft_config(model.draft.cfg),
                    block_size=model.block_size, anchors_per_doc=model.anchors_per_doc,
-                   anchor_density=model.anchor_density, fixed_anchors=model.fixed_anchors)
+                   anchor_density=model.anchor_density, fixed_anchors=model.fixed_anchors,
+                   fused_head_ce=model.uses_fused_head() and FUSED_AVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -408,11 +417,17 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
         layers = d.layers * layer_saved - R * Q * H * f  # the first layer's input (embeddings) needs no grad
     vocab = t.vocab
     chunk = max(1, DFlashModel.CE_CHUNK_ELEMENTS // vocab)
-    chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
-    # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
-    per_logit = 2 * c + 4 * f if autocast else 4 * f
-    head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
-    head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
+    if model.fused_head_ce:
+        # F.linear_cross_entropy saves its inputs only (hidden slots, head weight, labels) and recomputes one
+        # chunk of logits at a time in backward (accumulation dtype f); the argmax pass needs no more.
+        head_saved = S * H * c
+        head_transient = np.minimum(S, chunk) * vocab * f
+    else:
+        chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
+        # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
+        per_logit = 2 * c + 4 * f if autocast else 4 * f
+        head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
+        head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
     layer_backward = R * (Q * (3 * I + 2 * H) * c + K * (H + 2 * gd) * c)
     if dense:
         layer_backward = layer_backward + R * Q * K * c

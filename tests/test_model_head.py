@@ -1,0 +1,124 @@
+"""LM head + CE (dflash_lab.model.head): the fused F.linear_cross_entropy path against the chunked reference."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_lab.model import head
+from dflash_lab.model.head import head_ce, head_ce_chunked, head_ce_fused
+
+torch.set_num_threads(1)
+WHOLE = 1 << 40   # chunk budget that never chunks
+
+needs_fused = pytest.mark.skipif(not head.FUSED_AVAILABLE, reason="torch has no F.linear_cross_entropy")
+
+
+def _problem(slots, vocab, hidden, seed=0, dtype=torch.float32, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5 * 3).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.1).to(dtype) if bias else None
+    x = torch.randn(slots, hidden, generator=g).to(dtype)
+    labels = torch.randint(0, vocab, (slots,), generator=g)
+    slot_weights = torch.rand(slots, generator=g)
+    return x, weight, b, labels, slot_weights
+
+
+def _run(fn, x, weight, bias, labels, slot_weights, chunk_elements):
+    x = x.clone().requires_grad_()
+    ce, predicted = fn(x, weight, bias, labels, chunk_elements)
+    loss = (ce * slot_weights).sum()
+    loss.backward()
+    return ce.detach(), predicted, loss.detach(), x.grad
+
+
+def _relative(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@needs_fused
+@pytest.mark.parametrize("slots,vocab,hidden,chunk_elements,bias", [
+    (50, 264, 32, WHOLE, False),            # small vocabulary: the reference keeps the whole logits
+    (700, 5000, 48, 5000 * 128, False),     # large enough to chunk: 128-row chunks, a partial last one
+    (300, 3000, 40, 3000 * 64, True),       # a head with a bias
+])
+def test_fused_head_matches_the_reference_loss_gradients_and_argmax(slots, vocab, hidden, chunk_elements, bias):
+    problem = _problem(slots, vocab, hidden, bias=bias)
+    assert (slots * vocab > chunk_elements) == (chunk_elements != WHOLE)
+    ref_ce, ref_pred, ref_loss, ref_grad = _run(head_ce_chunked, *problem, chunk_elements)
+    whole_ce, _, _, whole_grad = _run(head_ce_chunked, *problem, WHOLE)
+    ce, pred, loss, grad = _run(head_ce_fused, *problem, chunk_elements)
+    torch.testing.assert_close(ref_ce, whole_ce, rtol=0, atol=0)      # the chunked reference is exact
+    torch.testing.assert_close(ref_grad, whole_grad, rtol=0, atol=0)
+    assert ce.dtype == torch.float32 and ce.shape == (slots,)
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-6, atol=0)
+    assert abs(float(loss / ref_loss) - 1) < 1e-6
+    assert _relative(grad, ref_grad) < 1e-6
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6 * float(ref_grad.abs().max()))
+    assert torch.equal(pred, ref_pred)
+
+
+@needs_fused
+def test_fused_head_saves_no_logits():
+    x, weight, bias, labels, slot_weights = _problem(64, 4096, 32)
+    x.requires_grad_()
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        ce, _ = head_ce_fused(x, weight, bias, labels, WHOLE)
+        (ce * slot_weights).sum()
+    # the hidden slots, the labels and the slot weights: no S x V tensor
+    assert sum(saved.values()) == x.nbytes + labels.nbytes + slot_weights.nbytes
+
+
+@needs_fused
+def test_bf16_head_runs_fused_close_to_the_reference():
+    x, weight, bias, labels, slot_weights = _problem(64, 264, 32, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback
+        ce, pred, loss, grad = _run(lambda *a: head_ce(*a[:4], chunk_elements=a[4]), x, weight, bias, labels,
+                                    slot_weights, WHOLE)
+    ref_ce, ref_pred, ref_loss, ref_grad = _run(head_ce_chunked, x, weight, bias, labels, slot_weights, WHOLE)
+    assert grad.dtype == torch.bfloat16 and torch.equal(pred, ref_pred)
+    torch.testing.assert_close(ce.float(), ref_ce, rtol=1e-2, atol=1e-2)   # bf16 CE values
+    assert _relative(grad.float(), ref_grad.float()) < 1e-2
+
+
+def test_head_ce_falls_back_to_the_reference_when_the_fused_op_fails_or_is_missing(monkeypatch):
+    problem = _problem(120, 1000, 24)
+    reference = _run(head_ce_chunked, *problem, 1000 * 32)
+
+    def head_ce_default(*args):
+        return head_ce(*args[:4], chunk_elements=args[4])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(F, "linear_cross_entropy", broken)
+    with pytest.warns(RuntimeWarning, match="chunked reference path"):
+        fallback = _run(head_ce_default, *problem, 1000 * 32)
+    monkeypatch.setattr(head, "FUSED_AVAILABLE", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        missing = _run(head_ce_default, *problem, 1000 * 32)
+    for out in (fallback, missing):
+        assert all(torch.equal(a, b) for a, b in zip(out, reference))
+
+
+def test_without_gradients_one_chunked_pass_gives_both_outputs(monkeypatch):
+    x, weight, bias, labels, _ = _problem(90, 700, 16)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the fused op runs only when gradients are needed")
+
+    monkeypatch.setattr(F, "linear_cross_entropy", must_not_run)
+    with torch.no_grad():
+        ce, pred = head_ce(x, weight, bias, labels, chunk_elements=700 * 16)
+    ref_ce, ref_pred = head_ce_chunked(x, weight, bias, labels, WHOLE)
+    assert torch.equal(ce, ref_ce) and torch.equal(pred, ref_pred)
