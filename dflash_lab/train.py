@@ -470,7 +470,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
                               max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
     decode_new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
     identity = {"sampler": policy.name, "seed": seed, "epochs": trainer.epochs, "world_size": env.world_size,
-                "boundaries": policy.boundaries}
+                "boundaries": policy.boundaries, "anchor_rule": anchor_rule_name(model.anchor_density),
+                "max_block_tokens": memory.max_block_tokens,
+                "activation_checkpointing": memory.activation_checkpointing}
     data_skipped = dict(train_ds.stats.get("skipped", {}))
     if any(data_skipped.values()):
         log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")

@@ -192,3 +192,46 @@ def test_settings_are_validated():
         Settings(precision="fp16")
     with pytest.raises(ValueError, match="attention"):
         replace(Settings(), attention="sdpa")
+
+
+def test_memory_plan_resolves_auto_block_budget_and_checkpointing():
+    from dflash_lab.model.footprint import PreflightError, memory_plan
+    from dflash_lab.sampling.anchors import block_tokens_per_sample, valid_positions_from_lengths
+
+    from omegaconf import OmegaConf
+
+    from dflash_lab.data.lengths import reference_lengths
+    from dflash_lab.plan import CONF_DIR
+
+    preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "qwen3_8b.yaml"))
+    m = StepModel.from_model_config({"kind": "hf", "target_config": preset["target_config"], "block_size": 16,
+                                     "anchors_per_doc": 512, "anchor_density": None, "draft_layers": 5})
+    lengths = reference_lengths("seed", 2000, seed=0)
+    blocks = block_tokens_per_sample(valid_positions_from_lengths(lengths), block_size=16, anchors_per_doc=512,
+                                     anchor_density=None)
+    cfg = {"name": "packed", "max_tokens": 32768, "max_block_tokens": "auto"}
+    settings = Settings(world_size=8)
+    # no GPU known (CPU training): auto is no block budget, checkpointing off
+    cpu = memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=None, seed=0,
+                      block_tokens=blocks)
+    assert (cpu.max_block_tokens, cpu.activation_checkpointing) == (None, False)
+    # 96 GB without checkpointing: a budget at least one 8K document's 8,192 block tokens, the step within 90%
+    plain = memory_plan(m, lengths, cfg, settings, activation_checkpointing=False, gpu_mem_gb=96, seed=0,
+                        block_tokens=blocks)
+    assert plain.max_block_tokens >= 8192 and not plain.activation_checkpointing
+    assert plan_peak_bytes(lengths, {**cfg, "max_block_tokens": plain.max_block_tokens}, m, settings, seed=0,
+                           world_size=8, block_tokens=blocks) <= 0.9 * 96 * GIB
+    # checkpointing lets a larger budget fit; auto takes it when the budget without it is under half
+    ckpt = memory_plan(m, lengths, cfg, settings, activation_checkpointing=True, gpu_mem_gb=96, seed=0,
+                       block_tokens=blocks)
+    assert ckpt.max_block_tokens > plain.max_block_tokens
+    auto = memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=96, seed=0,
+                       block_tokens=blocks)
+    assert auto.activation_checkpointing == (plain.max_block_tokens < ckpt.max_block_tokens / 2)
+    # nothing fits 24 GB at 32K tokens: the error names the fixes
+    with pytest.raises(PreflightError, match="no block budget keeps the objective"):
+        memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=24, seed=0,
+                    block_tokens=blocks)
+    with pytest.raises(ValueError, match="sampler.max_block_tokens='lots'"):
+        memory_plan(m, lengths, {**cfg, "max_block_tokens": "lots"}, settings, activation_checkpointing="auto",
+                    gpu_mem_gb=96, seed=0, block_tokens=blocks)

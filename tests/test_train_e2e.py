@@ -411,3 +411,19 @@ def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
     assert_no_duplicate_rows(run_dir)
     assert not list(checkpoints.glob("*.tmp"))
     assert json.loads((run_dir / "summary.json").read_text())["segments"] >= 2
+
+
+@pytest.mark.parametrize("sampler", ["bucketed", "packed"])
+def test_a_block_budget_bounds_every_step_under_the_recipe_anchor_rule(tmp_path, sampler):
+    """The recipe's rule (min(anchors_per_doc, valid positions) per document) with sampler.max_block_tokens: every
+    logged step runs at most that many block slots, and the summary records the rule and the budget."""
+    run_dir = tmp_path / sampler
+    summary = train(compose_cfg(run_dir, f"sampler={sampler}", "model.anchor_density=null", "model.anchors_per_doc=32",
+                                "sampler.max_block_tokens=512", "trainer.max_steps=12", "trainer.measure_tau=false",
+                                "probes.every=0", "probes.presentations=false"))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert summary["status"] == "finished" and len(rows) == 12
+    assert all(0 < r["block_tokens"] <= r["block_slots"] <= 512 for r in rows), [r["block_slots"] for r in rows]
+    assert summary["anchor_rule"] == "recipe" and summary["max_block_tokens"] == 512
+    assert summary["activation_checkpointing"] is False
+    assert "memory plan: as configured (anchor rule recipe)" in (run_dir / "train_rank0.log").read_text()
