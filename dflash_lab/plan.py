@@ -198,14 +198,15 @@ def calibrate_cost(
 
 
 def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0,
-                       step_model: Any = None) -> dict[str, float]:
+                       step_model: Any = None, recompute: bool = False) -> dict[str, float]:
     """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks).
 
     Ktok/s is predicted with the trainer's definition (``throughput.steady_state_ktok_s``: the median over steps of
     a step's real tokens / its time), so prediction and measurement compare like with like; ETA sums step times.
     Block tokens per batch come from the policy's own (``Admission.block_tokens``; none: 0). The FLOPs form of
     the cost model (``cost.mfu``) needs ``step_model`` (``model.footprint.StepModel``) and also reports
-    ``pred_mfu`` (model FLOPs over the run's time at the preset's peak).
+    ``pred_mfu`` (model FLOPs over the run's time at the preset's peak); ``recompute`` (draft activation
+    checkpointing) adds the draft forward that checkpointing runs again in backward.
     """
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
@@ -221,7 +222,8 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
                               anchors=policy_anchors(policy, step_model))
         counted = step_flops(step_model, shapes)
         flops = counted["total"]
-        per_batch = cost.flop_step_time(counted["executed"])
+        executed = counted["executed"] + (counted["executed_draft"] / 3.0 if recompute else 0.0)
+        per_batch = cost.flop_step_time(executed)
     else:
         per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"], per_batch_blocks)
     step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
@@ -309,13 +311,15 @@ def plan_table(
     rows = []
     share_bands = list(bands) if bands is not None else None
     for name, sampler_cfg in samplers.items():
+        requested = sampler_cfg.get("max_block_tokens")
         sampler_cfg, chosen = resolve_block_budget(sampler_cfg, lengths, memory, seed=seed, block_tokens=block_tokens)
         policy = policy_from_config(sampler_cfg, lengths, seed=seed, world_size=world_size, rank=0,
                                     block_tokens=block_tokens)
         if share_bands is None and policy.boundaries:
             share_bands = list(policy.boundaries)
         step_model = memory["model"] if memory else None
-        predicted = predict_throughput(policy, cost, epochs, step_model=step_model)
+        predicted = predict_throughput(policy, cost, epochs, step_model=step_model,
+                                       recompute=bool(chosen is not None and chosen.activation_checkpointing))
         rows.append(
             {
                 **plan_stats(policy, bands=bands),
@@ -327,6 +331,11 @@ def plan_table(
                 "_policy": policy,
             }
         )
+        if memory and block_tokens is not None:
+            fits = rows[-1]["fits"] == "yes" or (rows[-1]["fits"] == "ckpt" and chosen.activation_checkpointing)
+            rows[-1]["max_block_tokens_fit"] = largest_block_budget(
+                requested if fits else None, sampler_cfg, lengths, memory, chosen, seed=seed, world_size=world_size,
+                block_tokens=block_tokens)
     if block_tokens is not None:
         if share_bands is None:
             share_bands = quantile_bands(lengths)
@@ -357,13 +366,32 @@ def resolve_block_budget(sampler_cfg: Mapping[str, Any], lengths: np.ndarray, me
         if cfg.get("max_block_tokens") == "auto":
             cfg["max_block_tokens"] = None
         return cfg, None
-    from .model.footprint import memory_plan
+    from .model.footprint import PreflightError, memory_plan
 
-    chosen = memory_plan(memory["model"], lengths, cfg, memory["settings"],
-                         activation_checkpointing=memory["activation_checkpointing"], gpu_mem_gb=memory["gpu_mem_gb"],
-                         seed=seed, block_tokens=block_tokens)
+    try:
+        chosen = memory_plan(memory["model"], lengths, cfg, memory["settings"],
+                             activation_checkpointing=memory["activation_checkpointing"],
+                             gpu_mem_gb=memory["gpu_mem_gb"], seed=seed, block_tokens=block_tokens)
+    except PreflightError:
+        # nothing fits: plan at the smallest budget that keeps the objective, so the row shows its peak and "no"
+        cfg["max_block_tokens"] = int(block_tokens.max()) if block_tokens is not None else None
+        return cfg, replace(memory["settings"], activation_checkpointing=memory["activation_checkpointing"] is True)
     cfg["max_block_tokens"] = chosen.max_block_tokens
     return cfg, replace(memory["settings"], activation_checkpointing=chosen.activation_checkpointing)
+
+
+def largest_block_budget(requested: Any, sampler_cfg: Mapping[str, Any], lengths: np.ndarray,
+                         memory: Mapping[str, Any], settings: Any, *, seed: int, world_size: int,
+                         block_tokens: np.ndarray) -> int | None:
+    """The largest ``sampler.max_block_tokens`` that fits the GPU with the memory plan's checkpointing (the
+    resolved value when it was ``auto``; None when no budget that keeps the objective fits)."""
+    from .model.footprint import USABLE_FRACTION, largest_fitting_block_tokens
+
+    if requested == "auto":
+        return sampler_cfg.get("max_block_tokens")
+    return largest_fitting_block_tokens(lengths, sampler_cfg, memory["model"], settings,
+                                        budget_gb=USABLE_FRACTION * memory["gpu_mem_gb"], seed=seed,
+                                        world_size=world_size, block_tokens=block_tokens)
 
 
 def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -587,7 +615,8 @@ FULL_COLUMNS = (
     "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_s",
-    "block_tokens", "block_tokens_max", "block_per_token", "thinned", "max_block_tokens", "pred_mfu",
+    "block_tokens", "block_tokens_max", "block_pad_eff", "block_per_token", "thinned", "max_block_tokens",
+    "max_block_tokens_fit", "pred_mfu",
     "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "ckpt", "fits", "max_tokens_fit",
 )
 

@@ -499,7 +499,8 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
                                            + 4.0 * t.heads * t.head_dim * padded_pairs)
     executed_layer = (2.0 * slots * bs * d.layer_matmul_params + 4.0 * d.hidden * d.kv_heads * d.head_dim * padded
                       + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + slots * bs * bs))
-    out["executed"] = (executed_target + 3.0 * d.layers * executed_layer + 2.0 * 2.0 * d.fc_params * padded
+    out["executed_draft"] = 3.0 * d.layers * executed_layer   # forward + backward; checkpointing reruns 1 of 3
+    out["executed"] = (executed_target + out["executed_draft"] + 2.0 * 2.0 * d.fc_params * padded
                        + out["head"] + out["fixed"])
     out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
                         + runs_fixed * d.layers * fixed_attention)
