@@ -12,6 +12,11 @@ Formulas (every caller in training, planner and analysis uses these functions):
     full-run ETA              = epochs x steps per epoch x step time
     ETA shown to people       = days and hours, hours and minutes, ... (format_eta: "4d 17h")
     overhead fraction         = time outside forward/backward/optimizer / wall time
+    block tokens of a batch   = sum over its documents of anchors x block size (the draft's trained work; the
+                                anchor rule: dflash_lab/sampling/anchors.py)
+    block slots of a batch    = block tokens the draft runs: rows x the most block tokens of a row (padded),
+                                or the block tokens (a packed row)
+    block padding efficiency  = sum(block tokens) / sum(block slots)
 """
 
 from __future__ import annotations
@@ -150,3 +155,27 @@ def overhead_fraction(compute_seconds: float, wall_seconds: float) -> float:
     if wall_seconds <= 0:
         return float("nan")
     return float(min(max(1.0 - compute_seconds / wall_seconds, 0.0), 1.0))
+
+
+def block_token_counts(batches: Sequence[np.ndarray], block_tokens: np.ndarray, *,
+                       packed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The one definition of a batch's block tokens and block slots (module docstring), vectorised.
+
+    Args:
+        batches: index arrays into ``block_tokens``, one per batch.
+        block_tokens: block tokens of every sample (anchors x block size).
+        packed: True when each batch is one packed row.
+
+    Example:
+        >>> trained, slots = block_token_counts([np.array([0, 1])], np.array([16, 48]), packed=False)
+        >>> int(trained[0]), int(slots[0])
+        (64, 96)
+    """
+    if not len(batches):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    per_sample = np.asarray(block_tokens, dtype=np.int64)[np.concatenate(batches)]
+    trained = np.add.reduceat(per_sample, starts)
+    return trained, (trained if packed else sizes * np.maximum.reduceat(per_sample, starts))

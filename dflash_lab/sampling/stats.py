@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config_check import as_float, as_int
 from ..metrics import diversity
-from ..metrics.throughput import batch_token_counts, padding_efficiency
+from ..metrics.throughput import batch_token_counts, block_token_counts, padding_efficiency
 from .boundaries import bucket_ids, fit_boundaries
 from .build import build_policy
 from .policy import Policy
@@ -88,18 +88,13 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
 
 
 def batch_block_tokens(policy: Policy, batches: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per batch: block tokens trained (the sum over its documents) and block slots run (a padded batch runs
-    rows x its most block tokens, as its tokens are padded to the longest row; a packed row runs the sum)."""
+    """Per batch: block tokens trained and block slots run (``metrics.throughput.block_token_counts``); zeros
+    for a policy built without block tokens."""
     blocks = policy.admission.block_tokens
     if blocks is None or not len(batches):
         empty = np.zeros(len(batches))
         return empty, empty
-    sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
-    starts = np.r_[0, np.cumsum(sizes)[:-1]]
-    per_sample = blocks[np.concatenate(batches)]
-    trained = np.add.reduceat(per_sample, starts)
-    slots = trained if policy.packed else sizes * np.maximum.reduceat(per_sample, starts)
-    return trained, slots
+    return block_token_counts(batches, blocks, packed=policy.packed)
 
 
 def block_stats(policy: Policy, batches: Sequence[np.ndarray]) -> dict[str, Any]:
