@@ -66,27 +66,29 @@ class CostModel:
       ``metrics.throughput.batch_token_counts`` (attention tokens: rows x longest^2 for padded batches, the sum of
       squared document lengths for a packed row) and the block tokens of ``sampling.anchors`` (anchors x block
       size: the draft's work), the same numbers the trainer logs;
-    * FLOPs: ``c0 + executed FLOPs / (mfu x peak)``, with the step's FLOPs from the memory/FLOP model
+    * FLOPs: ``c0 + executed FLOPs / (utilisation x peak)``, with the step's FLOPs from the memory/FLOP model
       (``model.footprint.step_flops``: target, draft, head, with the anchors of each document; ``executed``
       counts what padded batches also run: padded tokens and padding anchor slots) and ``peak`` the GPU's dense
-      BF16 FLOP/s (a ``gpu`` preset). Used when ``mfu`` is set; MFU itself counts model FLOPs only.
+      BF16 FLOP/s (a ``gpu`` preset). Used when ``utilisation`` is set: the share of the peak that executed
+      FLOPs run at (hardware FLOP utilisation); MFU (``pred_mfu``) counts model FLOPs only, so it is lower.
     """
 
     c0: float
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
-    mfu: float | None = None
+    utilisation: float | None = None
     peak_tflops: float | None = None
 
     def step_time(self, padded: np.ndarray, attention: np.ndarray, blocks: np.ndarray | float = 0.0) -> np.ndarray:
-        """Linear form (``mfu`` unset)."""
+        """Linear form (``utilisation`` unset)."""
         return (self.c0 + self.c1 * np.asarray(padded, dtype=np.float64)
                 + self.c2 * np.asarray(attention, np.float64) + self.c3 * np.asarray(blocks, np.float64))
 
     def flop_step_time(self, flops: np.ndarray) -> np.ndarray:
-        """FLOPs form: ``c0 + flops / (mfu x peak)``."""
-        return self.c0 + np.asarray(flops, dtype=np.float64) / (float(self.mfu) * float(self.peak_tflops) * 1e12)
+        """FLOPs form: ``c0 + flops / (utilisation x peak)``."""
+        return self.c0 + np.asarray(flops, dtype=np.float64) / (float(self.utilisation) * float(self.peak_tflops)
+                                                                * 1e12)
 
     @classmethod
     def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray,
@@ -204,7 +206,7 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     Ktok/s is predicted with the trainer's definition (``throughput.steady_state_ktok_s``: the median over steps of
     a step's real tokens / its time), so prediction and measurement compare like with like; ETA sums step times.
     Block tokens per batch come from the policy's own (``Admission.block_tokens``; none: 0). The FLOPs form of
-    the cost model (``cost.mfu``) needs ``step_model`` (``model.footprint.StepModel``) and also reports
+    the cost model (``cost.utilisation``) needs ``step_model`` (``model.footprint.StepModel``) and also reports
     ``pred_mfu`` (model FLOPs over the run's time at the preset's peak); ``recompute`` (draft activation
     checkpointing) adds the draft forward that checkpointing runs again in backward.
     """
@@ -212,11 +214,11 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
     _, per_batch_blocks = batch_block_tokens(policy, plan.batches)   # block slots run, padding slots included
     flops = None
-    if cost.mfu is not None:
+    if cost.utilisation is not None:
         from .model.footprint import batch_shapes, policy_anchors, step_flops
 
         if step_model is None or cost.peak_tflops is None:
-            raise ValueError("cost.mfu needs the model's shape (model=qwen3_8b or model.target_config) and a gpu "
+            raise ValueError("cost.utilisation needs the model's shape (model=qwen3_8b or model.target_config) and a gpu "
                              "preset (gpu=rtx_pro_6000|h100|h200) for its peak FLOP/s")
         shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=step_model,
                               anchors=policy_anchors(policy, step_model))
@@ -763,7 +765,7 @@ def plan_keys() -> list[str]:
 def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int,
                      gpu_cfg: Mapping[str, Any] | None = None) -> CostModel:
     """The cost model ``cost.*`` asks for: fitted on a run, calibrated by a micro-benchmark, the FLOPs form at a
-    model FLOP utilisation (``cost.mfu``, with the ``gpu`` preset's peak), or given coefficients."""
+    FLOP utilisation (``cost.utilisation``, with the ``gpu`` preset's peak), or given coefficients."""
     valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
     refuse_unknown_keys("cost", cost_cfg, valid)
     from_run = cost_cfg.get("from_run")
@@ -773,13 +775,15 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
         return CostModel.from_run(from_run)
     if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
         return calibrate_cost(model_cfg, max_tokens, seed=seed)
-    mfu = as_float("cost.mfu", cost_cfg.get("mfu"), minimum=1e-6, maximum=1.0, allow_none=True, example=0.3)
-    if mfu is not None:
+    utilisation = as_float("cost.utilisation", cost_cfg.get("utilisation"), minimum=1e-6, maximum=1.0,
+                           allow_none=True, example=0.3)
+    if utilisation is not None:
         peak = (gpu_cfg or {}).get("bf16_dense_tflops")
         if peak is None:
-            raise ValueError(f"cost.mfu={mfu:g} prices steps by their model FLOPs at a share of the GPU's peak: "
+            raise ValueError(f"cost.utilisation={utilisation:g} prices steps by their FLOPs at a share of the GPU's "
+                             f"peak: "
                              f"choose a gpu preset (gpu=rtx_pro_6000, gpu=h100 or gpu=h200)")
-        return CostModel(as_float("cost.c0", cost_cfg.get("c0", 0.0), minimum=0.0), mfu=mfu,
+        return CostModel(as_float("cost.c0", cost_cfg.get("c0", 0.0), minimum=0.0), utilisation=utilisation,
                          peak_tflops=as_float("gpu.bf16_dense_tflops", peak, minimum=1e-3))
     return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2", "c3")))
 
@@ -873,13 +877,14 @@ def describe_cost(cost: CostModel) -> str:
     """One line naming the cost model's form and coefficients.
 
     Example:
-        >>> describe_cost(CostModel(0.0, mfu=0.2, peak_tflops=500))
-        'cost model: step = model FLOPs / (0.2 MFU x 500 TFLOP/s) + 0 s'
+        >>> describe_cost(CostModel(0.0, utilisation=0.2, peak_tflops=500))
+        'cost model: step = executed FLOPs / (0.2 x 500 TFLOP/s) + 0 s'
     """
-    if cost.mfu is not None:
-        return f"cost model: step = model FLOPs / ({cost.mfu:g} MFU x {cost.peak_tflops:g} TFLOP/s) + {cost.c0:g} s"
+    if cost.utilisation is not None:
+        return (f"cost model: step = executed FLOPs / ({cost.utilisation:g} x {cost.peak_tflops:g} TFLOP/s) + "
+                f"{cost.c0:g} s")
     return (f"cost model: step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention + {cost.c3:g} x "
-            f"block tokens")
+            f"block slots")
 
 
 def describe_anchors(model_cfg: Mapping[str, Any] | None, block_tokens: np.ndarray | None) -> str:

@@ -82,9 +82,10 @@ def _harness_main(out_dir: str, overrides: list[str]) -> None:
     if plan_world_size:
         from dflash_lab.sampling import policy_from_config as real_policy_from_config
 
-        def all_ranks_policy(sampler_cfg, lengths, seed, world_size, rank):
+        def all_ranks_policy(sampler_cfg, lengths, seed, world_size, rank, block_tokens=None):
             assert world_size == 1, "the reference run is a single process"
-            policy = real_policy_from_config(sampler_cfg, lengths, seed=seed, world_size=plan_world_size, rank=0)
+            policy = real_policy_from_config(sampler_cfg, lengths, seed=seed, world_size=plan_world_size, rank=0,
+                                             block_tokens=block_tokens)
             base = type(policy)
             policy.__class__ = type(f"AllRanks{base.__name__}", (base,), {
                 "batches": lambda self, epoch: self.global_plan(epoch).batches,

@@ -253,3 +253,26 @@ def test_no_qualifying_policy_is_said_with_each_reason_and_the_fix():
     assert advice["line"].startswith("recommended: none; no policy qualifies (spread >= 0.9, repeat <= 0.1 and "
                                      "order r <= 0.5): sorted_static (spread 0.00, repeat 1.00); bucketed (spread")
     assert "Relax the recommend.* floors" in advice["line"]
+
+
+@pytest.mark.slow
+def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(tmp_path):
+    """cost=seed prices steps by FLOPs at the MFU calibrated on the seed's bucketed 25.1 Ktok/s (recipe anchors, the
+    block budget that fits 96 GB), on the seed workload at its full 800K documents: the median-step Ktok/s of a
+    bucketed plan is multimodal (one rate per bucket) and moves between modes with the sample size (22.8 at 200K)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dflash_lab.plan import CONF_DIR, run_plan
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("plan", overrides=["model=qwen3_8b", "gpu=rtx_pro_6000", "data=lengths", "data.num_samples=800000",
+                                         "sampler.max_tokens=32768", "sampler.boundaries=seed", "cost=seed",
+                                         "policies=[bucketed]", f"out_dir={tmp_path}"])
+    table = run_plan(OmegaConf.to_container(cfg, resolve=True))
+    assert table.loc["bucketed", "pred_ktok_s"] == pytest.approx(25.1, rel=0.03)
+    assert table.loc["bucketed", "pred_mfu"] == pytest.approx(0.305, rel=0.03)   # model FLOPs: below the 0.331
+    assert (table["fits"] == "yes").all() and table.loc["bucketed", "pred_eta_days"] == pytest.approx(4.5, abs=0.2)
+    text = (tmp_path / "plan.md").read_text()
+    assert "anchor rule: recipe (min(512, valid positions) anchors per document, block size 16)" in text
+    assert "executed FLOPs / (0.331 x 500 TFLOP/s)" in text and "Supervision share per length band" in text
