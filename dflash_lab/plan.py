@@ -218,8 +218,8 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
         from .model.footprint import batch_shapes, policy_anchors, step_flops
 
         if step_model is None or cost.peak_tflops is None:
-            raise ValueError("cost.utilisation needs the model's shape (model=qwen3_8b or model.target_config) and a gpu "
-                             "preset (gpu=rtx_pro_6000|h100|h200) for its peak FLOP/s")
+            raise ValueError("cost.utilisation needs the model's shape (model=qwen3_8b or model.target_config) and a "
+                             "peak FLOP/s (gpu=rtx_pro_6000|h100|h200, or cost.peak_tflops)")
         shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=step_model,
                               anchors=policy_anchors(policy, step_model))
         counted = step_flops(step_model, shapes)
@@ -778,11 +778,12 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
     utilisation = as_float("cost.utilisation", cost_cfg.get("utilisation"), minimum=1e-6, maximum=1.0,
                            allow_none=True, example=0.3)
     if utilisation is not None:
-        peak = (gpu_cfg or {}).get("bf16_dense_tflops")
+        # the gpu preset's peak; else the cost config's own (cost=seed: the seed's RTX PRO 6000)
+        peak = (gpu_cfg or {}).get("bf16_dense_tflops") or cost_cfg.get("peak_tflops")
         if peak is None:
             raise ValueError(f"cost.utilisation={utilisation:g} prices steps by their FLOPs at a share of the GPU's "
-                             f"peak: "
-                             f"choose a gpu preset (gpu=rtx_pro_6000, gpu=h100 or gpu=h200)")
+                             f"peak: choose a gpu preset (gpu=rtx_pro_6000, gpu=h100 or gpu=h200) or set "
+                             f"cost.peak_tflops")
         return CostModel(as_float("cost.c0", cost_cfg.get("c0", 0.0), minimum=0.0), utilisation=utilisation,
                          peak_tflops=as_float("gpu.bf16_dense_tflops", peak, minimum=1e-3))
     return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2", "c3")))

@@ -53,10 +53,13 @@ from dflash_lab.metrics import throughput
 from dflash_lab.model import build_model, footprint, heldout_prompts, measure_acceptance
 from dflash_lab.probes import DEFAULT_BANDS, PresentationRecorder, ProbeSets, heldout_evaluator, validate_bands
 from dflash_lab.run_logger import RunLogger, close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
+from dflash_lab.run_lock import RunDirBusy, RunDirLock
+from dflash_lab.run_lock import describe as describe_holder
 from dflash_lab.sampling import policy_from_config
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 
 FAILED_EXIT_CODE = 1
+LOCKED_EXIT_CODE = 3   # another live run holds the run directory (dflash_lab/run_lock.py); nothing was written
 CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
                    "run_dir", "experiment")
 
@@ -290,6 +293,10 @@ def resolve_memory_plan(config: Mapping[str, Any], trainer: TrainerSettings, mod
     return sampler_cfg, memory, (block_tokens if memory.max_block_tokens is not None else None)
 
 
+# The run directory's lock, held by rank 0 from the start of _train to the end of train() (released in its finally).
+_HELD_LOCKS: list[RunDirLock] = []
+
+
 def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     """A resolved plain-dict copy of the config (the one place a DictConfig is read)."""
     if isinstance(cfg, DictConfig):
@@ -322,12 +329,16 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
     """
     try:
         return _train(cfg, hooks or TrainHooks())
+    except RunDirBusy:
+        raise   # another run owns the directory: touch none of its files
     except Exception as exc:
         _mark_failed(cfg, exc)
         raise
     finally:
         ckpt.uninstall_preemption_handler()
         close_text_log()
+        while _HELD_LOCKS:
+            _HELD_LOCKS.pop().release()
         dist.cleanup()
 
 
@@ -362,7 +373,12 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     env = dist.setup(trainer.device, trainer.num_threads, trainer.dist_backend)
     device = torch.device(env.device)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if env.is_main:  # one writer per run directory, before anything of it is opened (dflash_lab/run_lock.py)
+        _HELD_LOCKS.append(RunDirLock(run_dir).acquire())
     log = setup_text_log(run_dir, env.rank)
+    stale = _HELD_LOCKS[-1].replaced if _HELD_LOCKS else None
+    if stale:
+        log.warning(f"run lock: took over a stale lock of {describe_holder(stale)} (that process is gone)")
     log.info(f"run dir {run_dir}; rank {env.rank}/{env.world_size} ({env.source}); device {device}")
     ckpt.clear_checkpoint_request()
     if trainer.preempt_signals:
@@ -574,7 +590,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         doc_lengths = [policy.lengths[b["sample_index"].cpu().numpy()] for b in micro_batches]
         stats = record.gather_step_stats({
             "ce_sum": device_sums[0], "weight_sum": device_sums[1], "correct": device_sums[2],
-            "count": device_sums[3], "block_tokens": device_sums[4] * model.block_size, "block_slots": float(block_slots), "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
+            "count": device_sums[3], "block_tokens": device_sums[4] * model.block_size,
+            "block_slots": float(block_slots), "grad_norm": grad_norm,
+            "stop_requested": float(ckpt.checkpoint_requested()),
             **record.local_batch_stats(doc_lengths, packed=policy.packed),
         }, dist.all_gather_rows, device)
         lr = schedule.lr(step)
@@ -745,7 +763,11 @@ def name_wandb_run(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> float | None:
     """``python -m dflash_lab.train [overrides]``: run :func:`train`; exit 1 when the run failed."""
     name_wandb_run(cfg)
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except RunDirBusy as exc:  # a refusal, not a crash: the one-line reason, no traceback
+        print(f"dflash_lab.train: {exc}", file=sys.stderr)
+        raise SystemExit(LOCKED_EXIT_CODE) from None
     if summary["status"] == "failed":
         raise SystemExit(FAILED_EXIT_CODE)
     return summary.get("final_loss")

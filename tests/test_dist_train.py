@@ -57,6 +57,7 @@ def test_two_rank_gloo_training(tmp_path):
     for name in weights0:  # DDP kept the replicas identical
         assert torch.equal(weights0[name], weights1[name]), name
     assert (run_dir / "train_rank0.log").is_file() and (run_dir / "train_rank1.log").is_file()
+    assert (run_dir / "run.lock").read_text() == ""   # rank 0 alone held the run directory, released at the end
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # metrics are global: a step's documents are both ranks' batches (each rank's batch alone holds fewer)

@@ -1,0 +1,112 @@
+"""One writer per run directory: an exclusive lock on ``<run dir>/run.lock``, held by rank 0 for the whole run.
+
+Mechanism: ``fcntl.flock(LOCK_EX | LOCK_NB)`` on the lock file, whose content names the holder (host, pid, start
+time) as one JSON line. The kernel drops a flock when its process dies, however it dies (kill -9, OOM), so a lock
+left by a dead process is free at once: the next run takes it and logs the holder it replaces as stale. A live
+holder makes the second process stop within a second, naming the holder and the fix; nothing of the directory is
+written first (the check comes before the run's log, checkpoints and records are opened).
+
+Limits: flock is per host. On a shared file system two hosts see each other's lock only where the file system
+passes flock through (Lustre with ``flock`` mounts, NFSv4); the holder's host is in the file either way, and a
+lock whose holder is on another host is reported with that host. Ranks > 0 never take the lock (rank 0 alone
+writes run files); a Slurm requeue starts after the preempted process has exited, so its lock is free.
+
+Cost: one open, one flock and one small write per run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_FILE = "run.lock"
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process holds the run directory; the message names it and the fix."""
+
+
+def _holder(text: str) -> dict:
+    try:
+        holder = json.loads(text)
+        return holder if isinstance(holder, dict) else {}
+    except ValueError:
+        return {}
+
+
+def describe(holder: dict) -> str:
+    """``host H pid P since T`` of a lock file's content.
+
+    Example:
+        >>> describe({"host": "node1", "pid": 42, "started": "2026-12-03T08:00:00"})
+        'host node1 pid 42 since 2026-12-03T08:00:00'
+    """
+    return f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('started', '?')}"
+
+
+class RunDirLock:
+    """The lock of one run directory (``acquire`` / ``release``; also a context manager).
+
+    Example:
+        >>> import tempfile
+        >>> with RunDirLock(Path(tempfile.mkdtemp())) as lock:
+        ...     lock.held
+        True
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._file = None
+        self.replaced: dict | None = None   # a stale holder this lock took over (its process had died)
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def acquire(self) -> "RunDirLock":
+        """Take the lock, or raise RunDirBusy naming the live holder. Records this process as the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = _holder(handle.read())
+            handle.close()
+            raise RunDirBusy(
+                f"run directory {self.path.parent} is in use by {describe(holder)}: two runs must not write one "
+                f"directory. Wait for that run to end (or stop it), or start this one elsewhere "
+                f"(hydra.run.dir=<another dir>)") from None
+        handle.seek(0)
+        previous = _holder(handle.read())
+        self.replaced = previous or None    # written by a process that died holding the lock (a clean end clears it)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def release(self) -> None:
+        """Clear the holder and drop the lock (a clean end leaves nothing to take over)."""
+        if self._file is None:
+            return
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.flush()
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
