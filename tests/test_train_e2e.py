@@ -427,3 +427,19 @@ def test_a_block_budget_bounds_every_step_under_the_recipe_anchor_rule(tmp_path,
     assert summary["anchor_rule"] == "recipe" and summary["max_block_tokens"] == 512
     assert summary["activation_checkpointing"] is False
     assert "memory plan: as configured (anchor rule recipe)" in (run_dir / "train_rank0.log").read_text()
+
+
+def test_auto_block_budget_and_checkpointing_follow_the_gpu_memory_and_are_logged(tmp_path):
+    """trainer.activation_checkpointing=auto and sampler.max_block_tokens=auto with a GPU's memory known (here a
+    preset's memory_gb on the CPU run): the memory plan picks the largest block budget that fits, the steps keep to
+    it, and the log says what was chosen and why."""
+    run_dir = tmp_path / "auto"
+    summary = train(compose_cfg(run_dir, "model.anchor_density=null", "model.anchors_per_doc=32",
+                                "sampler.max_block_tokens=auto", "trainer.activation_checkpointing=auto",
+                                "gpu.memory_gb=1", "trainer.max_steps=8", "trainer.measure_tau=false",
+                                "probes.every=0", "probes.presentations=false"))
+    budget = summary["max_block_tokens"]
+    assert summary["status"] == "finished" and budget is not None and budget >= 4 * 32
+    assert all(r["block_slots"] <= budget for r in read_jsonl(run_dir / "metrics.jsonl"))
+    log = (run_dir / "train_rank0.log").read_text()
+    assert f"memory plan: block budget {budget}" in log and "checkpointing" in log
