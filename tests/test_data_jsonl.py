@@ -57,3 +57,16 @@ def test_missing_path_names_the_key(tmp_path):
         build_dataset("jsonl", cache_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="data.path"):
         build_dataset("jsonl", path=str(tmp_path / "absent.jsonl"), cache_dir=tmp_path)
+
+
+def test_a_byte_order_mark_and_an_absurdly_nested_line_are_handled(tmp_path):
+    """A UTF-8 BOM before line 1 (editors write one) keeps line 1; a line nested 200,000 levels deep is one
+    malformed line, skipped and counted, not a RecursionError that ends the run."""
+    file = tmp_path / "chat.jsonl"
+    _write(file, 399, bad_lines=[(200, "[" * 200_000)])
+    file.write_bytes("\ufeff".encode() + file.read_bytes())
+    ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.01)
+    assert ds.stats["total_lines"] == 400 and ds.stats["kept"] == 399 and len(ds) == 399
+    assert ds.stats["skipped"]["malformed_json"] == 1
+    assert [line for line, _ in ds.stats["skipped_examples"]["malformed_json"]] == [201]
+    assert "reply 0 here" in ByteTokenizer().decode(ds[0]["input_ids"])   # line 1, after the BOM, is kept

@@ -117,10 +117,13 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnusableLine("invalid_utf8", f"byte {exc.start} is not UTF-8 ({exc.reason})") from exc
+    line = line.removeprefix("\ufeff")   # a UTF-8 byte-order mark (editors write one at the start of a file)
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise UnusableLine("malformed_json", f"not JSON: {exc}") from exc
+    except RecursionError as exc:   # json's decoder recurses per nesting level: one absurd line, not the run
+        raise UnusableLine("malformed_json", "not JSON: nested deeper than the JSON decoder's recursion limit") from exc
     messages = parse_conversation(record)
     try:
         ids, mask = (tokenizer.encode_chat(messages) if chat_template is None
