@@ -164,6 +164,12 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - a truncated file must not hide an older good one
                 damaged.append(f"{path.name} ({type(exc).__name__}: {str(exc)[:120]})")
                 continue
+            version = state.get("format_version")
+            if version != CHECKPOINT_FORMAT_VERSION:  # a layout this code would misread: refuse, naming both
+                raise ValueError(
+                    f"{path} has checkpoint format_version {version!r}; this version of dflash_lab reads format "
+                    f"{CHECKPOINT_FORMAT_VERSION}: resume it with the dflash_lab version that wrote it, or start a "
+                    f"fresh run directory (hydra.run.dir=<new dir>)")
             reasons = []
             if damaged:
                 reasons.append(f"newer file(s) unreadable: {'; '.join(damaged)}")

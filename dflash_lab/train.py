@@ -108,6 +108,7 @@ class TrainerSettings:
     grad_clip: float = 1.0
     global_loss_norm: bool = True
     skip_nonfinite: bool = False
+    max_consecutive_skips: int = 10   # skipped updates in a row after which the run fails (a diverged run)
     activation_checkpointing: bool | str = False   # auto: on where the preflight says the step needs it
     gpu_mem_gb: float | None = None
     num_threads: int | None = None
@@ -129,7 +130,7 @@ class TrainerSettings:
         "epochs": _int(1), "max_steps": _int(0, allow_none=True), "grad_accum": _int(1),
         "lr": _float(minimum=0.0), "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
         "weight_decay": _float(minimum=0.0), "betas": _betas, "grad_clip": _float(minimum=0.0),
-        "global_loss_norm": as_bool, "skip_nonfinite": as_bool,
+        "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "max_consecutive_skips": _int(1),
         "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
         "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
         "num_threads": _int(1, allow_none=True), "num_workers": _int(0), "log_every": _int(1),
@@ -448,6 +449,10 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if changed:
             log.info(f"resume: {', '.join(changed)} changed since the checkpoint and take effect now; LR schedule "
                      f"{state['schedule']} -> {schedule.state_dict()}")
+        if step > plan.end_step:
+            raise ValueError(f"trainer.max_steps={trainer.max_steps} ends this run at step {plan.end_step}, but its "
+                             f"checkpoint is at step {step}: raise trainer.max_steps to at least {step}, or start a "
+                             f"fresh run directory (hydra.run.dir=<new dir>) to train fewer steps")
         finished = _finished_summary(run_dir, step) if step >= plan.end_step else None
         if finished is not None:
             log.info(f"run already finished at step {step}: nothing to do (summary.json unchanged)")
@@ -542,6 +547,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     pbar = tqdm(total=plan.end_step, initial=step, disable=not show_bar, desc=policy.name, dynamic_ncols=True,
                 mininterval=1.0)
     status, failure = "running", ""
+    consecutive_skips = 0
     ema_step_time = ema_ktok = None
     batch_iter = None
     loop_time_before = totals.loop_time_s
@@ -596,6 +602,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             **record.local_batch_stats(doc_lengths, packed=policy.packed),
         }, dist.all_gather_rows, device)
         lr = schedule.lr(step)
+        skipped_before = totals.skipped_steps
         if stats.finite:
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -607,7 +614,15 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             log.warning(f"step {step + 1}: non-finite loss/grad norm ({stats.loss}, {stats.grad_norm}); update "
                         f"skipped (trainer.skip_nonfinite=true)")
             totals.skipped_steps += 1
-        else:
+        consecutive_skips = consecutive_skips + 1 if totals.skipped_steps > skipped_before else 0
+        if consecutive_skips >= trainer.max_consecutive_skips:
+            status = "failed"
+            failure = (f"{consecutive_skips} updates in a row skipped (steps {step + 2 - consecutive_skips}.."
+                       f"{step + 1}; {totals.skipped_steps} in all): the run has diverged or its batches supervise "
+                       f"nothing. The last good checkpoint is {checkpoints.latest_path()}; lower trainer.lr, check "
+                       f"the data, or raise trainer.max_consecutive_skips")
+            log.error(failure)
+        elif not stats.finite and totals.skipped_steps == skipped_before:
             status = "failed"
             failure = (f"non-finite loss at step {step + 1} (loss={stats.loss}, grad_norm={stats.grad_norm}); "
                        f"stopping. The last good checkpoint is {checkpoints.latest_path()}; lower trainer.lr or set "

@@ -131,3 +131,15 @@ def test_bad_signal_name():
 def test_preempted_exit_code():
     exc = ckpt.Preempted(5, None)
     assert isinstance(exc, SystemExit) and exc.code == ckpt.PREEMPTED_EXIT_CODE == 75
+
+
+def test_a_checkpoint_of_another_format_version_is_refused_naming_both(tmp_path):
+    manager = ckpt.CheckpointManager(tmp_path, keep=2)
+    path = manager.save({"step": 3}, step=3)
+    assert manager.load_latest()["format_version"] == ckpt.CHECKPOINT_FORMAT_VERSION
+    state = torch.load(path, weights_only=False)
+    state["format_version"] = ckpt.CHECKPOINT_FORMAT_VERSION + 7
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=rf"format_version {ckpt.CHECKPOINT_FORMAT_VERSION + 7}; this version of "
+                                         rf"dflash_lab reads format {ckpt.CHECKPOINT_FORMAT_VERSION}"):
+        manager.load_latest()

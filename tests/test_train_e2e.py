@@ -443,3 +443,28 @@ def test_auto_block_budget_and_checkpointing_follow_the_gpu_memory_and_are_logge
     assert all(r["block_slots"] <= budget for r in read_jsonl(run_dir / "metrics.jsonl"))
     log = (run_dir / "train_rank0.log").read_text()
     assert f"memory plan: block budget {budget}" in log and "checkpointing" in log
+
+
+def test_a_resume_whose_max_steps_is_below_the_checkpoint_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_cfg(run_dir, "trainer.max_steps=12", "trainer.ckpt_every=6", "trainer.measure_tau=false"))
+    with pytest.raises(ValueError, match=r"trainer.max_steps=8 ends this run at step 8, but its checkpoint is at "
+                                         r"step 12: raise trainer.max_steps to at least 12"):
+        train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.ckpt_every=6", "trainer.measure_tau=false"))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"   # the record is untouched
+
+
+def test_a_diverged_run_fails_after_too_many_skipped_updates_in_a_row(tmp_path):
+    """trainer.skip_nonfinite=true skips a non-finite update, but a run whose updates are skipped
+    trainer.max_consecutive_skips times in a row has diverged: it fails, and the summary counts the skips."""
+    def poison(step, micro, out):   # every step from the 2nd on is non-finite
+        if step >= 2:
+            out.weighted_ce_sum = out.weighted_ce_sum * float("nan")
+        return out
+
+    run_dir = tmp_path / "run"
+    summary = train(compose_cfg(run_dir, "trainer.max_steps=30", "trainer.skip_nonfinite=true",
+                                "trainer.max_consecutive_skips=5", "trainer.measure_tau=false"),
+                    TrainHooks(after_forward=poison))
+    assert summary["status"] == "failed" and summary["skipped_steps"] == 5
+    assert "5 updates in a row skipped (steps 2..6" in summary["error"]
