@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -310,13 +312,22 @@ def step_row(
 # ---------------------------------------------------------------------------------------------------- summary
 @dataclass
 class RunTotals:
-    """Cumulative bookkeeping of a run across all its segments (saved in every checkpoint, restored on resume)."""
+    """Cumulative bookkeeping of a run across all its segments (saved in every checkpoint, restored on resume).
 
-    compute_time_s: float = 0.0   # forward/backward/optimizer time of completed steps
-    loop_time_s: float = 0.0      # wall time of the training loops (compute + overhead)
-    probe_time_s: float = 0.0     # probe evaluations (part of the overhead)
-    skipped_steps: int = 0        # updates skipped (non-finite or nothing supervised)
-    segments: int = 0             # how many times the run was started or continued
+    Times are the parts of ``metrics.throughput``'s wall-time split; ``TimeLedger`` measures them. Each part is
+    timed on its own, ``other`` is what is left of the wall time, so the parts add up to it.
+    """
+
+    wall_time_s: float = 0.0        # the run's wall time up to the last save (every segment)
+    setup_time_s: float = 0.0       # building model, data, plan; resuming
+    compute_time_s: float = 0.0     # forward/backward/optimizer time of completed steps
+    data_wait_time_s: float = 0.0   # waiting for the next micro-batches (sampler, dataset, collate)
+    eval_time_s: float = 0.0        # scheduled evaluation: probes and tau
+    checkpoint_time_s: float = 0.0  # writing checkpoints (and gathering what they hold)
+    probe_time_s: float = 0.0       # probe evaluations (part of eval_time_s)
+    tau_time_s: float = 0.0         # acceptance-length measurements (part of eval_time_s)
+    skipped_steps: int = 0          # updates skipped (non-finite or nothing supervised)
+    segments: int = 0               # how many times the run was started or continued
 
     def state_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -325,6 +336,66 @@ class RunTotals:
     def from_state(cls, state: Mapping[str, Any] | None) -> RunTotals:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in (state or {}).items() if k in known})
+
+
+TIME_PARTS = ("setup", "compute", "data_wait", "eval", "checkpoint")   # + other, the remainder
+
+
+class TimeLedger:
+    """The wall-time split of one run (``metrics.throughput``: setup, compute, data wait, scheduled evaluation,
+    checkpointing, other) over all its segments: ``part(name)`` times a part into ``RunTotals``; ``wall()`` is the
+    totals' wall at the last save plus this segment's time so far; ``split()`` gives every part and ``other``.
+
+    Example:
+        >>> ledger = TimeLedger(RunTotals(), start=0.0, clock=iter([1.0, 3.0, 10.0, 10.0]).__next__)
+        >>> with ledger.part("compute"):
+        ...     pass
+        >>> split = ledger.split()
+        >>> split["wall_time_s"], split["compute_time_s"], split["other_time_s"]
+        (10.0, 2.0, 8.0)
+    """
+
+    def __init__(self, totals: RunTotals, start: float, clock: Callable[[], float] = time.perf_counter):
+        self.totals, self.clock = totals, clock
+        self.segment_start, self.wall_before = start, totals.wall_time_s
+
+    def add(self, name: str, seconds: float) -> None:
+        if name not in TIME_PARTS:
+            raise KeyError(f"unknown time part {name!r}; parts: {TIME_PARTS}")
+        attribute = f"{name}_time_s"
+        setattr(self.totals, attribute, getattr(self.totals, attribute) + float(seconds))
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.add(name, self.clock() - start)
+
+    def wall(self) -> float:
+        return self.wall_before + (self.clock() - self.segment_start)
+
+    def save(self) -> None:
+        """Bring the totals' wall time up to now (before they go into a checkpoint or the summary)."""
+        self.totals.wall_time_s = self.wall()
+
+    def split(self) -> dict[str, float]:
+        """``time_split`` of the totals brought up to now."""
+        self.save()
+        return time_split(self.totals)
+
+
+def time_split(totals: RunTotals) -> dict[str, float]:
+    """``wall_time_s``, one ``<part>_time_s`` per part and ``other_time_s`` (the remainder; never negative).
+
+    Example:
+        >>> time_split(RunTotals(wall_time_s=10.0, compute_time_s=6.0, eval_time_s=1.0))["other_time_s"]
+        3.0
+    """
+    parts = {f"{name}_time_s": float(getattr(totals, f"{name}_time_s")) for name in TIME_PARTS}
+    wall = float(totals.wall_time_s)
+    return {"wall_time_s": wall, **parts, "other_time_s": max(wall - sum(parts.values()), 0.0)}
 
 
 @dataclass(frozen=True)
@@ -370,6 +441,7 @@ def last_finite(rows: Sequence[Mapping[str, Any]], key: str) -> float:
 def build_summary(
     history: Sequence[Mapping[str, Any]], plan: PlanFacts, totals: RunTotals, *, identity: Mapping[str, Any],
     status: str, steps: int | None = None, steady_warmup_steps: int = 10, extra: Mapping[str, Any] | None = None,
+    times: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """summary.json from the whole metrics history (every segment), the plan facts and the run totals.
 
@@ -381,7 +453,8 @@ def build_summary(
         status: one of STATUSES.
         steps: optimizer steps completed (default: the last row's; ranks > 0 keep no history but know it).
         steady_warmup_steps: steps left out of the steady-state Ktok/s and step time.
-        extra: more fields (tau, tau_baseline, error, timings of this segment, data_skipped ...).
+        extra: more fields (tau, tau_baseline, error, data_skipped ...).
+        times: the wall-time split (``TimeLedger.split``; default: ``time_split(totals)``).
 
     Returns:
         SUMMARY_FIELDS first, then the details.
@@ -394,6 +467,7 @@ def build_summary(
     steady = step_times[steady_warmup_steps:] if step_times.size > steady_warmup_steps else step_times
     step_time = float(np.median(steady)) if steady.size else math.nan
     mean_steps_per_epoch = plan.total_steps / max(len(plan.steps_per_epoch), 1)
+    times = dict(times or time_split(totals))
     summary = {
         **identity,
         "steps": steps,
@@ -406,16 +480,18 @@ def build_summary(
         "final_acc": last_finite(history, "acc"),
         "tau": math.nan,
         "tau_baseline": math.nan,
-        "overhead_frac": throughput.overhead_fraction(totals.compute_time_s, totals.loop_time_s),
+        "overhead_frac": throughput.overhead_fraction(times["compute_time_s"],
+                                                      times["data_wait_time_s"] + times["other_time_s"]),
         "status": status,
         "total_steps": plan.total_steps,
         "end_step": plan.end_step,
         "steps_per_epoch": list(plan.steps_per_epoch),
         "step_time_s": step_time,
         "tokens_seen": int(sum(r["real_tokens"] for r in history)),
-        "wall_time_s": totals.loop_time_s,
-        "compute_time_s": totals.compute_time_s,
+        **times,
+        "eval_frac": throughput.evaluation_fraction(times["eval_time_s"], times["wall_time_s"]),
         "probe_time_s": totals.probe_time_s,
+        "tau_time_s": totals.tau_time_s,
         "skipped_steps": totals.skipped_steps,
         "segments": totals.segments,
         "samples": {"dropped_overlong": plan.dropped_overlong, "truncated": plan.truncated,

@@ -12,13 +12,15 @@ Read top to bottom:
     4. resume: model, optimizer, sampler position, RNG, run totals; changed settings take effect or are refused
        (``checkpoint.check_resume_config``); a finished run directory is left untouched;
     5. the loop: ``grad_accum`` micro-batches, forward/backward, global loss normalisation, clip, ONE host sync for
-       every statistic, optimizer step; then bookkeeping (record row, probes, checkpoints) counted as overhead;
+       every statistic, optimizer step; then bookkeeping (record row), scheduled evaluation (probes), checkpoints;
     6. the end: final probes and checkpoint, acceptance length tau (trained vs untrained draft), ``summary.json``.
 
-Run files, their columns and the step numbering are defined in :mod:`dflash_lab.record`. Timing: a step's
-``compute_time_s`` covers moving the batch to the device, forward, backward, scaling, clipping, the statistics sync
-and the optimizer step; everything else in the loop is overhead (``overhead_frac`` in the summary, over all
-segments of the run).
+Run files, their columns and the step numbering are defined in :mod:`dflash_lab.record`. Timing
+(``record.TimeLedger``): the run's wall time splits into setup, compute (moving the batch to the device, forward,
+backward, scaling, clipping, the statistics sync, the optimizer step), data wait, scheduled evaluation (probes,
+tau), checkpointing and other (logging, bookkeeping), over every segment of the run; ``overhead_frac`` is the
+loop's own overhead, ``eval_frac`` the evaluation's share (``metrics.throughput``). A step's ``step_time_s`` is its
+data wait, compute and bookkeeping: the probes and checkpoints after it are not.
 
 Failure and preemption: a non-finite loss stops the run (status ``failed``, the last good checkpoint kept, exit
 code 1) or skips the update with ``trainer.skip_nonfinite=true``. SIGUSR2/SIGTERM make the loop checkpoint at the
@@ -461,6 +463,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         policy.set_epoch(0)
     loaded_step = step if state is not None else None
     totals.segments += 1
+    ledger = record.TimeLedger(totals, start=t_setup)   # this segment's wall time counts from its first line
 
     run_id = load_or_create_run_id(run_dir, (state or {}).get("wandb_run_id")) if env.is_main else None
     if wandb_settings is not None:  # what a sweep's runs differ by, readable in W&B tables
@@ -497,7 +500,6 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     data_skipped = dict(train_ds.stats.get("skipped", {}))
     if any(data_skipped.values()):
         log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")
-    setup_time_s = time.perf_counter() - t_setup
 
     def run_probes(at_step: int) -> None:
         """Evaluate every probe band (rank 0) once per step number; time counted as overhead."""
@@ -507,20 +509,25 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         last_probe_step = at_step
         if env.is_main:
             t_probe = time.perf_counter()
-            model.eval()
-            run_logger.log_probes(probes.evaluate(evaluate_probe_batch, at_step, seed=probe_cfg.seed))
-            model.train()
+            with ledger.part("eval"):
+                model.eval()
+                run_logger.log_probes(probes.evaluate(evaluate_probe_batch, at_step, seed=probe_cfg.seed))
+                model.train()
             totals.probe_time_s += time.perf_counter() - t_probe
 
     def save_checkpoint() -> Path | None:
         """Collective (presentations are gathered from every rank); rank 0 writes."""
+        with ledger.part("checkpoint"):
+            return _save_checkpoint()
+
+    def _save_checkpoint() -> Path | None:
         if probe_cfg.presentations:
             presentations.gather(dist.all_gather_objects)
-        totals.loop_time_s = loop_time_before + (time.perf_counter() - t_loop)
         if not env.is_main:
             return None
         if probe_cfg.presentations:
             presentations.write()
+        ledger.save()   # the checkpoint's totals hold the run's wall time up to this save
         return checkpoints.save({
             "model": model.draft_state_dict(), "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(), "sampler": policy.state_dict(batches_consumed=consumed),
@@ -532,13 +539,14 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     def write_summary(status: str, **extra: Any) -> dict[str, Any]:
         summary = record.build_summary(run_logger.history, plan, totals, identity=identity, status=status,
                                        steps=step, steady_warmup_steps=trainer.steady_warmup_steps,
-                                       extra={"setup_time_s": setup_time_s, "data_skipped": data_skipped, **extra})
+                                       extra={"data_skipped": data_skipped, **extra}, times=ledger.split())
         run_logger.write_summary(summary)
         return summary
 
     # ---- 5. the loop -----------------------------------------------------------------------------------------------
     log.info(f"{policy.name}: {len(train_ds)} train / {len(heldout_ds)} held-out samples; steps per epoch "
              f"{list(plan.steps_per_epoch)}; running steps {step}..{plan.end_step} of {plan.total_steps}")
+    ledger.add("setup", time.perf_counter() - t_setup)
     write_summary("running")
     model.train()
     if step == 0:
@@ -550,17 +558,17 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     consecutive_skips = 0
     ema_step_time = ema_ktok = None
     batch_iter = None
-    loop_time_before = totals.loop_time_s
-    t_loop = t_step_start = time.perf_counter()
+    t_step_start = time.perf_counter()
 
     while step < plan.end_step:
         # -- data: this step's micro-batches (sampler + dataset + collate time is overhead) --
-        if batch_iter is None:
-            batch_iter = iter(loader)
-        micro_batches = []
-        while len(micro_batches) < trainer.grad_accum and consumed < plan.batches_per_epoch[epoch]:
-            micro_batches.append(next(batch_iter))
-            consumed += 1
+        with ledger.part("data_wait"):
+            if batch_iter is None:
+                batch_iter = iter(loader)
+            micro_batches = []
+            while len(micro_batches) < trainer.grad_accum and consumed < plan.batches_per_epoch[epoch]:
+                micro_batches.append(next(batch_iter))
+                consumed += 1
 
         # -- forward / backward / optimizer (compute) --
         t_compute = time.perf_counter()
@@ -633,7 +641,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if status == "failed":
             break
         step += 1
-        totals.compute_time_s += compute_s
+        ledger.add("compute", compute_s)
 
         # -- bookkeeping (overhead): presentations, epoch roll-over, the record row, probes, checkpoints --
         if probe_cfg.presentations:
@@ -679,6 +687,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             raise ckpt.Preempted(step, path)
         if trainer.ckpt_every and step % trainer.ckpt_every == 0 and step < plan.end_step:
             save_checkpoint()
+        t_step_start = time.perf_counter()   # the next step's time starts after this one's evaluation and saves
 
     # ---- 6. end of run: final probes and checkpoint, tau, summary --------------------------------------------------
     pbar.close()
@@ -686,27 +695,29 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         run_probes(step)
         if step != loaded_step:
             save_checkpoint()
-    totals.loop_time_s = loop_time_before + (time.perf_counter() - t_loop)
     tau = tau_baseline = math.nan
     t_tau = time.perf_counter()
     if status != "failed" and trainer.measure_tau and env.is_main:
-        model.eval()
-        measured = measure_acceptance(model, prompts, decode_new_tokens, should_stop=ckpt.checkpoint_requested)
-        tau = float(measured["tau"])
-        if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
-            baseline = measure_acceptance(model.baseline_model(), prompts, decode_new_tokens,
-                                          should_stop=ckpt.checkpoint_requested)
-            tau_baseline = float(baseline["tau"]) if baseline["complete"] else math.nan
+        with ledger.part("eval"):
+            model.eval()
+            measured = measure_acceptance(model, prompts, decode_new_tokens, should_stop=ckpt.checkpoint_requested)
+            tau = float(measured["tau"])
+            if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
+                baseline = measure_acceptance(model.baseline_model(), prompts, decode_new_tokens,
+                                              should_stop=ckpt.checkpoint_requested)
+                tau_baseline = float(baseline["tau"]) if baseline["complete"] else math.nan
+        totals.tau_time_s += time.perf_counter() - t_tau
         if ckpt.checkpoint_requested():
             status = "preempted"
     if status == "running":
         status = "finished"  # what was asked (all epochs, or up to trainer.max_steps) is done
-    summary = write_summary(status, tau=tau, tau_baseline=tau_baseline, tau_time_s=time.perf_counter() - t_tau,
+    summary = write_summary(status, tau=tau, tau_baseline=tau_baseline,
                             error=failure or None)
     run_logger.close(exit_code={"failed": FAILED_EXIT_CODE, "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
     log.info(f"{status}: step {step}/{plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
              f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
-             f"overhead {summary['overhead_frac']:.1%}, tau {tau:.3f} (untrained {tau_baseline:.3f})")
+             f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "
+             f"{summary['wall_time_s']:.0f} s, tau {tau:.3f} (untrained {tau_baseline:.3f})")
     if status == "preempted":
         log.warning(f"tau measurement interrupted ({ckpt.request_reason()}); exiting with code "
                     f"{ckpt.PREEMPTED_EXIT_CODE}: the requeued job measures it again")

@@ -11,7 +11,11 @@ Formulas (every caller in training, planner and analysis uses these functions):
     ETA                       = remaining steps x EMA(step time)
     full-run ETA              = epochs x steps per epoch x step time
     ETA shown to people       = days and hours, hours and minutes, ... (format_eta: "4d 17h")
-    overhead fraction         = time outside forward/backward/optimizer / wall time
+    wall time                 = setup + compute + data wait + scheduled evaluation + checkpointing + other,
+                                summed over every segment of a resumed run (other: logging, bookkeeping)
+    overhead fraction         = (data wait + other) / (compute + data wait + other): the training loop's own
+                                overhead; scheduled evaluation and checkpointing are reported apart
+    evaluation fraction       = scheduled evaluation (probes, tau) / wall time
     block tokens of a batch   = sum over its documents of anchors x block size (the draft's trained work; the
                                 anchor rule: dflash_lab/sampling/anchors.py)
     block slots of a batch    = block tokens the draft runs: rows x the most block tokens of a row (padded),
@@ -150,11 +154,29 @@ def format_eta(seconds: float) -> str:
     return f"{secs}s"
 
 
-def overhead_fraction(compute_seconds: float, wall_seconds: float) -> float:
-    """Share of wall time spent outside forward/backward/optimizer (data, sampler, logging, probes)."""
+def overhead_fraction(compute_seconds: float, overhead_seconds: float) -> float:
+    """The training loop's own overhead (data wait + logging + other) over the loop's time (module docstring).
+
+    Example:
+        >>> overhead_fraction(9.0, 1.0)
+        0.1
+    """
+    loop = compute_seconds + overhead_seconds
+    if loop <= 0:
+        return float("nan")
+    return float(min(max(overhead_seconds / loop, 0.0), 1.0))
+
+
+def evaluation_fraction(eval_seconds: float, wall_seconds: float) -> float:
+    """Scheduled evaluation (probes, tau) over the run's wall time (module docstring).
+
+    Example:
+        >>> evaluation_fraction(3.0, 60.0)
+        0.05
+    """
     if wall_seconds <= 0:
         return float("nan")
-    return float(min(max(1.0 - compute_seconds / wall_seconds, 0.0), 1.0))
+    return float(min(max(eval_seconds / wall_seconds, 0.0), 1.0))
 
 
 def block_token_counts(batches: Sequence[np.ndarray], block_tokens: np.ndarray, *,
