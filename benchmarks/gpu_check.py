@@ -1,40 +1,63 @@
 """GPU check of the training step, built from the training config: Ktok/s, MFU and peak memory per policy.
 
-    torchrun --nproc_per_node=gpu benchmarks/gpu_check.py          # every local GPU, Qwen3-8B shape
+    python benchmarks/gpu_check.py                                  # every local GPU (--nproc), Qwen3-8B shape
     python benchmarks/gpu_check.py --device cpu --shape tiny        # the same path on a CPU, tiny target
+    python benchmarks/gpu_check.py --device cpu --shape medium      # CPU, hidden 512 / 32K vocabulary (~2 min)
+    python benchmarks/gpu_check.py --device cpu --nproc 2 --shape tiny   # two gloo ranks under DDP
+    bash scripts/gpu_check.sh OUT.jsonl                             # this + CUDA tests + a real training
 
 What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
-``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides), so the draft and objective
-are training's: 5 draft layers, block 16, the anchor rule of conf/model, the seed's bucket boundaries. The target
-is the model config's shape (``--shape tiny``: a small Qwen3 shape) with random weights: no download, speed
-and memory only. Documents: the seed workload (docs/workloads.md; ``tiny``: lengths and boundaries divided by 32).
-Each step is training's: bf16 autocast on GPU (fp32 on CPU), DDP over the ranks with the frozen target left out,
-global loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight),
-gradient clipping and AdamW. Budget: ``--budget auto`` (GPU default) takes the largest ``max_tokens`` <= 32,768
-whose predicted peak fits every policy; a policy predicted not to fit is skipped unless ``--force``.
+``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides, e.g. ``gpu=h200``,
+``sampler.max_block_tokens=65536``, ``trainer.activation_checkpointing=true``), so the draft and objective are
+training's: 5 draft layers, block 16, the recipe's anchor rule (``min(512, valid positions)`` per document), the
+seed's bucket boundaries. The target is the model config's shape (``--shape tiny``/``medium``: small Qwen3 shapes;
+medium: hidden 512, 6 layers, 32,768 words, 2 draft layers) with random weights: no download, speed and memory
+only. Documents: the seed workload (docs/workloads.md; lengths and boundaries divided by 32 for tiny, 2 for
+medium; tiny scales anchors_per_doc by the same 32). Every token is supervised (random batches), so a
+document's block tokens are ``sampling.anchors.block_tokens_per_sample`` on ``l - 1`` valid positions.
 
-Output: one JSON line ``setup`` (device, world size, peak FLOP/s and its source, attention path, budget), then one
-line per policy: ``policy, ktok_s, mfu, peak_mem_gb, pred_peak_mem_gb, step_time_s, pad_eff`` and
-``pred_peak_mem_gb_ckpt, mem_ratio, tflop_per_step, loss, finite, steps, compiled_steps`` (timed steps during
-which flex_attention compiled: left out of the measurements, see ``run_policy``).
+Budgets, as training resolves them (``dflash_lab.train.resolve_memory_plan``): the token budget stays the shape's
+``sampler.max_tokens`` (32,768 at qwen3-8b, 4,096 tiny/medium; ``--budget N`` sets it), and each policy's block
+budget (``sampler.max_block_tokens``, ``auto`` unless overridden) and draft activation checkpointing
+(``--activation-checkpointing {auto,true,false}``, else a ``trainer.activation_checkpointing=`` override, else
+auto) come from ``footprint.memory_plan`` against 90% of the memory figure: ``--gpu-mem-gb``, else ``--gpu``'s
+preset (``conf/gpu/<name>.yaml``), else the device's own; on a CPU the shape's figure (tiny ~0.11 GiB, medium
+5 GiB, so that the step is CPU-sized). Only when even the smallest objective-preserving block budget does not fit
+is ``max_tokens`` lowered (the largest granule multiple that fits every policy); documents over a lowered budget
+are truncated and counted (``truncated`` per policy), never silently. A policy no plan fits is skipped unless
+``--force``; if the weights alone do not fit, the setup line's ``notes`` say the check needs fewer target layers.
 
-FLOPs used for MFU: ``dflash_lab.model.footprint.step_flops`` on each timed batch (model FLOPs, padding and
-recomputation excluded): target forward 2 P_layer per token + causal attention 4 h d l(l+1)/2 per document, over
-the layers up to the deepest one read; draft 3 x forward (forward + backward) with 2 P_layer per valid block token,
-k/v projections of the context, attention 4 h d per visible (query, key) pair; fc 2 x (forward + weight grad);
-LM head 2 x 2 H V per supervised slot (forward + input grad); the no-grad fixed-anchor pass (model.fixed_anchors
-blocks per document: draft layers and LM head, forward only). MFU = sum over ranks of the timed steps' FLOPs /
-(timed seconds x world size x peak FLOP/s per device). Peak: the device's dense bf16 datasheet figure
-(H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s), else the measured matmul peak (``matmul_tflops``, always
-reported: bf16 8192^3 on GPU, fp32 1024^3 on CPU with the process's threads).
+Ranks: ``--nproc N`` (default: every visible GPU on CUDA, 1 on CPU) re-executes the command N times with
+torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; under torchrun it is not needed); nccl on
+GPU, gloo on CPU. Each rank times its own batch of the same step; the draft is DDP over the ranks with the
+frozen target left out, as training wraps it. Each step is training's: bf16 autocast on GPU (fp32 on CPU), global
+loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight), gradient
+clipping and AdamW.
 
-Memory: GPU: ``torch.cuda.max_memory_allocated`` over each timed step, max over steps and ranks. CPU: the process
-re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64 KiB or more is its own mapping,
-returned to the system when freed, so resident memory follows live tensors); before each timed step it resets the
-kernel's peak-RSS mark (``/proc/self/clear_refs``), and peak = bytes of the tensors alive before the step (weights,
-optimizer state) + (peak RSS during the step - RSS before it). ``pred_peak_mem_gb`` is the footprint model's
-peak of the same batches, for the draft attention path the step actually runs (``footprint.attention_path``: flex
-on GPU, per-document SDPA ``segments`` on CPU; reported in the setup line); ``mem_ratio`` = predicted / measured.
+Output (rank 0): one JSON line ``setup`` (device, world size, peak FLOP/s and its source, attention path, token
+budget and its source, memory figure and its source, the checkpointing choice and its source, ``memory_plan``:
+per policy the block budget, checkpointing and the plan's reason), then one line per policy: ``policy,
+max_tokens, max_block_tokens, activation_checkpointing, truncated, ktok_s, mfu, peak_mem_gb, peak_reserved_gb,
+pred_peak_mem_gb, pred_peak_mem_gb_ckpt, mem_ratio, step_time_s, pad_eff, tflop_per_step, block_tokens_per_step,
+loss, finite, steps, compiled_steps`` (timed steps during which flex_attention compiled: left out, see
+``run_policy``).
+
+FLOPs used for MFU: ``dflash_lab.model.footprint.step_flops`` ``total`` on each timed batch (model FLOPs, padding
+and recomputation excluded; see footprint's docstring). MFU = sum over ranks of the timed steps' FLOPs / (timed
+seconds x world size x peak FLOP/s per device). Peak: ``--gpu``'s ``bf16_dense_tflops``, else the device's dense
+bf16 datasheet figure (H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s), else the measured matmul peak
+(``matmul_tflops``, always reported: bf16 8192^3 on GPU, fp32 1024^3 on CPU with the process's threads).
+
+Memory: GPU: ``peak_mem_gb`` = ``torch.cuda.max_memory_allocated``, ``peak_reserved_gb`` =
+``torch.cuda.max_memory_reserved`` over each timed step, max over steps and ranks. CPU: the process re-executes
+itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64 KiB or more is its own mapping, returned to
+the system when freed, so resident memory follows live tensors); before each timed step it resets the kernel's
+peak-RSS mark (``/proc/self/clear_refs``), and ``peak_mem_gb`` = bytes of the tensors alive before the step
+(weights, optimizer state, DDP's gradient buckets) + (peak RSS during the step - RSS before it);
+``peak_reserved_gb`` = the process's whole peak RSS (VmHWM: interpreter and libraries included).
+``pred_peak_mem_gb`` is the footprint model's peak of the same batches (anchors from the plan's block tokens,
+the checkpointing in force), for the draft attention path the step actually runs (``footprint.attention_path``:
+flex on GPU, per-document SDPA ``segments`` on CPU); ``mem_ratio`` = predicted / measured.
 """
 
 from __future__ import annotations
