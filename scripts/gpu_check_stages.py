@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("attention_tests", "gpu_check", "train")
 # seconds per stage: GPU (<= 8 minutes in all on one H200), CPU
-TIMEOUTS = {"gpu": {"attention_tests": 100, "gpu_check": 230, "train": 140},
-            "cpu": {"attention_tests": 120, "gpu_check": 150, "train": 150}}
+TIMEOUTS = {"gpu": {"attention_tests": 80, "gpu_check": 200, "train": 190},
+            "cpu": {"attention_tests": 120, "gpu_check": 150, "train": 240}}
 TRAIN_STEPS = {"gpu": 100, "cpu": 10}
 SUMMARY_KEYS = ("status", "steps", "ktok_s", "tau", "tau_baseline", "final_loss", "final_acc", "pad_eff",
                 "world_size", "eta_s", "overhead_frac")
