@@ -425,7 +425,9 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     else:
         chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
         # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
-        per_logit = 2 * c + 4 * f if autocast else 4 * f
+        # fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad and the
+        # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu_check_notes.md).
+        per_logit = 2 * c + 4 * f if autocast else 3 * f
         head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
         head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
     layer_backward = R * (Q * (3 * I + 2 * H) * c + K * (H + 2 * gd) * c)
