@@ -83,7 +83,7 @@ def test_gpu_preset_gives_memory_and_peak(gpu_check):
 @pytest.mark.slow
 def test_gpu_check_cpu_tiny():
     """Checkpointing off (--activation-checkpointing false): with it on, the tiny shape over-predicts by ~25%
-    (docs/gpu_check_notes.md); the checkpointed path runs in the two-rank test."""
+    (docs/gpu.md, "One GPU script"); the checkpointed path runs in the two-rank test."""
     setup, rows = _run(["--shape", "tiny", "--policies", "packed,bucketed", "--warmup", "1", "--steps", "1",
                         "--activation-checkpointing", "false"], 900)
     assert setup["device"] == "cpu" and setup["peak_source"] == "matmul" and setup["budget"] == 4096

@@ -48,8 +48,10 @@ def test_throughput_figures_by_hand():
     assert throughput.steady_state_ktok_s(values, warmup_steps=10) == 2.0  # warm-up left out, then the median
     assert throughput.eta_seconds(10, 0.5) == 5.0 and throughput.eta_seconds(-3, 0.5) == 0.0
     assert throughput.full_run_eta_seconds(6, 100, 2.0) == 1200.0
-    assert throughput.overhead_fraction(3.0, 4.0) == pytest.approx(0.25)
-    assert throughput.overhead_fraction(5.0, 4.0) == 0.0  # clipped
+    assert throughput.overhead_fraction(3.0, 1.0) == pytest.approx(0.25)   # (data wait + other) / loop time
+    assert math.isnan(throughput.overhead_fraction(0.0, 0.0))
+    assert throughput.evaluation_fraction(3.0, 60.0) == pytest.approx(0.05)
+    assert throughput.evaluation_fraction(90.0, 60.0) == 1.0  # clipped
     assert throughput.ema_update(None, 4.0) == 4.0 and throughput.ema_update(4.0, 14.0) == pytest.approx(5.0)
 
 

@@ -468,3 +468,21 @@ def test_a_diverged_run_fails_after_too_many_skipped_updates_in_a_row(tmp_path):
                     TrainHooks(after_forward=poison))
     assert summary["status"] == "failed" and summary["skipped_steps"] == 5
     assert "5 updates in a row skipped (steps 2..6" in summary["error"]
+
+
+def test_the_wall_time_split_adds_up_over_segments_with_dense_probes(tmp_path):
+    """summary.json splits the wall time into setup, compute, data wait, evaluation, checkpointing and other; the
+    measured parts never exceed the wall time (other is what is left, so the parts sum to it), also for a short
+    run with dense probes and over the two segments of a resumed run."""
+    run_dir = tmp_path / "run"
+    first = train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.ckpt_every=3", "probes.every=2"))
+    second = train(compose_cfg(run_dir, "trainer.max_steps=12", "trainer.ckpt_every=3", "probes.every=2"))
+    parts = ("setup", "compute", "data_wait", "eval", "checkpoint")
+    for summary in (first, second):
+        measured = sum(summary[f"{p}_time_s"] for p in parts)
+        assert measured <= summary["wall_time_s"] * 1.01, summary
+        assert summary["other_time_s"] == pytest.approx(summary["wall_time_s"] - measured, abs=1e-6)
+        assert summary["eval_time_s"] >= summary["probe_time_s"] + summary["tau_time_s"] - 1e-6
+        assert 0 <= summary["overhead_frac"] < 1 and 0 < summary["eval_frac"] < 1
+    assert second["segments"] == 2 and second["wall_time_s"] > first["wall_time_s"]
+    assert second["compute_time_s"] > first["compute_time_s"] and second["setup_time_s"] > first["setup_time_s"]

@@ -82,12 +82,17 @@ def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
     plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
     rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, bucket=0, step_time_s=0.1,
                             compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
-    totals = record.RunTotals(compute_time_s=0.3, loop_time_s=0.6, segments=2)
+    totals = record.RunTotals(wall_time_s=1.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
+                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=2)
     identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 1}
     summary = record.build_summary(rows, plan, totals, identity=identity, status="finished")
     assert list(summary)[: len(record.SUMMARY_FIELDS)] == list(record.SUMMARY_FIELDS)
     assert summary["steps"] == 6 and summary["steps_per_epoch"] == [3, 3] and summary["segments"] == 2
-    assert summary["overhead_frac"] == pytest.approx(0.5) and summary["full_run_eta_s"] == pytest.approx(0.6)
+    parts = ("setup", "compute", "data_wait", "eval", "checkpoint", "other")
+    assert sum(summary[f"{p}_time_s"] for p in parts) == pytest.approx(summary["wall_time_s"])   # they add up
+    assert summary["other_time_s"] == pytest.approx(0.2)
+    assert summary["overhead_frac"] == pytest.approx(0.5) and summary["eval_frac"] == pytest.approx(0.25)
+    assert summary["full_run_eta_s"] == pytest.approx(0.6)
     with pytest.raises(ValueError, match="status"):
         record.build_summary(rows, plan, totals, identity=identity, status="done")
 

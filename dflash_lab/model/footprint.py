@@ -426,7 +426,7 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
         chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
         # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
         # fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad and the
-        # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu_check_notes.md).
+        # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu.md, "One GPU script").
         per_logit = 2 * c + 4 * f if autocast else 3 * f
         head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
         head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
