@@ -678,8 +678,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             model.eval()
             log.info(f"step {step}: tau {measure_acceptance(model, prompts, decode_new_tokens)['tau']:.3f}")
             model.train()
-            ledger.add("eval", time.perf_counter() - t_tau)
-            totals.tau_time_s += time.perf_counter() - t_tau
+            elapsed = time.perf_counter() - t_tau
+            ledger.add("eval", elapsed)
+            totals.tau_time_s += elapsed
         if stats.stop_requested:
             path = save_checkpoint()
             log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step {step} to "
