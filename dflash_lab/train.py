@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -63,6 +64,7 @@ from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sampl
 FAILED_EXIT_CODE = 1
 LOCKED_EXIT_CODE = 3   # another live run holds the run directory (dflash_lab/run_lock.py); nothing was written
 CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
+                   "overwrite",
                    "run_dir", "experiment")
 
 
@@ -307,6 +309,29 @@ def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     return dict(cfg)
 
 
+def check_fresh_start(run_dir: Path, overwrite: bool, log: logging.Logger) -> None:
+    """A fresh start in a directory that already holds a run's records (and no checkpoint) would replace them:
+    refused unless ``overwrite=true``. A Slurm requeue of a run that died before its first checkpoint starts over
+    (the records are of that same run)."""
+    metrics = run_dir / record.METRICS_FILE
+    summary_path = run_dir / record.SUMMARY_FILE
+    if not ((metrics.is_file() and metrics.stat().st_size > 0) or summary_path.is_file()):
+        return
+    if overwrite:
+        log.warning(f"overwrite=true: replacing the records of the earlier run in {run_dir}")
+        return
+    try:
+        status = json.loads(summary_path.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if status == "running" and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        log.warning("requeued before the first checkpoint: starting this run over")
+        return
+    raise ValueError(f"{run_dir} holds an earlier run's records (status {status or 'unknown'}) but no checkpoint to "
+                     f"continue from: starting fresh would replace them. Use another directory "
+                     f"(hydra.run.dir=<new dir>), restore its checkpoints/, or pass overwrite=true to replace them")
+
+
 def _finished_summary(run_dir: Path, step: int) -> dict[str, Any] | None:
     """summary.json of a run that finished at ``step`` (None if it did not, or the file is unreadable)."""
     try:
@@ -372,6 +397,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     wandb_settings = logger_settings(config.get("logger") or {})
     seed = as_int("seed", config.get("seed", 0), minimum=0)
     resume = as_bool("resume", config.get("resume", False))
+    overwrite = as_bool("overwrite", config.get("overwrite", False))
     run_dir = Path(config["run_dir"])
     env = dist.setup(trainer.device, trainer.num_threads, trainer.dist_backend)
     device = torch.device(env.device)
@@ -391,6 +417,8 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     if resume and state is None:
         raise FileNotFoundError(f"resume=true but {checkpoints.directory} holds no checkpoint; pass the run's "
                                 f"directory (hydra.run.dir=<old run dir>), or drop resume=true to start fresh")
+    if state is None and env.is_main:
+        check_fresh_start(run_dir, overwrite, log)
     changed = ckpt.check_resume_config(state["config"], config) if state else []
 
     # ---- 2. model, data, policy, loader ----------------------------------------------------------------------
@@ -400,6 +428,11 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     # probes need probes.per_band held-out samples in every band: the split tops up short bands
     train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split(
         bands=probe_cfg.bands if probe_cfg.every > 0 else None, per_band=probe_cfg.per_band)
+    data_digest = train_ds.content_digest
+    if state is not None and state.get("data_digest") not in (None, data_digest):
+        raise ValueError(f"the data changed since the checkpoint (content digest {state['data_digest']} then, "
+                         f"{data_digest} now; data.* = {config['data']}): restore the data the run started with, "
+                         f"or start a fresh run directory (hydra.run.dir=<new dir>)")
     sampler_cfg, memory, block_tokens = resolve_memory_plan(config, trainer, model, train_ds, device,
                                                             env.world_size, seed)
     log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
@@ -496,7 +529,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     identity = {"sampler": policy.name, "seed": seed, "epochs": trainer.epochs, "world_size": env.world_size,
                 "boundaries": policy.boundaries, "anchor_rule": anchor_rule_name(model.anchor_density),
                 "max_block_tokens": memory.max_block_tokens,
-                "activation_checkpointing": memory.activation_checkpointing}
+                "activation_checkpointing": memory.activation_checkpointing, "data_digest": data_digest}
     data_skipped = dict(train_ds.stats.get("skipped", {}))
     if any(data_skipped.values()):
         log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")
@@ -533,6 +566,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             "model": model.draft_state_dict(), "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(), "sampler": policy.state_dict(batches_consumed=consumed),
             "rng": ckpt.capture_rng_state(anchor_generator), "step": step, "epoch": epoch, "config": config,
+            "data_digest": data_digest,
             "wandb_run_id": run_id,
             "extra": {"totals": totals.state_dict(), "last_probe_step": last_probe_step},
         }, step=step)

@@ -486,3 +486,38 @@ def test_the_wall_time_split_adds_up_over_segments_with_dense_probes(tmp_path):
         assert 0 <= summary["overhead_frac"] < 1 and 0 < summary["eval_frac"] < 1
     assert second["segments"] == 2 and second["wall_time_s"] > first["wall_time_s"]
     assert second["compute_time_s"] > first["compute_time_s"] and second["setup_time_s"] > first["setup_time_s"]
+
+
+def test_a_fresh_start_over_an_earlier_runs_records_is_refused_unless_overwrite(tmp_path):
+    """A finished run directory whose checkpoints/ is gone: a new launch there would replace its metrics, probes,
+    presentations and summary. It is refused (the files stay as they were) unless overwrite=true."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))
+    shutil.rmtree(run_dir / "checkpoints")
+    before = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "probes.jsonl", "summary.json")}
+    with pytest.raises(ValueError, match=r"holds an earlier run's records \(status finished\) but no checkpoint.*"
+                                         r"overwrite=true"):
+        train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    summary = train(compose_cfg(run_dir, "trainer.max_steps=4", "trainer.measure_tau=false", "overwrite=true"))
+    assert summary["status"] == "finished" and summary["steps"] == 4 and len(losses(run_dir)) == 4
+
+
+def test_a_resume_on_changed_data_content_is_refused(tmp_path):
+    """A chat JSONL edited in place with the same lengths: the cache is rebuilt (size and mtime are in its key), and
+    the checkpoint's data digest no longer matches, so the run refuses to continue on other text."""
+    data = tmp_path / "chat.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i:03d}"},
+                                      {"role": "assistant", "content": f"answer {i:03d} " + "abc " * (i % 40)}]})
+             for i in range(300)]
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    overrides = ("data=jsonl", f"data.path={data}", "trainer.measure_tau=false", "probes.every=0",
+                 "probes.presentations=false", "trainer.ckpt_every=3")
+    first = train(compose_cfg(run_dir, "trainer.max_steps=3", *overrides))
+    assert len(first["data_digest"]) == 32
+    data.write_text(data.read_text().replace("abc", "xyz"))   # same lengths, other text
+    with pytest.raises(ValueError, match="the data changed since the checkpoint"):
+        train(compose_cfg(run_dir, "trainer.max_steps=6", *overrides))
