@@ -24,6 +24,11 @@ correction over the arm's endpoints, and a verdict: "equivalent" (TOST inside th
 cost model and alpha are read from the `analysis` section every run recorded (declared in the sweep file before
 the runs); the options below override them.
 
+Duplicates. Two runs of one arm with one seed (the same sweep launched twice, a rerun in another folder, a run
+given both as its directory and as W&B run) are separate runs, not two seeds. By default compare refuses them, naming
+both runs: pass only one, give reruns different seeds, or choose --duplicates=latest (keep the run that wrote its
+files last) or --duplicates=first (keep the first given); the run kept is named in the notes.
+
 Equal compute. probe_loss_at_steps / _at_tokens / _at_time: the mean probe loss over bands, read at the largest
 optimizer-step, real-token and modelled-time budget every finished run reaches (modelled time needs a cost model).
 
@@ -40,8 +45,8 @@ Ctrl-C midway leaves the previous comparison as it was. A folder holding only fi
 whole; one holding anything else (your notes, runs, a folder of the same name) is refused, naming those files,
 unless --force (which deletes them). --out is never the current directory or above it, nor a folder holding a PATH.
 
-Bad paths are reported and skipped. A refusal (invalid option or protocol, an --out that would not be replaced)
-prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
+Bad paths are reported and skipped. A refusal (invalid option or protocol, duplicate runs, an --out that would not
+be replaced) prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
 code 1 if no run loaded or --out could not be written.
 """
 
@@ -57,6 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
+from dflash_lab.analysis.arms import DUPLICATE_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
 from dflash_lab.analysis.protocol import resolve_protocol
 from dflash_lab.analysis.summarize import Comparison
@@ -113,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
     parser.add_argument("--no-plots", action="store_true", help="write the tables only")
+    parser.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="error",
+                        help="runs of one arm with one seed are separate runs, not seeds: refuse them (error, the "
+                             "default), or keep the one that wrote its files last (latest) or was given first (first)")
     parser.add_argument("--force", action="store_true",
                         help="replace an --out folder that holds files compare never writes (they are deleted)")
     parser.add_argument("--debug", action="store_true",
@@ -266,10 +275,11 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         protocol = resolve_protocol(report.runs, baseline=args.baseline, endpoints=args.endpoints,
                                     margins=args.margins, cost=args.cost, alpha=args.alpha)
-        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol)
+        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates)
     except ValueError as error:
         raise Refused(str(error)) from error
-    records = report.runs
+    compared = set(comparison.runs["run_id"])
+    records = [record for record in report.runs if record.run_id in compared]  # less duplicates left out
 
     def build(folder: Path) -> list[Path]:
         written = write_outputs(comparison, folder)
