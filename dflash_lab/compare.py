@@ -24,6 +24,11 @@ correction over the arm's endpoints, and a verdict: "equivalent" (TOST inside th
 cost model and alpha are read from the `analysis` section every run recorded (declared in the sweep file before
 the runs); the options below override them.
 
+Duplicates. Two runs of one arm with one seed (the same sweep launched twice, a rerun in another folder, a run
+given both as its directory and as W&B run) are separate runs, not two seeds. By default compare refuses them, naming
+both runs: pass only one, give reruns different seeds, or choose --duplicates=latest (keep the run that wrote its
+files last) or --duplicates=first (keep the first given); the run kept is named in the notes.
+
 Equal compute. probe_loss_at_steps / _at_tokens / _at_time: the mean probe loss over bands, read at the largest
 optimizer-step, real-token and modelled-time budget every finished run reaches (modelled time needs a cost model).
 
@@ -31,19 +36,34 @@ Writes to --out (default ./comparison): comparison.csv (one row per run: every c
 dflash_lab.analysis.schema.RUN_COLUMNS, then the swept keys), comparison_groups.csv (one row per setting, mean/std
 over seeds), paired.csv (with a baseline), comparison.md (all tables, printed too), bands.csv, cross_effects.csv,
 curves.csv (probe loss on the compute axes), verdict.json (when the runs declare analysis.verdict: controls, the
-question arm against its baseline, throughput ratio and the answer; dflash_lab/analysis/verdict.py) and PNG plots. Bad paths are reported and skipped; exit code 1 if no run
-loaded, 2 for an invalid option or protocol.
+question arm against its baseline, throughput ratio and the answer; dflash_lab/analysis/verdict.py) and PNG plots.
+
+--out holds exactly one complete comparison: the files are written to a temporary folder beside --out (same file
+system) and swapped in by renames (old folder renamed away, new one renamed in, old one deleted), so an earlier
+comparison's extra files (paired.csv, verdict.json of a comparison with a baseline) never linger and an error or
+Ctrl-C midway leaves the previous comparison as it was. A folder holding only files compare writes is replaced
+whole; one holding anything else (your notes, runs, a folder of the same name) is refused, naming those files,
+unless --force (which deletes them). --out is never the current directory or above it, nor a folder holding a PATH.
+
+Bad paths are reported and skipped. A refusal (invalid option or protocol, duplicate runs, an --out that would not
+be replaced) prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
+code 1 if no run loaded or --out could not be written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
-from dflash_lab.analysis.plots import write_all_plots
+from dflash_lab.analysis.arms import DUPLICATE_POLICIES
+from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
 from dflash_lab.analysis.protocol import resolve_protocol
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
@@ -99,10 +119,117 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
     parser.add_argument("--no-plots", action="store_true", help="write the tables only")
+    parser.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="error",
+                        help="runs of one arm with one seed are separate runs, not seeds: refuse them (error, the "
+                             "default), or keep the one that wrote its files last (latest) or was given first (first)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an --out folder that holds files compare never writes (they are deleted)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a refusal (also HYDRA_FULL_ERROR=1)")
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give at least one PATH or --wandb ENTITY/PROJECT")
     return args
+
+
+TABLE_FILES = ("comparison.csv", "comparison_groups.csv", "comparison.md", "paired.csv", "bands.csv",
+               "cross_effects.csv", "curves.csv", "verdict.json")
+OUTPUT_FILES = frozenset(TABLE_FILES + PLOT_FILES)  # every file compare may write: what it owns in --out
+
+
+class Refused(Exception):
+    """compare will not go on: main prints the one-line message (no traceback unless --debug) and exits 2."""
+
+
+def check_out(out: Path | str, force: bool = False, inputs: list[str | Path] = ()) -> Path:
+    """The folder --out names (a symlink followed), once it is safe to replace it whole.
+
+    Raises:
+        Refused: --out is a file; it is the current directory or above it, or holds an input PATH (even with
+            force: replacing it would delete them); or it holds files compare never writes (`OUTPUT_FILES`) and
+            not force: those are named.
+
+    Example:
+        >>> import tempfile
+        >>> out = Path(tempfile.mkdtemp()) / "o"
+        >>> out.mkdir(); _ = (out / "paired.csv").write_text(""); _ = (out / "notes.txt").write_text("")
+        >>> check_out(out)
+        Traceback (most recent call last):
+        ...
+        dflash_lab.compare.Refused: --out ... holds 1 file compare never writes (notes.txt): choose another --out, move it away, or pass --force to replace the folder whole (deleting it)
+        >>> check_out(out, force=True) == out.resolve()
+        True
+    """
+    target = Path(out).resolve()
+    if target.exists() and not target.is_dir():
+        raise Refused(f"--out {out} is a file, not a folder: choose a folder")
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise Refused(f"--out {out} is the current directory or above it: compare replaces --out whole; choose a "
+                      "folder of its own (e.g. --out comparison)")
+    for path in inputs:
+        resolved = Path(path).resolve()
+        if resolved == target or target in resolved.parents:
+            raise Refused(f"--out {out} holds the input {path}: compare replaces --out whole; choose another --out")
+    if not target.is_dir() or force:
+        return target
+    foreign = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir()
+                     if entry.name not in OUTPUT_FILES or not entry.is_file())
+    if foreign:
+        shown = ", ".join(foreign[:10]) + (f", ... ({len(foreign) - 10} more)" if len(foreign) > 10 else "")
+        raise Refused(f"--out {out} holds {len(foreign)} file{'s' if len(foreign) > 1 else ''} compare never writes "
+                      f"({shown}): choose another --out, move {'them' if len(foreign) > 1 else 'it'} away, or pass "
+                      f"--force to replace the folder whole (deleting {'them' if len(foreign) > 1 else 'it'})")
+    return target
+
+
+def publish(target: Path, build: Callable[[Path], list[Path]]) -> list[Path]:
+    """Write a comparison into a fresh folder beside `target` with `build(folder)`, then swap it in: the old
+    `target` is renamed away, the new folder renamed to `target`, the old one deleted. Returns the written paths
+    (under `target`).
+
+    If `build` raises (an error, Ctrl-C), the new folder is deleted and `target` is left as it was. The folders
+    are siblings (same file system), so each step is a rename; `target` is missing only between two renames.
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "o"
+        >>> [p.name for p in publish(target, lambda d: [d / "a.csv"] if (d / "a.csv").write_text("1") else [])]
+        ['a.csv']
+        >>> def broken(folder):
+        ...     raise RuntimeError("midway")
+        >>> publish(target, broken)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: midway
+        >>> sorted(p.name for p in target.parent.iterdir()), (target / "a.csv").read_text()
+        (['o'], '1')
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        mode = target.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o777 & ~umask
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+    old, swapped = None, False
+    try:
+        os.chmod(stage, mode)
+        written = build(stage)
+        if target.exists():
+            old = stage.with_name(stage.name.replace(".new-", ".old-", 1))
+            os.rename(target, old)
+        os.rename(stage, target)
+        swapped = True
+    finally:
+        if not swapped:
+            if old is not None and old.exists() and not target.exists():
+                os.rename(old, target)  # the new folder never arrived: the previous comparison goes back
+            shutil.rmtree(stage, ignore_errors=True)
+        elif old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return [target / Path(path).relative_to(stage) for path in written]
 
 
 def write_outputs(comparison: Comparison, out: Path) -> list[Path]:
@@ -127,6 +254,18 @@ def write_outputs(comparison: Comparison, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    debug = args.debug or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    try:
+        return _compare(args)
+    except Refused as error:
+        if debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    target = check_out(args.out, force=args.force, inputs=args.paths)
     report = load_runs(args.paths, wandb=args.wandb, group=args.group)
     for problem in report.problems:
         print(f"skipped: {problem}", file=sys.stderr)
@@ -136,19 +275,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         protocol = resolve_protocol(report.runs, baseline=args.baseline, endpoints=args.endpoints,
                                     margins=args.margins, cost=args.cost, alpha=args.alpha)
-        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol)
+        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    written = write_outputs(comparison, out)
-    if not args.no_plots:
-        written += write_all_plots(report.runs, comparison, out)
+        raise Refused(str(error)) from error
+    compared = set(comparison.runs["run_id"])
+    records = [record for record in report.runs if record.run_id in compared]  # less duplicates left out
+
+    def build(folder: Path) -> list[Path]:
+        written = write_outputs(comparison, folder)
+        if not args.no_plots:
+            written += write_all_plots(records, comparison, folder)
+        return written
+
+    try:
+        written = publish(target, build)
+    except OSError as error:
+        print(f"error: could not write --out {args.out} ({error}); it is left as it was", file=sys.stderr)
+        return 1
     partial = int(comparison.runs["partial"].sum())
     print(markdown_tables(comparison))
     if comparison.verdict is not None:
         print(f"\nverdict ({comparison.verdict['seeds']} seeds): {comparison.verdict['answer']}")
-    print(f"\n{len(report.runs)} run(s) ({partial} partial) in {len(comparison.groups)} setting(s); wrote "
+    print(f"\n{len(records)} run(s) ({partial} partial) in {len(comparison.groups)} setting(s); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 

@@ -12,6 +12,7 @@ import yaml
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.local import find_run_dirs, load_local_run
+from dflash_lab.analysis.summarize import analyse_run
 from dflash_lab.analysis.schema import (
     NUMERIC_RUN_COLUMNS,
     PROBE_COLUMNS,
@@ -228,7 +229,7 @@ def test_a_periodic_order_gets_a_loop_score_and_a_shuffled_one_does_not(tmp_path
 
 def test_duplicate_run_names_from_two_multiruns_stay_distinct(tmp_path):
     write_run(tmp_path / "m1" / "0_bucketed_s0", "bucketed", 0)
-    write_run(tmp_path / "m2" / "0_bucketed_s0", "bucketed", 0)
+    write_run(tmp_path / "m2" / "0_bucketed_s0", "bucketed", 1)  # one name, another seed (one seed: duplicates)
     runs = compare_records(load_runs([tmp_path / "m1", tmp_path / "m2"]).runs).runs
     assert runs["run_id"].is_unique
 
@@ -383,7 +384,10 @@ def test_offline_wandb_run_reads_back_to_the_same_schema_as_the_local_files(tmp_
     assert 0 < len(torn_record.steps) < len(local.steps)
     # the run directory itself is one local run: the copies in wandb/offline-run-*/files/ are not a second one
     assert [(r.source, r.run_id) for r in load_runs([run_dir.parent]).runs] == [("local", "run")]
-    rows = compare_records([local, from_wandb]).runs.set_index("source")
+    # the same run read twice is one run, not two seeds: compared side by side run by run, not as one arm
+    with pytest.raises(ValueError, match="not two seeds"):
+        compare_records([local, from_wandb])
+    rows = pd.DataFrame([analyse_run(r).row for r in (local, from_wandb)]).set_index("source")
     for column in ("jumpiness", "band_forgetting", "loop_score", "ktok_s"):
         assert rows.loc["local", column] == pytest.approx(rows.loc["wandb_offline", column], nan_ok=True)
 

@@ -22,10 +22,15 @@ arm of its own stratum, e.g. bucket_sequential on `data.band_skills=independent`
 data. Inside a stratum the baseline is the one arm matching every selector term; when several match (full_random
 and full_random with an extra sampler option), the one that overrides the fewest compared keys wins, and a tie is
 an error asking for a more specific selector. A stratum with no matching arm has no paired rows (a note says so).
+
+Duplicates. Two runs of one arm with one seed are two separate runs (the same sweep launched twice, a rerun in
+another folder, a run read both from its directory and from W&B), not two seeds: `drop_duplicate_runs` refuses them
+by default, naming both runs, or keeps one (`--duplicates=latest|first`) and notes which.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,3 +422,92 @@ def pair_arms(sweep: Sweep, arm_of_run: pd.Series, selector_text: str) -> Pairin
                              f"'{stratum or 'all runs'}': add key=value terms to pick one")
         table.loc[arms.index, "baseline"] = plainest[0]
     return Pairing(arms=table, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------- duplicates
+DUPLICATE_POLICIES = ("error", "latest", "first")
+
+
+def written_at(record: RunRecord) -> float:
+    """When a run last wrote its files: a local run's newest summary.json / metrics.jsonl / probes.jsonl /
+    .hydra/config.yaml modification time, a W&B run's summary `_timestamp`; NaN when unknown.
+
+    Example:
+        >>> written_at(RunRecord("r", "wandb", "x", summary={"_timestamp": 1700000000.5}))
+        1700000000.5
+        >>> written_at(RunRecord("r", "local", "/nonexistent"))
+        nan
+    """
+    if record.source == "local":
+        times = [path.stat().st_mtime for name in ("summary.json", "metrics.jsonl", "probes.jsonl",
+                                                   ".hydra/config.yaml")
+                 if (path := Path(record.location) / name).is_file()]
+        return max(times) if times else float("nan")
+    stamp = record.summary.get("_timestamp")
+    return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else float("nan")
+
+
+def drop_duplicate_runs(records: list[RunRecord], labels: pd.Series,
+                        policy: str = "error") -> tuple[list[RunRecord], list[str]]:
+    """Keep one run per (arm, seed): two runs of one setting and one seed are two separate runs (the same sweep
+    launched twice, a rerun in another folder, a run read both from its directory and from W&B), not two seeds.
+
+    Seeds are the replicates an arm aggregates and pairs by; counting such a pair as two seeds would fake replication
+    (and `paired` would average them into one seed silently). Runs without a seed are left alone.
+
+    Args:
+        records: the runs, in the order they were given (PATH order, then sorted run directories).
+        labels: run_id -> arm label (`arm_label` of `sweep_of(records)`).
+        policy: "error" (default): refuse, naming every run directory of each duplicate and the fix; "latest": keep
+            the run that wrote its files last (`written_at`; ties and unknown times: the later one given);
+            "first": keep the first one given. A kept run is noted in the returned notes.
+
+    Returns:
+        (the kept records in their original order, one note per dropped group).
+
+    Raises:
+        ValueError: policy "error" and some (arm, seed) has more than one run, or an unknown policy.
+
+    Example:
+        >>> runs = [RunRecord(f"r{i}", "wandb", f"w/r{i}", config={"seed": seed}) for i, seed in enumerate([0, 0, 1])]
+        >>> labels = pd.Series(["bucketed"] * 3, index=["r0", "r1", "r2"])
+        >>> kept, notes = drop_duplicate_runs(runs, labels, "first")
+        >>> [r.run_id for r in kept], notes
+        (['r0', 'r2'], ["arm 'bucketed' seed 0: 2 runs (w/r0, w/r1); kept w/r0, left out w/r1 (--duplicates=first)"])
+        >>> drop_duplicate_runs(runs, labels)
+        Traceback (most recent call last):
+        ...
+        ValueError: 2 runs share arm 'bucketed' and seed 0: w/r0 and w/r1. They are separate runs (the same sweep \
+launched twice, or a rerun), not two seeds: pass only one of them, give reruns different seeds, or keep one with \
+--duplicates=latest or --duplicates=first (compare_records(duplicates=...))
+    """
+    if policy not in DUPLICATE_POLICIES:
+        raise ValueError(f"--duplicates={policy!r}: choose one of {', '.join(DUPLICATE_POLICIES)}")
+    groups: dict[tuple[str, int], list[int]] = {}
+    for index, record in enumerate(records):
+        if record.seed is not None:
+            groups.setdefault((str(labels.get(record.run_id)), record.seed), []).append(index)
+    repeated = {key: indices for key, indices in groups.items() if len(indices) > 1}
+    if not repeated:
+        return list(records), []
+    if policy == "error":
+        problems = []
+        for (arm, seed), indices in repeated.items():
+            where = [records[i].location for i in indices]
+            problems.append(f"{len(where)} runs share arm '{arm}' and seed {seed}: "
+                            f"{', '.join(where[:-1])} and {where[-1]}")
+        raise ValueError("; ".join(problems) + ". They are separate runs (the same sweep launched twice, or a "
+                         "rerun), not two seeds: pass only one of them, give reruns different seeds, or keep one "
+                         "with --duplicates=latest or --duplicates=first (compare_records(duplicates=...))")
+    dropped, notes = set(), []
+    for (arm, seed), indices in repeated.items():
+        if policy == "first":
+            keep = indices[0]
+        else:  # latest: the newest writes; unknown times count as oldest, ties go to the later one given
+            keep = max(indices, key=lambda i: (-math.inf if math.isnan(t := written_at(records[i])) else t, i))
+        left_out = [records[i].location for i in indices if i != keep]
+        dropped.update(i for i in indices if i != keep)
+        notes.append(f"arm '{arm}' seed {seed}: {len(indices)} runs "
+                     f"({', '.join(records[i].location for i in indices)}); kept {records[keep].location}, "
+                     f"left out {', '.join(left_out)} (--duplicates={policy})")
+    return [record for index, record in enumerate(records) if index not in dropped], notes

@@ -283,8 +283,12 @@ def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
     return _save(fig, path)
 
 
+PLOT_FILES = ("loss_curves.png", "band_accuracy.png", "band_loss_by_arm.png", "metric_bars.png", "tradeoff.png",
+              "equal_compute.png")
+
+
 def write_all_plots(records: list[RunRecord], comparison: Comparison, out_dir: Path) -> list[Path]:
-    """Every comparison plot into `out_dir`; returns the written paths."""
+    """Every comparison plot (PLOT_FILES) into `out_dir`; returns the written paths."""
     out = Path(out_dir)
     arms = dict(zip(comparison.runs["run_id"], comparison.runs["arm"])) if len(comparison.runs) else {}
     return [

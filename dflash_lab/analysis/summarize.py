@@ -358,7 +358,7 @@ class Comparison:
 
 
 def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
-                    protocol: Protocol | None = None) -> Comparison:
+                    protocol: Protocol | None = None, duplicates: str = "error") -> Comparison:
     """Analyse every run, place it in its arm, read the equal-compute endpoints, and pair arms with the baseline.
 
     Args:
@@ -366,9 +366,12 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         theta: learned threshold of example forgetting events (default 0.5).
         protocol: baseline / endpoints / margins / cost / alpha; default: what the runs declared
             (`protocol.resolve_protocol`).
+        duplicates: runs sharing an arm and a seed (separate runs, not replicates: `arms.drop_duplicate_runs`):
+            "error" refuses them, "latest" / "first" keep one and note it.
 
     Raises:
-        ValueError: runs that declare different protocols, or a baseline selector that is unknown or ambiguous.
+        ValueError: runs that declare different protocols, a baseline selector that is unknown or ambiguous, or
+            (duplicates="error") two runs of one arm with one seed.
 
     Example:
         >>> comparison = compare_records([])
@@ -377,10 +380,15 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     """
     unique_run_ids(records)
     protocol = protocol if protocol is not None else resolve_protocol(records)
-    pairing, swept = None, []
+    pairing, swept, notes = None, [], []
     if records:  # settle arms and the baseline first: a bad selector fails before any run is analysed
         sweep = arms_module.sweep_of(records)
         labels = sweep.values.apply(arms_module.arm_label, axis=1)
+        kept, notes = arms_module.drop_duplicate_runs(records, labels, duplicates)
+        if len(kept) < len(records):
+            records = kept
+            sweep = arms_module.sweep_of(records)
+            labels = sweep.values.apply(arms_module.arm_label, axis=1)
         settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
         swept = ["sampler", *settings.columns]
         if protocol.baseline:
@@ -392,7 +400,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         runs = runs.join(settings, on="run_id")
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
-    paired, notes = pd.DataFrame(columns=list(PAIRED_COLUMNS)), []
+    paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
     if pairing is not None:
         runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
         paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha)
