@@ -1,12 +1,13 @@
 """Does the planner predict what the trainer measures? Fit the cost model on one policy's run, predict the others.
 
-    python benchmarks/bench_planner_accuracy.py --steps 150 --fit-on full_random --rules density recipe \
+    python benchmarks/bench_planner_accuracy.py --steps 150 --fit-on full_random packed --rules density recipe \
         --out docs/planner_accuracy.md
 
 For each anchor rule and policy this trains ``--steps`` steps of the default job (``python -m dflash_lab.train
 sampler=<policy>``, same data, seed and budget, tau off) one after another in this process, then fits
-``CostModel.from_run`` (step time on padded tokens, attention tokens and block slots) on the ``--fit-on`` run of
-that rule and predicts every policy's Ktok/s with ``plan.predict_throughput`` on the same data. Rules (``RULES``):
+``CostModel.from_runs`` (step time on padded tokens, attention tokens, block slots and packed documents) on the
+``--fit-on`` runs of that rule (default: full_random and packed; the CPU draft's per-document attention in packed
+rows shows only in a packed run) and predicts every policy's Ktok/s with ``plan.predict_throughput`` on the same data. Rules (``RULES``):
 ``density`` is the tiny model's default (one anchor per 16 valid positions, at most 64 per document); ``recipe``
 is the DFlash recipe's per-document rule (min(64, valid positions) anchors, every position of a short document)
 under a block budget of 4,096 block tokens per step, which binds. Measured and predicted Ktok/s use the one
@@ -46,7 +47,8 @@ def run_policy(policy: str, run_dir: Path, steps: int, extra: list[str]) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--fit-on", default="full_random", choices=POLICIES)
+    parser.add_argument("--fit-on", nargs="+", default=["full_random", "packed"], choices=POLICIES,
+                        help="the runs the cost model is fitted on together (default: a padded and a packed one)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     parser.add_argument("--out", type=Path, default=None)
@@ -66,7 +68,7 @@ def main() -> None:
         for policy in args.policies:
             summaries[policy] = run_policy(policy, work / rule / policy, args.steps, [*RULES[rule], *args.overrides])
             print(f"{rule} {policy}: measured {summaries[policy]['ktok_s']:.2f} Ktok/s", flush=True)
-        cost = CostModel.from_run(work / rule / args.fit_on)
+        cost = CostModel.from_runs([work / rule / policy for policy in args.fit_on])
         rows = []
         for policy in args.policies:
             run_cfg = load_run_checkpoint(work / rule / policy)["config"]  # the resolved config the run used
@@ -80,17 +82,19 @@ def main() -> None:
         sections += [
             f"### Anchor rule `{rule}` ({' '.join(RULES[rule]) or 'the default job'})",
             "",
-            f"Cost model fitted on the `{args.fit_on}` run: step = {cost.c0:.4g} s + {cost.c1:.4g} s x padded + "
-            f"{cost.c2:.4g} s x attention tokens + {cost.c3:.4g} s x block slots",
+            f"Cost model fitted on the {' + '.join(f'`{p}`' for p in args.fit_on)} runs: step = {cost.c0:.4g} s + "
+            f"{cost.c1:.4g} s x padded + {cost.c2:.4g} s x attention tokens + {cost.c3:.4g} s x block slots + "
+            f"{cost.c4:.4g} s x packed documents",
             "",
-            "| policy | measured Ktok/s | predicted Ktok/s | error |",
-            "|---|---|---|---|",
-            *[f"| {p} | {m:.2f} | {q:.2f} | {e:+.1%} |" for p, m, q, e in rows],
+                "| policy | measured Ktok/s | predicted Ktok/s | error | in the fit |",
+            "|---|---|---|---|---|",
+            *[f"| {p} | {m:.2f} | {q:.2f} | {e:+.1%} | {'yes' if p in args.fit_on else 'no'} |"
+              for p, m, q, e in rows],
             "",
         ]
     elapsed = time.time() - started
     command = ("python benchmarks/bench_planner_accuracy.py --steps {} --fit-on {} --rules {} {}".format(
-        args.steps, args.fit_on, " ".join(args.rules), " ".join(args.overrides))).strip()
+        args.steps, " ".join(args.fit_on), " ".join(args.rules), " ".join(args.overrides))).strip()
     lines = [
         *sections,
         f"Command: `{command}` ({args.steps} steps per policy, default job otherwise; {elapsed:.0f} s in all; "

@@ -62,7 +62,8 @@ TRIM_SIGMAS = 2.5   # a step slower than the fit by more than this many robust s
 class CostModel:
     """Per-rank step time (seconds) of a batch, one of two forms:
 
-    * linear: ``c0 + c1 x padded tokens + c2 x attention tokens + c3 x block tokens``, with the token counts of
+    * linear: ``c0 + c1 x padded tokens + c2 x attention tokens + c3 x block slots + c4 x packed documents``,
+      with the token counts of
       ``metrics.throughput.batch_token_counts`` (attention tokens: rows x longest^2 for padded batches, the sum of
       squared document lengths for a packed row) and the block tokens of ``sampling.anchors`` (anchors x block
       size: the draft's work), the same numbers the trainer logs;
@@ -77,13 +78,16 @@ class CostModel:
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    c4: float = 0.0   # per document of a packed row: the CPU draft attends per document (one SDPA each), GPU ~0
     utilisation: float | None = None
     peak_tflops: float | None = None
 
-    def step_time(self, padded: np.ndarray, attention: np.ndarray, blocks: np.ndarray | float = 0.0) -> np.ndarray:
+    def step_time(self, padded: np.ndarray, attention: np.ndarray, blocks: np.ndarray | float = 0.0,
+                  packed_documents: np.ndarray | float = 0.0) -> np.ndarray:
         """Linear form (``utilisation`` unset)."""
         return (self.c0 + self.c1 * np.asarray(padded, dtype=np.float64)
-                + self.c2 * np.asarray(attention, np.float64) + self.c3 * np.asarray(blocks, np.float64))
+                + self.c2 * np.asarray(attention, np.float64) + self.c3 * np.asarray(blocks, np.float64)
+                + self.c4 * np.asarray(packed_documents, np.float64))
 
     def flop_step_time(self, flops: np.ndarray) -> np.ndarray:
         """FLOPs form: ``c0 + flops / (utilisation x peak)``."""
@@ -92,9 +96,10 @@ class CostModel:
 
     @classmethod
     def fit(cls, padded: np.ndarray, attention: np.ndarray, step_time: np.ndarray,
-            trim_rounds: int = TRIM_ROUNDS, blocks: np.ndarray | None = None) -> "CostModel":
+            trim_rounds: int = TRIM_ROUNDS, blocks: np.ndarray | None = None,
+            packed_documents: np.ndarray | None = None) -> "CostModel":
         """Non-negative least squares (``scipy.optimize.nnls``) of step time on (1, padded, attention, block
-        tokens), robust to stalls.
+        slots, packed documents), robust to stalls.
 
         Logged step times have a heavy right tail (garbage collection, other processes, a first call of a new
         shape): on a shared CPU the slowest 10% of steps take 1.4x the median and single steps 10x. Least squares
@@ -102,7 +107,8 @@ class CostModel:
         (``throughput.steady_state_ktok_s``). So each of ``trim_rounds`` rounds drops the steps slower than the
         current fit by more than TRIM_SIGMAS robust standard deviations (1.4826 x the residuals' median absolute
         deviation) and refits on the rest. Columns are scaled to unit maximum, so the solver sees comparable
-        magnitudes; a column that is all zero (no block tokens logged) gets a zero coefficient.
+        magnitudes; a column that is all zero (no block tokens logged; no packed run in the fit) gets a zero
+        coefficient.
 
         Example:
             >>> padded = np.tile([1000.0, 2000.0, 3000.0, 4000.0], 25)
@@ -117,9 +123,9 @@ class CostModel:
         y = np.asarray(step_time, dtype=np.float64)
         if y.size < 3:
             raise ValueError(f"need at least 3 logged steps to fit the cost model, got {y.size}")
-        block_column = np.zeros_like(y) if blocks is None else np.asarray(blocks, np.float64)
+        optional = [np.zeros_like(y) if v is None else np.asarray(v, np.float64) for v in (blocks, packed_documents)]
         x = np.stack([np.ones_like(y), np.asarray(padded, np.float64), np.asarray(attention, np.float64),
-                      block_column], axis=1)
+                      *optional], axis=1)
         scale = np.abs(x).max(axis=0)
         scale[scale == 0] = 1.0
         keep = np.ones(y.size, dtype=bool)
@@ -137,25 +143,42 @@ class CostModel:
     def from_run(cls, run_dir: str | Path, warmup_steps: int = 10) -> "CostModel":
         """Fit from a run's metrics.jsonl: per-rank step times against per-rank padded, attention and block tokens
         (runs logged before block tokens were recorded fit without that term)."""
-        run_dir = Path(run_dir)
-        rows, bad = read_jsonl(run_dir / METRICS_FILE)
-        if not rows:
-            raise ValueError(f"cost.from_run={str(run_dir)!r}: no usable {METRICS_FILE} rows there ({bad} unusable "
-                             f"lines); point it at a run directory")
-        missing = sorted({"padded_tokens", "attn_tokens", "step_time_s"} - set(rows[0]))
-        if missing:
-            raise ValueError(f"cost.from_run={str(run_dir)!r}: {METRICS_FILE} lacks {missing} (written by an older "
-                             f"version of the trainer); fit from a run of this version")
-        try:
-            world = int(json.loads((run_dir / SUMMARY_FILE).read_text()).get("world_size") or 1)
-        except (OSError, ValueError):
-            world = 1
-        rows = rows[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
-        column = lambda name: np.asarray([r.get(name) or 0 for r in rows], dtype=np.float64)  # noqa: E731
-        # Logged token counts are summed over ranks; the model is per rank. Block slots (what runs, padding anchor
-        # slots included) price the draft, as the planner's plans count them.
-        return cls.fit(column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"),
-                       blocks=column("block_slots") / world)
+        padded, attention, times, blocks, documents = _run_columns(run_dir, warmup_steps)
+        return cls.fit(padded, attention, times, blocks=blocks, packed_documents=documents)
+
+    @classmethod
+    def from_runs(cls, run_dirs: Sequence[str | Path], warmup_steps: int = 10) -> "CostModel":
+        """Fit on the steps of several runs together (e.g. a padded and a packed one: the per-document cost of
+        packed rows on CPU shows only in packed runs)."""
+        columns = [_run_columns(run_dir, warmup_steps) for run_dir in run_dirs]
+        padded, attention, times, blocks, documents = (np.concatenate(parts) for parts in zip(*columns))
+        return cls.fit(padded, attention, times, blocks=blocks, packed_documents=documents)
+
+
+def _run_columns(run_dir: str | Path, warmup_steps: int) -> tuple[np.ndarray, ...]:
+    """(padded, attention, step time, block slots, packed documents) per rank and step of one run directory."""
+    run_dir = Path(run_dir)
+    rows, bad = read_jsonl(run_dir / METRICS_FILE)
+    if not rows:
+        raise ValueError(f"cost.from_run={str(run_dir)!r}: no usable {METRICS_FILE} rows there ({bad} unusable "
+                         f"lines); point it at a run directory")
+    missing = sorted({"padded_tokens", "attn_tokens", "step_time_s"} - set(rows[0]))
+    if missing:
+        raise ValueError(f"cost.from_run={str(run_dir)!r}: {METRICS_FILE} lacks {missing} (written by an older "
+                         f"version of the trainer); fit from a run of this version")
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        summary = {}
+    world = int(summary.get("world_size") or 1)
+    packed = summary.get("sampler") == "packed"
+    rows = rows[warmup_steps:] if len(rows) > warmup_steps + 3 else rows
+    column = lambda name: np.asarray([r.get(name) or 0 for r in rows], dtype=np.float64)  # noqa: E731
+    # Logged token counts are summed over ranks; the model is per rank. Block slots (what runs, padding anchor
+    # slots included) price the draft, as the planner's plans count them.
+    documents = column("batch_size") / world if packed else np.zeros(len(rows))
+    return (column("padded_tokens") / world, column("attn_tokens") / world, column("step_time_s"),
+            column("block_slots") / world, documents)
 
 
 def calibrate_cost(
@@ -227,7 +250,10 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
         executed = counted["executed"] + (counted["executed_draft"] / 3.0 if recompute else 0.0)
         per_batch = cost.flop_step_time(executed)
     else:
-        per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"], per_batch_blocks)
+        documents = (np.fromiter((b.size for b in plan.batches), np.float64, count=len(plan.batches))
+                     if policy.packed else np.zeros(len(plan.batches)))
+        per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"], per_batch_blocks,
+                                   documents)
     step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
     step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
     if not step_times.size:
@@ -769,10 +795,11 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
     valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
     refuse_unknown_keys("cost", cost_cfg, valid)
     from_run = cost_cfg.get("from_run")
-    if from_run is not None and not isinstance(from_run, str):
-        raise ValueError(f"cost.from_run={from_run!r}: must be a run directory path, or null")
-    if from_run:
-        return CostModel.from_run(from_run)
+    runs = [from_run] if isinstance(from_run, str) else from_run
+    if runs is not None and (not isinstance(runs, (list, tuple)) or not all(isinstance(r, str) for r in runs)):
+        raise ValueError(f"cost.from_run={from_run!r}: must be a run directory path, a list of them, or null")
+    if runs:
+        return CostModel.from_runs(runs)
     if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
         return calibrate_cost(model_cfg, max_tokens, seed=seed)
     utilisation = as_float("cost.utilisation", cost_cfg.get("utilisation"), minimum=1e-6, maximum=1.0,
@@ -786,7 +813,8 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
                              f"cost.peak_tflops")
         return CostModel(as_float("cost.c0", cost_cfg.get("c0", 0.0), minimum=0.0), utilisation=utilisation,
                          peak_tflops=as_float("gpu.bf16_dense_tflops", peak, minimum=1e-3))
-    return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0) for k in ("c0", "c1", "c2", "c3")))
+    return CostModel(*(as_float(f"cost.{k}", cost_cfg.get(k, 0.0), minimum=0.0)
+                       for k in ("c0", "c1", "c2", "c3", "c4")))
 
 
 def plan_block_tokens(valid: np.ndarray, model_cfg: Mapping[str, Any] | None) -> np.ndarray | None:
@@ -885,7 +913,7 @@ def describe_cost(cost: CostModel) -> str:
         return (f"cost model: step = executed FLOPs / ({cost.utilisation:g} x {cost.peak_tflops:g} TFLOP/s) + "
                 f"{cost.c0:g} s")
     return (f"cost model: step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention + {cost.c3:g} x "
-            f"block slots")
+            f"block slots + {cost.c4:g} x packed documents")
 
 
 def describe_anchors(model_cfg: Mapping[str, Any] | None, block_tokens: np.ndarray | None) -> str:

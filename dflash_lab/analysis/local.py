@@ -125,8 +125,13 @@ def read_config(run_dir: Path) -> tuple[dict, str | None]:
         return {}, f"could not read .hydra/config.yaml ({type(exc).__name__}: {exc})"
 
 
+# Step columns that runs of earlier versions lack and no comparison figure needs: not worth a note.
+OPTIONAL_STEP_COLUMNS = ("block_tokens", "block_slots")
+
+
 def _steps_table(frame: pd.DataFrame, messages: list[str], label: str) -> pd.DataFrame:
     steps, missing = conform(frame, STEP_COLUMNS)
+    missing = [name for name in missing if name not in OPTIONAL_STEP_COLUMNS]
     if missing and len(frame):
         messages.append(f"{label} lacks {', '.join(missing)}: figures that need them are NaN")
     if len(steps):
