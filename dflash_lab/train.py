@@ -62,6 +62,7 @@ from dflash_lab.sampling import policy_from_config
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 
 FAILED_EXIT_CODE = 1
+REFUSED_EXIT_CODE = 2  # a refused config, resume or dataset (the one-line message says why and the fix)
 LOCKED_EXIT_CODE = 3   # another live run holds the run directory (dflash_lab/run_lock.py); nothing was written
 CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
                    "overwrite",
@@ -533,6 +534,11 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     data_skipped = dict(train_ds.stats.get("skipped", {}))
     if any(data_skipped.values()):
         log.warning(f"data: skipped lines by reason {data_skipped} (summary.json 'data_skipped')")
+    data_truncated = int(train_ds.stats.get("truncated", 0) or 0)   # whole dataset, cut to data.max_length
+    if data_truncated:
+        log.warning(f"data: {data_truncated} of {train_ds.stats.get('kept', '?')} samples were cut to "
+                    f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "
+                    f"raise data.max_length to keep them whole")
 
     def run_probes(at_step: int) -> None:
         """Evaluate every probe band (rank 0) once per step number; time counted as overhead."""
@@ -574,7 +580,8 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     def write_summary(status: str, **extra: Any) -> dict[str, Any]:
         summary = record.build_summary(run_logger.history, plan, totals, identity=identity, status=status,
                                        steps=step, steady_warmup_steps=trainer.steady_warmup_steps,
-                                       extra={"data_skipped": data_skipped, **extra}, times=ledger.split())
+                                       extra={"data_skipped": data_skipped, "data_truncated": data_truncated,
+                                              **extra}, times=ledger.split())
         run_logger.write_summary(summary)
         return summary
 
@@ -834,6 +841,11 @@ def main(cfg: DictConfig) -> float | None:
     except RunDirBusy as exc:  # a refusal, not a crash: the one-line reason, no traceback
         print(f"dflash_lab.train: {exc}", file=sys.stderr)
         raise SystemExit(LOCKED_EXIT_CODE) from None
+    except (ValueError, FileNotFoundError) as exc:  # a refused config, resume or dataset: the message names the fix
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash_lab.train: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(REFUSED_EXIT_CODE) from None
     if summary["status"] == "failed":
         raise SystemExit(FAILED_EXIT_CODE)
     return summary.get("final_loss")

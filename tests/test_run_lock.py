@@ -115,3 +115,17 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_log_line(tmp_path):
     # the finished directory re-run: the lock is free, nothing to do
     again = _launch(run_dir, "trainer.max_steps=12")
     assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
+
+
+def test_a_refused_launch_prints_the_message_alone_unless_hydra_full_error(tmp_path):
+    """A refusal (here: resume=true in a directory without a checkpoint) prints one message naming the fix and
+    exits 2; HYDRA_FULL_ERROR=1 shows the traceback instead."""
+    command = [sys.executable, "-m", "dflash_lab.train", *SMALL, f"hydra.run.dir={tmp_path / 'run'}", "resume=true"]
+    env = dict(os.environ, WANDB_MODE="offline")
+    env.pop("HYDRA_FULL_ERROR", None)
+    quiet = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr, quiet.stderr[-2000:]
+    assert "dflash_lab.train: error: resume=true but" in quiet.stderr and "drop resume=true" in quiet.stderr
+    full = subprocess.run(command, cwd=ROOT, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert full.returncode != 0 and "Traceback" in full.stderr

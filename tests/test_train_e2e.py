@@ -521,3 +521,19 @@ def test_a_resume_on_changed_data_content_is_refused(tmp_path):
     data.write_text(data.read_text().replace("abc", "xyz"))   # same lengths, other text
     with pytest.raises(ValueError, match="the data changed since the checkpoint"):
         train(compose_cfg(run_dir, "trainer.max_steps=6", *overrides))
+
+
+def test_samples_cut_to_max_length_are_counted_in_the_log_and_summary(tmp_path):
+    """A JSONL conversation longer than data.max_length is cut, never in silence: the log and summary.json count it."""
+    data = tmp_path / "chat.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                      {"role": "assistant", "content": f"answer {i} " * 5}]}) for i in range(200)]
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "long"},
+                                        {"role": "assistant", "content": "word " * 3000}]})
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    summary = train(compose_cfg(run_dir, "data=jsonl", f"data.path={data}", "data.max_length=512",
+                                "trainer.max_steps=2", "trainer.measure_tau=false", "probes.every=0",
+                                "probes.presentations=false"))
+    assert summary["data_truncated"] == 1
+    assert "data: 1 of 200 samples were cut to data.max_length=512" in (run_dir / "train_rank0.log").read_text()
