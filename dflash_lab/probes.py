@@ -253,11 +253,13 @@ class PresentationRecorder:
     def resume(self, last_step: int | None) -> int:
         """Apply the record's resume rule: keep the rows of steps <= ``last_step`` (None: a fresh start keeps none).
 
-        Returns the number of rows dropped (they are run again). An unreadable file (torn by a kill before its
-        rename, which cannot happen with the atomic write, or damaged by hand) is replaced, not trusted.
+        Returns the number of rows dropped (they are run again). An unreadable file (damaged by hand or by the file
+        system; the atomic write cannot tear it) is left as it is and named in ``resume_problem``: the trainer
+        refuses to continue on incomplete records.
         """
         self._chunks.clear()
         self._previous = None
+        self.resume_problem = None
         if not self.path.is_file():
             return 0
         if last_step is None:
@@ -265,11 +267,17 @@ class PresentationRecorder:
             return 0
         try:
             table = pq.read_table(self.path)
-        except Exception:  # noqa: BLE001 - a damaged file holds nothing we can trust
-            self.path.unlink()
+        except Exception as exc:  # noqa: BLE001 - a damaged file holds nothing we can trust
+            self.resume_problem = f"{self.path.name} is unreadable ({type(exc).__name__})"
             return 0
         self._previous = table.filter(pc.less_equal(table["step"], int(last_step)))
         return table.num_rows - self._previous.num_rows
+
+    def covered_step(self) -> int | None:
+        """The last step whose presentations the resumed file holds (None: none)."""
+        if self._previous is None or self._previous.num_rows == 0:
+            return None
+        return int(pc.max(self._previous["step"]).as_py())
 
     def gather(self, gather_objects: Callable[[Any], list[Any]]) -> None:
         """Collect every rank's buffered rows onto each rank (``dist.all_gather_objects``); collective."""

@@ -310,6 +310,27 @@ def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
     return dict(cfg)
 
 
+def check_records_cover(step: int, run_logger: RunLogger, presentations: PresentationRecorder,
+                        last_probe_step: int | None, *, presentations_on: bool) -> None:
+    """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
+    1..step, the probe evaluation of the checkpoint's last probe step, presentations up to the last checkpoint when
+    recorded); otherwise the run would end "finished" with holes in its records, so it is refused."""
+    problems = []
+    steps = [int(row["step"]) for row in run_logger.history]
+    if steps != list(range(1, step + 1)):
+        problems.append(f"{record.METRICS_FILE} holds {len(set(steps) & set(range(1, step + 1)))} of the {step} "
+                        f"steps up to it")
+    if last_probe_step is not None and last_probe_step not in run_logger.probed_steps:
+        problems.append(f"{record.PROBES_FILE} lacks the probe evaluation of step {last_probe_step}")
+    if presentations.resume_problem:
+        problems.append(presentations.resume_problem)
+    elif presentations_on and presentations.covered_step() is None:
+        problems.append(f"{record.PRESENTATIONS_FILE} is missing or empty")
+    if problems:
+        raise ValueError(f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are "
+                         f"incomplete: restore them, or start a fresh run directory (hydra.run.dir=<new dir>)")
+
+
 def check_fresh_start(run_dir: Path, overwrite: bool, log: logging.Logger) -> None:
     """A fresh start in a directory that already holds a run's records (and no checkpoint) would replace them:
     refused unless ``overwrite=true``. A Slurm requeue of a run that died before its first checkpoint starts over
@@ -514,6 +535,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         dropped = presentations.resume(loaded_step)
         if dropped:
             log.info(f"resume: removed {dropped} presentation rows logged after step {loaded_step}")
+        if loaded_step:
+            check_records_cover(loaded_step, run_logger, presentations, last_probe_step,
+                                presentations_on=probe_cfg.presentations)
         if probe_cfg.presentations:
             presentations.warm_up()
     probes = None

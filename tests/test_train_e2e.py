@@ -537,3 +537,24 @@ def test_samples_cut_to_max_length_are_counted_in_the_log_and_summary(tmp_path):
                                 "probes.presentations=false"))
     assert summary["data_truncated"] == 1
     assert "data: 1 of 200 samples were cut to data.max_length=512" in (run_dir / "train_rank0.log").read_text()
+
+
+@pytest.mark.parametrize("damage", ["truncate_presentations", "delete_metrics", "delete_probes"])
+def test_a_resume_over_missing_or_damaged_side_files_is_refused(tmp_path, damage):
+    """The side files must cover the run up to its checkpoint; a truncated presentations.parquet or a deleted
+    metrics.jsonl / probes.jsonl would end a "finished" run with holes in its records: refused, naming the file."""
+    run_dir = tmp_path / "run"
+    overrides = ("trainer.ckpt_every=4", "trainer.measure_tau=false", "probes.every=4")
+    train(compose_cfg(run_dir, "trainer.max_steps=8", *overrides))
+    if damage == "truncate_presentations":
+        path = run_dir / "presentations.parquet"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        expected = "presentations.parquet is unreadable"
+    elif damage == "delete_metrics":
+        (run_dir / "metrics.jsonl").unlink()
+        expected = "metrics.jsonl holds 0 of the 8 steps up to it"
+    else:
+        (run_dir / "probes.jsonl").unlink()
+        expected = "probes.jsonl lacks the probe evaluation of step 8"
+    with pytest.raises(ValueError, match=f"resume from the checkpoint of step 8: {expected}"):
+        train(compose_cfg(run_dir, "trainer.max_steps=12", *overrides))
