@@ -179,7 +179,7 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
     good = [{"messages": CONVERSATIONS[0]}] * 6
     bad = [
         "{not json",                                                          # malformed_json
-        json.dumps({"messages": [{"role": "tool", "content": "x"}]}),         # malformed_json (unknown role)
+        json.dumps({"messages": [{"role": "tool", "content": "x"}]}),         # tool_calls (a tool role)
         json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),  # no_assistant_turn
         b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',            # invalid_utf8 (Latin-1 byte)
         json.dumps({"messages": [{"role": "user", "content": "q " * 40}, {"role": "assistant", "content": "ok!"}]}),
@@ -187,8 +187,8 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
     file = _write_jsonl(tmp_path / "mixed.jsonl", good[:3] + bad + good[3:])
     ds = build_dataset("jsonl", tokenizer=tokenizer, path=str(file), chat_template=str(QWEN3), max_length=64,
                        cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
-    assert ds.stats["skipped"] == {"invalid_utf8": 1, "malformed_json": 2, "no_assistant_turn": 1,
-                                   "template_error": 0, "too_long": 1}
+    assert ds.stats["skipped"] == {"invalid_utf8": 1, "malformed_json": 1, "no_assistant_turn": 1,
+                                   "template_error": 0, "too_long": 1, "tool_calls": 1}
     assert ds.stats["skipped_examples"]["invalid_utf8"][0][0] == 7 and len(ds) == 6
 
     # A template that cannot render the file: template_error, the commonest reason, named with an example line.

@@ -29,7 +29,7 @@ def test_formats_and_assistant_only_loss(tmp_path):
     assert len(ds) == 300
     assert ds.stats["total_lines"] == 302 and ds.stats["kept"] == 300
     assert ds.stats["skipped"] == {"invalid_utf8": 0, "malformed_json": 1, "no_assistant_turn": 1,
-                                   "template_error": 0, "too_long": 0}
+                                   "template_error": 0, "too_long": 0, "tool_calls": 0}
     assert [line for line, _ in ds.stats["skipped_examples"]["malformed_json"]] == [6]
     assert [line for line, _ in ds.stats["skipped_examples"]["no_assistant_turn"]] == [51]
     tok = ByteTokenizer()
@@ -70,3 +70,25 @@ def test_a_byte_order_mark_and_an_absurdly_nested_line_are_handled(tmp_path):
     assert ds.stats["skipped"]["malformed_json"] == 1
     assert [line for line, _ in ds.stats["skipped_examples"]["malformed_json"]] == [201]
     assert "reply 0 here" in ByteTokenizer().decode(ds[0]["input_ids"])   # line 1, after the BOM, is kept
+
+
+def test_tool_calling_conversations_are_skipped_under_their_own_reason(tmp_path):
+    """A tool role, tool_calls (with null or string content) or a tools list: never refused as malformed JSON and
+    never trained with the calls dropped from the text; counted as tool_calls."""
+    file = tmp_path / "chat.jsonl"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tool_lines = [
+        (3, json.dumps({"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                                     {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                                     {"role": "assistant", "content": "it is 42"}]})),
+        (9, json.dumps({"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "calling", "tool_calls": [call]}]})),
+        (15, json.dumps({"tools": [{"type": "function", "function": {"name": "f"}}],
+                         "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})),
+    ]
+    _write(file, 300, bad_lines=tool_lines)
+    ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.05)
+    assert ds.stats["skipped"]["tool_calls"] == 3 and ds.stats["skipped"]["malformed_json"] == 0
+    assert [line for line, _ in ds.stats["skipped_examples"]["tool_calls"]] == [4, 10, 16]
+    assert len(ds) == 300

@@ -12,6 +12,9 @@ reason (:data:`SKIP_REASONS`):
     no_assistant_turn  no assistant turn, or assistant turns with fewer than two tokens to learn
     template_error     the chat template fails on the conversation or its assistant turns cannot be located
     too_long           the ``max_length`` cut leaves fewer than two assistant tokens (the prompt is too long)
+    tool_calls         a tool-calling conversation (a ``tools`` list, ``tool_calls`` / ``function_call`` on a
+                       turn, a ``tool`` / ``function`` / ``ipython`` role): not rendered by this version, so never
+                       trained on a text with its calls dropped
 
 More than ``max_bad_fraction`` of skipped lines is an error naming the file, the commonest reason with an
 example line and its message, and the config key.
@@ -28,7 +31,9 @@ from pathlib import Path
 
 from dflash_lab.data.tokenizer import normalise_role
 
-SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long")
+SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long", "tool_calls")
+TOOL_ROLES = ("tool", "function", "ipython")
+TOOL_KEYS = ("tool_calls", "function_call")
 _EXAMPLES_PER_REASON = 5
 
 
@@ -45,7 +50,7 @@ def parse_conversation(record) -> list[dict]:
 
     Raises:
         UnusableLine: ``malformed_json`` for a record that is not a conversation, ``no_assistant_turn`` for one
-            without an assistant turn.
+            without an assistant turn, ``tool_calls`` for a tool-calling conversation.
 
     Example:
         >>> parse_conversation({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
@@ -61,6 +66,11 @@ def parse_conversation(record) -> list[dict]:
         raise UnusableLine("malformed_json", "neither 'conversations' nor 'messages'")
     if not isinstance(turns, list) or not turns:
         raise UnusableLine("malformed_json", "empty or non-list conversation")
+    if record.get("tools") or any(isinstance(turn, dict) and (
+            any(turn.get(key) for key in TOOL_KEYS) or str(turn.get(role_key, "")).strip().lower() in TOOL_ROLES)
+            for turn in turns):
+        raise UnusableLine("tool_calls", "a tool-calling conversation (tools, tool_calls or a tool role): not "
+                                         "rendered by this version of the jsonl loader")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
