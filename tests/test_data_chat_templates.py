@@ -198,7 +198,7 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
                       cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
     message = str(err.value)
     assert "commonest reason template_error (7 lines, e.g. line 1:" in message and "no user allowed" in message
-    assert "data.max_bad_fraction=0.5" in message and "malformed_json 2" in message
+    assert "data.max_bad_fraction=0.5" in message and "malformed_json 1" in message and "tool_calls 1" in message
 
 
 def test_invalid_utf8_is_never_replaced(tmp_path):
