@@ -19,7 +19,8 @@ MASK id included: an id past the tokenizer's vocabulary that has a row in the ta
 
 Sources: the newest checkpoint of ``RUN_DIR/checkpoints`` (``CheckpointManager.load_latest`` of
 ``dflash_lab.checkpoint``; ``--checkpoint PATH`` for another one) and the model config of
-``RUN_DIR/.hydra/config.yaml`` (the target's shape from its config.json or the tiny keys: no target weights).
+the checkpoint's own config (else ``RUN_DIR/.hydra/config.yaml``; the target's shape from its config.json or the tiny
+keys: no target weights).
 
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
@@ -95,14 +96,15 @@ def reference_config(draft_cfg: DraftConfig, target_config: Any, *, block_size: 
 
 
 def run_model_config(run_dir: Path, checkpoint: Mapping[str, Any]) -> dict:
-    """The run's ``model`` config: ``.hydra/config.yaml`` (resolved), else the copy inside the checkpoint."""
+    """The run's ``model`` config: the checkpoint's own (the config its weights were trained with), else
+    ``.hydra/config.yaml`` (resolved; a later launch in the directory may have rewritten it)."""
     from omegaconf import OmegaConf
 
+    if "model" in (checkpoint.get("config") or {}):
+        return dict(checkpoint["config"]["model"])
     path = run_dir / ".hydra" / "config.yaml"
     if path.is_file():
         return OmegaConf.to_container(OmegaConf.load(path).model, resolve=True)
-    if "model" in (checkpoint.get("config") or {}):
-        return dict(checkpoint["config"]["model"])
     raise ValueError(f"{run_dir}: neither .hydra/config.yaml nor a config in the checkpoint: not a run directory")
 
 

@@ -301,6 +301,42 @@ def resolve_memory_plan(config: Mapping[str, Any], trainer: TrainerSettings, mod
 
 # The run directory's lock, held by rank 0 from the start of _train to the end of train() (released in its finally).
 _HELD_LOCKS: list[RunDirLock] = []
+# The .hydra files of the checkpoint being resumed: put back if this launch is refused before its loop starts.
+_REFUSAL_RESTORES: list[tuple[Path, dict[str, str]]] = []
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def read_hydra_files(run_dir: Path) -> dict[str, str]:
+    """The text of the run's ``.hydra`` files (config, hydra, overrides) as they are now."""
+    files = {}
+    for name in HYDRA_FILES:
+        path = run_dir / ".hydra" / name
+        if path.is_file():
+            files[name] = path.read_text()
+    return files
+
+
+def keep_hydra_files(run_dir: Path, files: dict[str, str], log: logging.Logger) -> None:
+    """Rewrite this run's ``.hydra`` files if another launch in the directory (refused by the run lock, but only
+    after Hydra had written its own) replaced them."""
+    if read_hydra_files(run_dir) == files:
+        return
+    for name, text in files.items():
+        (run_dir / ".hydra" / name).write_text(text)
+    log.warning(f"another launch rewrote {run_dir / '.hydra'}; this run's config files are restored")
+
+
+def restore_hydra_files() -> None:
+    """Hydra rewrites ``.hydra/*.yaml`` before the run starts; a launch refused before its first step puts back the
+    files of the checkpoint it would have resumed, so the directory records the run that is in it."""
+    while _REFUSAL_RESTORES:
+        run_dir, files = _REFUSAL_RESTORES.pop()
+        if not dist.current_env().is_main:
+            continue
+        for name, text in files.items():
+            path = run_dir / ".hydra" / name
+            if path.parent.is_dir() and (not path.is_file() or path.read_text() != text):
+                path.write_text(text)
 
 
 def _plain(cfg: DictConfig | Mapping) -> dict[str, Any]:
@@ -380,11 +416,14 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
     try:
         return _train(cfg, hooks or TrainHooks())
     except RunDirBusy:
-        raise   # another run owns the directory: touch none of its files
+        restore_hydra_files()   # another run owns the directory: leave its files as they were
+        raise
     except Exception as exc:
+        restore_hydra_files()   # refused before it ran (a change, the data, the records): the run's own config
         _mark_failed(cfg, exc)
         raise
     finally:
+        _REFUSAL_RESTORES.clear()
         ckpt.uninstall_preemption_handler()
         close_text_log()
         while _HELD_LOCKS:
@@ -436,6 +475,9 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         ckpt.install_preemption_handler(trainer.preempt_signals)
     checkpoints = ckpt.CheckpointManager(run_dir / record.CHECKPOINT_DIR, keep=trainer.keep_checkpoints)
     state = checkpoints.load_latest()
+    hydra_files = read_hydra_files(run_dir)   # this launch's, as Hydra wrote them before the run started
+    if state is not None and state.get("hydra_files"):
+        _REFUSAL_RESTORES.append((run_dir, state["hydra_files"]))
     if resume and state is None:
         raise FileNotFoundError(f"resume=true but {checkpoints.directory} holds no checkpoint; pass the run's "
                                 f"directory (hydra.run.dir=<old run dir>), or drop resume=true to start fresh")
@@ -592,11 +634,12 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if probe_cfg.presentations:
             presentations.write()
         ledger.save()   # the checkpoint's totals hold the run's wall time up to this save
+        keep_hydra_files(run_dir, hydra_files, log)
         return checkpoints.save({
             "model": model.draft_state_dict(), "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(), "sampler": policy.state_dict(batches_consumed=consumed),
             "rng": ckpt.capture_rng_state(anchor_generator), "step": step, "epoch": epoch, "config": config,
-            "data_digest": data_digest,
+            "data_digest": data_digest, "hydra_files": hydra_files,
             "wandb_run_id": run_id,
             "extra": {"totals": totals.state_dict(), "last_probe_step": last_probe_step},
         }, step=step)
@@ -613,6 +656,7 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
     log.info(f"{policy.name}: {len(train_ds)} train / {len(heldout_ds)} held-out samples; steps per epoch "
              f"{list(plan.steps_per_epoch)}; running steps {step}..{plan.end_step} of {plan.total_steps}")
     ledger.add("setup", time.perf_counter() - t_setup)
+    _REFUSAL_RESTORES.clear()   # this launch runs: its .hydra files are the run's from here on
     write_summary("running")
     model.train()
     if step == 0:

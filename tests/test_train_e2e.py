@@ -558,3 +558,24 @@ def test_a_resume_over_missing_or_damaged_side_files_is_refused(tmp_path, damage
         expected = "probes.jsonl lacks the probe evaluation of step 8"
     with pytest.raises(ValueError, match=f"resume from the checkpoint of step 8: {expected}"):
         train(compose_cfg(run_dir, "trainer.max_steps=12", *overrides))
+
+
+def test_a_refused_resume_leaves_the_recorded_config_and_export_reads_the_checkpoints(tmp_path):
+    """Hydra writes .hydra/config.yaml before the trainer sees the launch; a resume refused for a changed model
+    (block size, target layers) puts the run's own files back, and export reads the checkpoint's config."""
+    run_dir = tmp_path / "run"
+    hydra_dir = run_dir / ".hydra"
+    train(compose_cfg(run_dir, "trainer.max_steps=4", "trainer.measure_tau=false"))
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    (hydra_dir / "config.yaml").write_text("model:\n  block_size: 4\n")      # what the first launch recorded
+    train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))   # checkpoint holds it now
+    recorded = (hydra_dir / "config.yaml").read_text()
+    (hydra_dir / "config.yaml").write_text("model:\n  block_size: 16\n")     # a refused launch's, by Hydra
+    with pytest.raises(ValueError):
+        train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false", "++model.block_size=16"))
+    assert (hydra_dir / "config.yaml").read_text() == recorded
+
+    from dflash_lab.export import run_model_config
+
+    (hydra_dir / "config.yaml").write_text("model:\n  block_size: 16\n")
+    assert run_model_config(run_dir, ckpt.load_run_checkpoint(run_dir))["block_size"] == 4
