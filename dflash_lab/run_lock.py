@@ -67,6 +67,10 @@ class RunDirLock:
     def held(self) -> bool:
         return self._file is not None
 
+    def __getstate__(self) -> dict:
+        # A lock is held by a process: a copy (submitit pickles the task and its globals for a requeue) holds none.
+        return {**self.__dict__, "_file": None}
+
     def acquire(self) -> "RunDirLock":
         """Take the lock, or raise RunDirBusy naming the live holder. Records this process as the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)

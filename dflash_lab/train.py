@@ -368,9 +368,10 @@ def check_records_cover(step: int, run_logger: RunLogger, presentations: Present
 
 
 def check_fresh_start(run_dir: Path, overwrite: bool, log: logging.Logger) -> None:
-    """A fresh start in a directory that already holds a run's records (and no checkpoint) would replace them:
-    refused unless ``overwrite=true``. A Slurm requeue of a run that died before its first checkpoint starts over
-    (the records are of that same run)."""
+    """A fresh start in a directory whose records are of a run that ended (finished, failed or preempted) but whose
+    checkpoints are gone would replace them: refused unless ``overwrite=true``. Records of an attempt that died
+    before its first checkpoint (status running, or none: a kill, a lost node, a Slurm requeue) are of this same
+    run: they are dropped and the run starts over, with a log line."""
     metrics = run_dir / record.METRICS_FILE
     summary_path = run_dir / record.SUMMARY_FILE
     if not ((metrics.is_file() and metrics.stat().st_size > 0) or summary_path.is_file()):
@@ -382,10 +383,11 @@ def check_fresh_start(run_dir: Path, overwrite: bool, log: logging.Logger) -> No
         status = json.loads(summary_path.read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         status = None
-    if status == "running" and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
-        log.warning("requeued before the first checkpoint: starting this run over")
+    if status not in ("finished", "failed", "preempted"):
+        log.warning("an earlier attempt ended before its first checkpoint: its rows are dropped and the run starts "
+                    "over")
         return
-    raise ValueError(f"{run_dir} holds an earlier run's records (status {status or 'unknown'}) but no checkpoint to "
+    raise ValueError(f"{run_dir} holds the records of a run that ended (status {status}) but no checkpoint to "
                      f"continue from: starting fresh would replace them. Use another directory "
                      f"(hydra.run.dir=<new dir>), restore its checkpoints/, or pass overwrite=true to replace them")
 
@@ -413,6 +415,8 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
         checkpoint.Preempted: after a requested checkpoint (SystemExit with code 75).
         ValueError: a bad config value (the message names the key and the fix).
     """
+    _HELD_LOCKS.clear()        # a requeued job's unpickled task may carry copies from before the requeue
+    _REFUSAL_RESTORES.clear()
     try:
         return _train(cfg, hooks or TrainHooks())
     except RunDirBusy:

@@ -21,9 +21,13 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_check as module
+    """benchmarks/gpu_check.py as a module (loaded from its path: it is a script, not a package)."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
     return module
 
 

@@ -164,7 +164,7 @@ def with_override(cfg, dotted, value):
         ("policies", ["bogus"], r"policies=\['bogus'\]: unknown \['bogus'\]; choose from .* or all"),
         ("policies", [], r"policies=\[\]: give all or a list of policies"),
         ("colour", "red", r"unknown plan key\(s\) \['colour'\]; valid keys: .*bands, cost, data, epochs"),
-        ("cost.c4", 1.0, r"unknown cost key\(s\) \['c4'\]; valid keys: c0, c1, c2, c3"),
+        ("cost.c5", 1.0, r"unknown cost key\(s\) \['c5'\]; valid keys: c0, c1, c2, c3, c4"),
         ("cost.c1", "fast", r"cost\.c1='fast': must be a number"),
         ("cost.c0", -1.0, r"cost\.c0=-1: must be >= 0"),
         ("cost.calibrate", "false", r"cost\.calibrate='false': must be true or false"),

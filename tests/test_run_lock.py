@@ -129,3 +129,15 @@ def test_a_refused_launch_prints_the_message_alone_unless_hydra_full_error(tmp_p
     full = subprocess.run(command, cwd=ROOT, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+def test_a_pickled_lock_holds_nothing(tmp_path):
+    """submitit pickles the task function and its globals for a requeue: a copy of a held lock must not carry the
+    file (cloudpickle would turn it into a StringIO) and releases as a no-op."""
+    import pickle
+
+    with RunDirLock(tmp_path) as lock:
+        copy = pickle.loads(pickle.dumps(lock))
+        assert not copy.held
+        copy.release()
+        assert lock.held

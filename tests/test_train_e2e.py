@@ -497,8 +497,8 @@ def test_a_fresh_start_over_an_earlier_runs_records_is_refused_unless_overwrite(
     train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))
     shutil.rmtree(run_dir / "checkpoints")
     before = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "probes.jsonl", "summary.json")}
-    with pytest.raises(ValueError, match=r"holds an earlier run's records \(status finished\) but no checkpoint.*"
-                                         r"overwrite=true"):
+    with pytest.raises(ValueError, match=r"holds the records of a run that ended \(status finished\) but no "
+                                         r"checkpoint.*overwrite=true"):
         train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))
     assert {name: (run_dir / name).read_bytes() for name in before} == before
     summary = train(compose_cfg(run_dir, "trainer.max_steps=4", "trainer.measure_tau=false", "overwrite=true"))
