@@ -1,12 +1,14 @@
 """model=hf: a local HF directory (random tiny Qwen3 + a locally built fast tokenizer with a chat template)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
+ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 )
@@ -14,22 +16,20 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    import importlib.util
 
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # the character-level tokenizer with Qwen3's chat markers that scripts/make_random_qwen3.py builds (one definition)
+    spec = importlib.util.spec_from_file_location("make_random_qwen3", ROOT / "scripts" / "make_random_qwen3.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     directory = tmp_path_factory.mktemp("hf_model")
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {token: i for i, token in enumerate(specials + chars)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
-                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = TEMPLATE
+    tokenizer, vocab_size = script.make_tokenizer()
+    assert tokenizer.chat_template == TEMPLATE
     tokenizer.save_pretrained(directory)
     # Embedding rows past the tokenizer's vocabulary, as Qwen3's 151,936 rows for 151,669 tokens: the MASK id's row.
-    config = Qwen3Config(vocab_size=len(vocab) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+    config = Qwen3Config(vocab_size=vocab_size + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                          pad_token_id=0, eos_token_id=2)
     torch.manual_seed(0)
