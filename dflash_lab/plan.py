@@ -873,7 +873,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
-        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n"
+        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n" + describe_block_budgets(table)
         + (f"Supervision share per length band (block tokens of an epoch in each band):\n\n"
            f"{to_markdown(table, [Column(c, c.removeprefix('share '), _number(3)) for c in shares])}\n\n"
            if shares else "")
@@ -900,6 +900,23 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
               f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
     print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md (every column)")
     return table
+
+
+def describe_block_budgets(table: pd.DataFrame) -> str:
+    """One line naming each policy's block budget in force and the largest that fits (empty without them).
+
+    Example:
+        >>> t = pd.DataFrame({"max_block_tokens": [40721], "max_block_tokens_fit": [40721], "ckpt": ["off"]},
+        ...                  index=["bucketed"])
+        >>> print(describe_block_budgets(t).strip())
+        block budget in force / largest that fits the GPU: bucketed 40,721 / 40,721 (checkpointing off)
+    """
+    if "max_block_tokens_fit" not in table.columns:
+        return ""
+    number = lambda v: "none" if v is None or v != v else f"{int(v):,}"  # noqa: E731
+    parts = [f"{name} {number(row['max_block_tokens'])} / {number(row['max_block_tokens_fit'])}"
+             + (f" (checkpointing {row['ckpt']})" if "ckpt" in row else "") for name, row in table.iterrows()]
+    return "block budget in force / largest that fits the GPU: " + "; ".join(parts) + "\n\n"
 
 
 def describe_cost(cost: CostModel) -> str:
