@@ -40,7 +40,8 @@ TIMEOUTS = {"gpu": {"attention_tests": 80, "gpu_check": 200, "train": 190},
             "cpu": {"attention_tests": 120, "gpu_check": 150, "train": 240}}
 TRAIN_STEPS = {"gpu": 100, "cpu": 10}
 SUMMARY_KEYS = ("status", "steps", "ktok_s", "tau", "tau_baseline", "final_loss", "final_acc", "pad_eff",
-                "world_size", "eta_s", "overhead_frac")
+                "world_size", "eta_s", "overhead_frac", "eval_frac", "wall_time_s", "anchor_rule", "max_block_tokens",
+                "activation_checkpointing")
 
 
 def run(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> tuple[int | None, float, str]:
