@@ -373,6 +373,19 @@ class TimeLedger:
         finally:
             self.add(name, self.clock() - start)
 
+    @contextmanager
+    def evaluation(self, kind: str) -> Iterator[None]:
+        """Time scheduled evaluation of ``kind`` (``probe`` or ``tau``): into the ``eval`` part and
+        ``RunTotals.<kind>_time_s``, one measurement for both."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            elapsed = self.clock() - start
+            self.add("eval", elapsed)
+            attribute = f"{kind}_time_s"
+            setattr(self.totals, attribute, getattr(self.totals, attribute) + elapsed)
+
     def wall(self) -> float:
         return self.wall_before + (self.clock() - self.segment_start)
 

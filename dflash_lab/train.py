@@ -617,13 +617,10 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
             return
         last_probe_step = at_step
         if env.is_main:
-            t_probe = time.perf_counter()
-            model.eval()
-            run_logger.log_probes(probes.evaluate(evaluate_probe_batch, at_step, seed=probe_cfg.seed))
-            model.train()
-            elapsed = time.perf_counter() - t_probe
-            ledger.add("eval", elapsed)
-            totals.probe_time_s += elapsed
+            with ledger.evaluation("probe"):
+                model.eval()
+                run_logger.log_probes(probes.evaluate(evaluate_probe_batch, at_step, seed=probe_cfg.seed))
+                model.train()
 
     def save_checkpoint() -> Path | None:
         """Collective (presentations are gathered from every rank); rank 0 writes."""
@@ -787,13 +784,10 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if probe_cfg.every and step % probe_cfg.every == 0:
             run_probes(step)
         if trainer.tau_every and step % trainer.tau_every == 0 and env.is_main and step < plan.end_step:
-            t_tau = time.perf_counter()
-            model.eval()
-            log.info(f"step {step}: tau {measure_acceptance(model, prompts, decode_new_tokens)['tau']:.3f}")
-            model.train()
-            elapsed = time.perf_counter() - t_tau
-            ledger.add("eval", elapsed)
-            totals.tau_time_s += elapsed
+            with ledger.evaluation("tau"):
+                model.eval()
+                log.info(f"step {step}: tau {measure_acceptance(model, prompts, decode_new_tokens)['tau']:.3f}")
+                model.train()
         if stats.stop_requested:
             path = save_checkpoint()
             log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step {step} to "
@@ -814,18 +808,15 @@ def _train(cfg: DictConfig | Mapping, hooks: TrainHooks) -> dict[str, Any]:
         if step != loaded_step:
             save_checkpoint()
     tau = tau_baseline = math.nan
-    t_tau = time.perf_counter()
     if status != "failed" and trainer.measure_tau and env.is_main:
-        model.eval()
-        measured = measure_acceptance(model, prompts, decode_new_tokens, should_stop=ckpt.checkpoint_requested)
-        tau = float(measured["tau"])
-        if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
-            baseline = measure_acceptance(model.baseline_model(), prompts, decode_new_tokens,
-                                          should_stop=ckpt.checkpoint_requested)
-            tau_baseline = float(baseline["tau"]) if baseline["complete"] else math.nan
-        elapsed = time.perf_counter() - t_tau
-        ledger.add("eval", elapsed)
-        totals.tau_time_s += elapsed
+        with ledger.evaluation("tau"):
+            model.eval()
+            measured = measure_acceptance(model, prompts, decode_new_tokens, should_stop=ckpt.checkpoint_requested)
+            tau = float(measured["tau"])
+            if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
+                baseline = measure_acceptance(model.baseline_model(), prompts, decode_new_tokens,
+                                              should_stop=ckpt.checkpoint_requested)
+                tau_baseline = float(baseline["tau"]) if baseline["complete"] else math.nan
         if ckpt.checkpoint_requested():
             status = "preempted"
     if status == "running":
