@@ -26,7 +26,7 @@ from test_train_e2e import SMALL, read_jsonl
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_offline_runs, load_runs
 from dflash_lab.analysis.wandb_runs import OfflineRun
-from dflash_lab.train import swept_keys
+from dflash_lab.run_names import swept_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ([0, 216, 1024], [0, 96, 304, 1024], [0, 96, 216, 412, 1024])
