@@ -16,7 +16,7 @@ only. Documents: the seed workload (docs/workloads.md; lengths and boundaries di
 medium; tiny scales anchors_per_doc by the same 32). Every token is supervised (random batches), so a
 document's block tokens are ``sampling.anchors.block_tokens_per_sample`` on ``l - 1`` valid positions.
 
-Budgets, as training resolves them (``dflash_lab.train.resolve_memory_plan``): the token budget stays the shape's
+Budgets, as training resolves them (``dflash_lab.components.resolve_memory_plan``): the token budget stays the shape's
 ``sampler.max_tokens`` (32,768 at qwen3-8b, 4,096 tiny/medium; ``--budget N`` sets it), and each policy's block
 budget (``sampler.max_block_tokens``, ``auto`` unless overridden) and draft activation checkpointing
 (``--activation-checkpointing {auto,true,false}``, else a ``trainer.activation_checkpointing=`` override, else

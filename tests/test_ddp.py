@@ -4,7 +4,7 @@ Each run executes ``dflash_lab.train.train(cfg)`` unchanged, under a small harne
 ``torchrun --nproc_per_node=2 tests/test_ddp.py OUT overrides...``) that observes it without altering it:
 
 * it records the ``sample_index`` of every batch the training DataLoader collates on that rank (a subclass of
-  the real ``Collator`` that calls it and keeps the indices, put in place of ``Collator`` in dflash_lab.train),
+  the real ``Collator`` that calls it and keeps the indices, put in place of ``Collator`` in dflash_lab.components),
 * it keeps a handle on the model ``build_model`` returns (the real function, wrapped the same way),
 * after ``train`` returns, each rank saves its batches, trained draft parameters and summary to
   ``OUT/harness_rank<r>.pt``; the tests compare the files.
@@ -54,6 +54,7 @@ def _harness_main(out_dir: str, overrides: list[str]) -> None:
 
     import dflash_lab.data as data_module
     import dflash_lab.model as model_module
+    import dflash_lab.components as components_module
     import dflash_lab.train as train_module
 
     out = Path(out_dir)
@@ -93,12 +94,12 @@ def _harness_main(out_dir: str, overrides: list[str]) -> None:
             })
             return policy
 
-        train_module.policy_from_config = all_ranks_policy
+        components_module.policy_from_config = all_ranks_policy
 
     # Replace the names wherever train() may look them up (its module globals, or the packages at call time).
-    for module in (train_module, data_module):
+    for module in (components_module, data_module):
         module.Collator = RecordingCollator
-    for module in (train_module, model_module):
+    for module in (components_module, model_module):
         module.build_model = build_and_keep
 
     with initialize_config_module("dflash_lab.conf", version_base="1.3"):

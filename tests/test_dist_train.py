@@ -25,16 +25,17 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, results):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from test_train_e2e import compose_cfg  # same small configuration as the single-process tests
 
+    import dflash_lab.components as components_module
     import dflash_lab.train as train_module
 
     built = {}
-    original_build = train_module.build_model
+    original_build = components_module.build_model
 
     def build_and_keep(**kwargs):
         built["model"], tokenizer = original_build(**kwargs)
         return built["model"], tokenizer
 
-    train_module.build_model = build_and_keep
+    components_module.build_model = build_and_keep
     summary = train_module.train(compose_cfg(Path(run_dir), "trainer.max_steps=4", "trainer.measure_tau=false",
                                              "trainer.ckpt_every=0", "probes.every=2"))
     captured = {"state": {k: v.clone() for k, v in built["model"].draft_state_dict().items()}}

@@ -203,7 +203,7 @@ def test_sigterm_during_tau_records_a_partial_tau_and_the_requeued_job_measures_
     run_dir = tmp_path / "tau"
     overrides = ["trainer.max_steps=3", "model.decode_num_prompts=6", "model.decode_max_new_tokens=64",
                  "probes.every=0"]
-    real_measure = __import__("dflash_lab.train", fromlist=["measure_acceptance"]).measure_acceptance
+    real_measure = __import__("dflash_lab.evaluation", fromlist=["measure_acceptance"]).measure_acceptance
     started = threading.Event()
 
     def after_step(row):

@@ -1,0 +1,176 @@
+"""The parts of a training run, built from its checked settings: the model (frozen target + trainable draft), the
+data and its held-out split, the memory plan, the batching policy and its DataLoader, the plan's step counts,
+AdamW and the LR schedule, and the DDP wrapper.
+
+Order matters where one part sizes another: the held-out split tops up short probe bands, the memory plan (block
+budget, checkpointing) needs the model and the data's anchors, the policy needs the plan's block budget, and the
+LR schedule spans the run's end step, which the policy's batch counts give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_lab import dist, record
+from dflash_lab.data import Collator, build_dataset
+from dflash_lab.model import build_model, footprint
+from dflash_lab.sampling import policy_from_config
+from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
+from dflash_lab.settings import RunSettings
+from dflash_lab.step import LRSchedule
+
+
+def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[str, Any]:
+    """The model section, with the tiny target pretrained on the run's own corpus when that is a skills corpus.
+
+    A target that never saw the skill tables could not predict them, so with ``data=synthetic`` and
+    ``data.band_skills`` other than ``none`` the tiny target's ``pretrain_data`` becomes the run's synthetic
+    config (same seed: same tables; same held-out share: the target never trains on the run's stratified
+    held-out samples; the few the probe split adds to short bands, it may have seen).
+    Every other run keeps ``model.pretrain_data`` as configured, hence the same cached target.
+    """
+    model_cfg = dict(model_cfg)
+    if (model_cfg.get("kind", "tiny") == "tiny" and data_cfg.get("kind") == "synthetic"
+            and data_cfg.get("band_skills", "none") != "none"):
+        keys = ("kind", "num_samples", "seed", "min_length", "probe_fraction", "band_skills", "skill_bands")
+        model_cfg["pretrain_data"] = {k: data_cfg[k] for k in keys if k in data_cfg}
+    return model_cfg
+
+
+def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> record.PlanFacts:
+    """Exact steps per epoch (token-budget packing differs between epochs) and the run's end step."""
+    batches = tuple(len(policy.batches(e)) for e in range(epochs))
+    steps_per_epoch = tuple(math.ceil(n / grad_accum) for n in batches)
+    diagnostics = [policy.diagnostics(e) for e in range(epochs)]
+    total = sum(steps_per_epoch)
+    return record.PlanFacts(
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=batches,
+        end_step=total if max_steps is None else min(total, max_steps),
+        dropped_overlong=diagnostics[0]["dropped_overlong"],
+        truncated=diagnostics[0]["truncated"],
+        repeated_remainder=sum(d["repeated_remainder"] for d in diagnostics),
+        dropped_remainder=sum(d["dropped_remainder"] for d in diagnostics),
+    )
+
+
+def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.device,
+                        world_size: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
+    """The sampler config with ``max_block_tokens`` resolved, the memory plan (``footprint.memory_plan``: ``auto``
+    block budget and checkpointing chosen from the memory model where the GPU's memory is known) and the block
+    tokens of every sample under the model's anchor rule (``sampling.anchors``; None without a block budget: the
+    pass over the loss mask is skipped when nothing reads it). The model takes the plan's block budget (fair
+    thinning of any batch over it) and checkpointing."""
+    trainer = settings.trainer
+    sampler_cfg = dict(settings.config["sampler"])
+    requested = sampler_cfg.get("max_block_tokens")
+    gpu_gb = settings.gpu_memory_gb(device)
+    needs_blocks = requested is not None and not (requested == "auto" and gpu_gb is None)
+    block_tokens = None
+    if needs_blocks:
+        block_tokens = block_tokens_per_sample(dataset.anchor_positions(), block_size=model.block_size,
+                                               anchors_per_doc=model.anchors_per_doc,
+                                               anchor_density=model.anchor_density)
+    memory = footprint.memory_plan(
+        footprint.StepModel.from_model(model), dataset.lengths, sampler_cfg,
+        footprint.Settings(precision=trainer.precision, world_size=world_size,
+                           attention=footprint.attention_path(device.type, model.attention_backend)),
+        activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=settings.seed,
+        block_tokens=block_tokens)
+    sampler_cfg["max_block_tokens"] = memory.max_block_tokens
+    model.max_block_tokens = memory.max_block_tokens
+    model.draft.activation_checkpointing = memory.activation_checkpointing
+    return sampler_cfg, memory, (block_tokens if memory.max_block_tokens is not None else None)
+
+
+@dataclass
+class Components:
+    """Everything a run trains with (see the module docstring)."""
+
+    model: Any                 # DFlashModel: frozen target + trainable draft
+    train_model: Any           # the model, DDP-wrapped when distributed
+    tokenizer: Any
+    train_ds: Any
+    heldout_ds: Any
+    policy: Any                # the batching policy (a batch sampler; state_dict holds its position)
+    loader: torch.utils.data.DataLoader
+    plan: record.PlanFacts
+    memory: footprint.MemoryPlan
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    autocast: Any              # bf16 autocast on GPU, else a null context
+    # the anchors' RNG, reseeded for every batch (step.anchor_seed); its state is checkpointed all the same
+    anchor_generator: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu"))
+
+    def identity(self, settings: RunSettings, world_size: int) -> dict[str, Any]:
+        """What this run is, for ``summary.json`` (and so for compare)."""
+        return {"sampler": self.policy.name, "seed": settings.seed, "epochs": settings.trainer.epochs,
+                "world_size": world_size, "boundaries": self.policy.boundaries,
+                "anchor_rule": anchor_rule_name(self.model.anchor_density),
+                "max_block_tokens": self.memory.max_block_tokens,
+                "activation_checkpointing": self.memory.activation_checkpointing,
+                "data_digest": self.train_ds.content_digest}
+
+    def data_counts(self) -> dict[str, Any]:
+        """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""
+        stats = self.train_ds.stats
+        return {"data_skipped": dict(stats.get("skipped", {})), "data_truncated": int(stats.get("truncated", 0) or 0)}
+
+
+def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.device,
+                     log: logging.Logger) -> Components:
+    """Build the run's parts (see the module docstring); refuses, naming the key, what cannot run."""
+    config, trainer, probes = settings.config, settings.trainer, settings.probes
+    model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
+                                   activation_checkpointing=trainer.activation_checkpointing is True)
+    model.to(device)
+    # probes need probes.per_band held-out samples in every band: the split tops up short bands
+    train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split(
+        bands=probes.bands if probes.every > 0 else None, per_band=probes.per_band)
+    sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, train_ds, device, env.world_size)
+    log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
+    policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
+                                rank=env.rank, block_tokens=block_tokens)
+    longest = int(policy.lengths.max())
+    if (probes.every or probes.presentations) and longest > probes.bands[-1]:
+        raise ValueError(f"probes.bands={probes.bands} end at {probes.bands[-1]} but training samples reach "
+                         f"{longest} tokens: extend probes.bands (e.g. append {longest})")
+    loader = torch.utils.data.DataLoader(
+        train_ds, batch_sampler=policy, num_workers=trainer.num_workers, pin_memory=device.type == "cuda",
+        collate_fn=Collator(pad_id=tokenizer.pad_token_id, packed=policy.packed, effective_lengths=policy.lengths),
+    )
+    plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
+    if device.type == "cuda":  # a config that cannot fit stops here, naming the fix, not at step 1 with an OOM
+        fit = footprint.preflight(
+            footprint.StepModel.from_model(model), train_ds.lengths, sampler_cfg,
+            footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
+                               world_size=env.world_size), gpu_mem_gb=settings.gpu_memory_gb(device),
+            seed=settings.seed, block_tokens=block_tokens)
+        log.info(f"preflight: predicted peak {fit['pred_peak_mem_gb']:.1f} GiB of {fit['budget_gb']:.1f} usable")
+    if plan.dropped_overlong or plan.truncated:
+        log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
+                    f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
+    optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
+                                  weight_decay=trainer.weight_decay)
+    components = Components(
+        model=model, train_model=dist.wrap_ddp(model, env), tokenizer=tokenizer, train_ds=train_ds,
+        heldout_ds=heldout_ds, policy=policy, loader=loader, plan=plan, memory=memory, optimizer=optimizer,
+        schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
+        autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
+                  else contextlib.nullcontext()))
+    counts = components.data_counts()
+    if any(counts["data_skipped"].values()):
+        log.warning(f"data: skipped lines by reason {counts['data_skipped']} (summary.json 'data_skipped')")
+    if counts["data_truncated"]:
+        log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
+                    f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "
+                    f"raise data.max_length to keep them whole")
+    return components

@@ -1,0 +1,102 @@
+"""Scheduled evaluation of the draft during a run, on rank 0: the probe bands and the acceptance length tau.
+
+- Probes (``probes.every`` steps, at step 0 and at the end): loss and accuracy of every length band of the held-out
+  probe sets (:class:`dflash_lab.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
+  even when the schedule and the end of the run meet on it (its number is remembered across a resume).
+- Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of speculative decoding over held-out
+  prompts; at the end also the untrained draft's (same initial weights), the baseline of the gain.
+
+Their time is the ledger's scheduled evaluation (``record.TimeLedger.evaluation``): apart from the training loop's
+overhead, reported as ``eval_frac``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from dflash_lab import record
+from dflash_lab.model import heldout_prompts, measure_acceptance
+from dflash_lab.probes import ProbeSets, heldout_evaluator
+from dflash_lab.settings import ProbeSettings
+
+
+class Evaluation:
+    """The run's scheduled evaluation (see the module docstring).
+
+    Args:
+        model: the DFlashModel being trained (put in eval mode while evaluated, then back in train mode).
+        heldout_ds: the held-out split (probe sets and tau prompts come from it).
+        pad_id, device, autocast: as the training step uses them, so probes see the same numerics.
+        probes: the ``probes`` settings; tau_every: ``trainer.tau_every``; model_cfg: the ``model`` section (its
+            ``decode_*`` keys size the tau measurement).
+        log_probes: ``(rows) -> None`` writes probe rows (``RunLogger.log_probes``).
+        ledger: the run's time ledger; is_main: rank 0 evaluates, other ranks skip.
+        last_probe_step: the step last probed (from the checkpoint on resume).
+    """
+
+    def __init__(self, *, model, heldout_ds, pad_id: int, device: torch.device, autocast, probes: ProbeSettings,
+                 tau_every: int, model_cfg: Mapping[str, Any], log_probes: Callable[[list[dict]], None],
+                 ledger: record.TimeLedger, is_main: bool, log: logging.Logger, last_probe_step: int | None = None):
+        self.model, self.settings, self.tau_every = model, probes, tau_every
+        self.log_probes, self.ledger, self.is_main, self.log = log_probes, ledger, is_main, log
+        self.last_probe_step = last_probe_step
+        self.probe_sets = None
+        if probes.every > 0:
+            self.probe_sets = ProbeSets(heldout_ds.lengths, probes.bands, probes.per_band, probes.seed,
+                                        probes.max_tokens)
+            if self.probe_sets.empty_bands:
+                log.warning(f"probes: no held-out samples in band(s) {self.probe_sets.empty_bands} of "
+                            f"probes.bands={self.probe_sets.bands}")
+        self.evaluate_batch = heldout_evaluator(model, heldout_ds, pad_id, device, autocast)
+        self.prompts = heldout_prompts(heldout_ds, num_prompts=int(model_cfg.get("decode_num_prompts", 16)),
+                                       max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
+        self.new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
+
+    def after_step(self, step: int, end_step: int) -> None:
+        """What the schedule asks after ``step``: probes every ``probes.every`` steps, tau every ``tau_every``
+        steps before the end (the end measures it anyway)."""
+        if self.settings.every and step % self.settings.every == 0:
+            self.probe(step)
+        if self.tau_every and step % self.tau_every == 0 and step < end_step and self.is_main:
+            with self._evaluating("tau"):
+                tau = measure_acceptance(self.model, self.prompts, self.new_tokens)["tau"]
+            self.log.info(f"step {step}: tau {tau:.3f}")
+
+    def probe(self, step: int) -> None:
+        """Evaluate every probe band once for this step number (rank 0)."""
+        if self.probe_sets is None or step == self.last_probe_step:
+            return
+        self.last_probe_step = step
+        if self.is_main:
+            with self._evaluating("probe"):
+                self.log_probes(self.probe_sets.evaluate(self.evaluate_batch, step, seed=self.settings.seed))
+
+    def final_tau(self, should_stop: Callable[[], bool]) -> tuple[float, float, bool]:
+        """Tau of the trained draft and of the untrained one (rank 0): ``(tau, tau_baseline, complete)``; a
+        ``should_stop`` request ends it early (partial tau, NaN baseline, complete False)."""
+        if not self.is_main:
+            return math.nan, math.nan, True
+        with self._evaluating("tau"):
+            measured = measure_acceptance(self.model, self.prompts, self.new_tokens, should_stop=should_stop)
+            tau, baseline = float(measured["tau"]), math.nan
+            if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
+                untrained = measure_acceptance(self.model.baseline_model(), self.prompts, self.new_tokens,
+                                               should_stop=should_stop)
+                baseline = float(untrained["tau"]) if untrained["complete"] else math.nan
+        return tau, baseline, bool(measured["complete"])
+
+    @contextlib.contextmanager
+    def _evaluating(self, kind: str) -> Iterator[None]:
+        """The model in eval mode for one evaluation, its time counted by the ledger."""
+        with self.ledger.evaluation(kind):
+            self.model.eval()
+            try:
+                yield
+            finally:
+                self.model.train()

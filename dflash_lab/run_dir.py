@@ -1,0 +1,157 @@
+"""A run's directory, as the run that owns it sees it: who may write it, which records it holds, and what a launch
+that is refused leaves behind (nothing changed).
+
+- One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.run_lock`) before anything in it is opened.
+- Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` before the run starts. A launch refused before its loop
+  (a changed setting, other data, incomplete records) puts back the files of the checkpoint it would have resumed,
+  so the directory keeps describing the run that is in it; a running run rewrites its own if a refused launch
+  replaced them (:meth:`RunDirectory.keep_hydra_files`, at every checkpoint).
+- A fresh start over the records of a run that ended is refused unless ``overwrite=true``
+  (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do not cover its checkpoint is refused
+  (:func:`check_records_cover`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from dflash_lab import record
+from dflash_lab.run_lock import RunDirLock
+from dflash_lab.run_lock import describe as describe_holder
+
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def read_hydra_files(run_dir: Path) -> dict[str, str]:
+    """The text of the run's ``.hydra`` files (config, hydra, overrides) as they are now."""
+    files = {}
+    for name in HYDRA_FILES:
+        path = run_dir / ".hydra" / name
+        if path.is_file():
+            files[name] = path.read_text()
+    return files
+
+
+def write_hydra_files(run_dir: Path, files: dict[str, str]) -> bool:
+    """Write back the ``.hydra`` files that differ from ``files``; True if any did."""
+    changed = False
+    for name, text in files.items():
+        path = run_dir / ".hydra" / name
+        if path.parent.is_dir() and (not path.is_file() or path.read_text() != text):
+            path.write_text(text)
+            changed = True
+    return changed
+
+
+class RunDirectory:
+    """The run directory of one process of a run (rank 0 writes; other ranks only read).
+
+    Args:
+        path: the run directory (created if missing).
+        is_main: rank 0 (takes the lock, writes files).
+    """
+
+    def __init__(self, path: Path, is_main: bool):
+        self.path, self.is_main = Path(path), is_main
+        self._lock: RunDirLock | None = None
+        self.launch_hydra_files: dict[str, str] = {}   # this launch's, as Hydra wrote them before the run started
+        self._restore_on_refusal: dict[str, str] = {}  # the resumed checkpoint's, put back if this launch is refused
+
+    def claim(self) -> str | None:
+        """Create the directory and (rank 0) take its lock, before anything in it is opened. Raises
+        ``run_lock.RunDirBusy`` when a live process holds it; returns who held a stale lock taken over."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.launch_hydra_files = read_hydra_files(self.path)
+        if not self.is_main:
+            return None
+        self._lock = RunDirLock(self.path).acquire()
+        return describe_holder(self._lock.replaced) if self._lock.replaced else None
+
+    def resuming(self, checkpoint_hydra_files: dict[str, str] | None) -> None:
+        """A checkpoint is being resumed: if this launch is refused before its loop, its ``.hydra`` files go back."""
+        self._restore_on_refusal = dict(checkpoint_hydra_files or {})
+
+    def running(self) -> None:
+        """The loop starts: this launch's ``.hydra`` files are the run's from here on."""
+        self._restore_on_refusal = {}
+
+    def restore_if_refused(self) -> None:
+        """This launch stops before its loop (or crashed in it before ``running``): restore the run's files."""
+        files, self._restore_on_refusal = self._restore_on_refusal, {}
+        if self.is_main and files:
+            write_hydra_files(self.path, files)
+
+    def keep_hydra_files(self, log: logging.Logger) -> None:
+        """Rewrite this run's ``.hydra`` files if another launch in the directory (refused by the lock, but only
+        after Hydra had written its own) replaced them."""
+        if write_hydra_files(self.path, self.launch_hydra_files):
+            log.warning(f"another launch rewrote {self.path / '.hydra'}; this run's config files are restored")
+
+    def release(self) -> None:
+        """Drop the lock (a clean end leaves nothing to take over)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __getstate__(self) -> dict:
+        # submitit pickles the task for a requeue: a copy holds no lock
+        return {**self.__dict__, "_lock": None}
+
+    def check_fresh_start(self, overwrite: bool, log: logging.Logger) -> None:
+        """A fresh start in a directory whose records are of a run that ended (finished, failed or preempted) but
+        whose checkpoints are gone would replace them: refused unless ``overwrite=true``. Records of an attempt that
+        died before its first checkpoint (status running, or none: a kill, a lost node, a Slurm requeue) are of this
+        same run: they are dropped and the run starts over, with a log line."""
+        metrics = self.path / record.METRICS_FILE
+        summary_path = self.path / record.SUMMARY_FILE
+        if not ((metrics.is_file() and metrics.stat().st_size > 0) or summary_path.is_file()):
+            return
+        if overwrite:
+            log.warning(f"overwrite=true: replacing the records of the earlier run in {self.path}")
+            return
+        status = (self.summary() or {}).get("status")
+        if status not in ("finished", "failed", "preempted"):
+            log.warning("an earlier attempt ended before its first checkpoint: its rows are dropped and the run "
+                        "starts over")
+            return
+        raise ValueError(f"{self.path} holds the records of a run that ended (status {status}) but no checkpoint to "
+                         f"continue from: starting fresh would replace them. Use another directory "
+                         f"(hydra.run.dir=<new dir>), restore its checkpoints/, or pass overwrite=true to replace "
+                         f"them")
+
+    def summary(self) -> dict[str, Any] | None:
+        """The run's ``summary.json`` (None when missing or unreadable)."""
+        try:
+            summary = json.loads((self.path / record.SUMMARY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
+
+    def finished_summary(self, step: int) -> dict[str, Any] | None:
+        """``summary.json`` of a run that finished at ``step`` (None if it did not, or the file is unreadable)."""
+        summary = self.summary()
+        if summary is not None and summary.get("status") == "finished" and summary.get("steps") == step:
+            return summary
+        return None
+
+
+def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: set[int],
+                        last_probe_step: int | None, presentations_problem: str | None) -> None:
+    """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
+    1..step, the probe evaluation of the checkpoint's last probe step, presentations up to the last checkpoint when
+    recorded); otherwise the run would end "finished" with holes in its records, so it is refused."""
+    problems = []
+    steps = [int(row["step"]) for row in history]
+    if steps != list(range(1, step + 1)):
+        problems.append(f"{record.METRICS_FILE} holds {len(set(steps) & set(range(1, step + 1)))} of the {step} "
+                        f"steps up to it")
+    if last_probe_step is not None and last_probe_step not in probed_steps:
+        problems.append(f"{record.PROBES_FILE} lacks the probe evaluation of step {last_probe_step}")
+    if presentations_problem:
+        problems.append(presentations_problem)
+    if problems:
+        raise ValueError(f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are "
+                         f"incomplete: restore them, or start a fresh run directory (hydra.run.dir=<new dir>)")

@@ -1,0 +1,187 @@
+"""The training run's settings, checked at the door: every section of the composed config becomes a typed object
+(unknown keys and badly typed values are refused with a message naming the key and the fix), and nothing past
+:meth:`RunSettings.from_config` reads a DictConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
+from dflash_lab.probes import DEFAULT_BANDS, validate_bands
+
+CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
+                   "overwrite", "run_dir", "experiment")
+
+
+def _checked(section: str, values: Mapping[str, Any], spec: dict[str, Callable[[str, Any], Any]]) -> dict[str, Any]:
+    """Refuse unknown keys, then check each given value with its checker (named ``section.key`` in errors)."""
+    refuse_unknown_keys(section, values, spec)
+    return {k: spec[k](f"{section}.{k}", v) for k, v in values.items()}
+
+
+def _int(minimum: int, allow_none: bool = False):
+    return lambda key, v: as_int(key, v, minimum=minimum, allow_none=allow_none)
+
+
+def _float(minimum: float | None = None, maximum: float | None = None):
+    return lambda key, v: as_float(key, v, minimum=minimum, maximum=maximum)
+
+
+def _betas(key: str, value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"{key}={value!r}: give two numbers, e.g. {key}=[0.9,0.95]")
+    return tuple(as_float(f"{key}[{i}]", v, minimum=0.0, maximum=0.999999) for i, v in enumerate(value))
+
+
+def _signals(key: str, value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key}={value!r}: give a list of signal names, e.g. {key}=[SIGUSR2,SIGTERM]")
+    return list(value)
+
+
+@dataclass
+class TrainerSettings:
+    """The ``trainer`` section (conf/trainer/cpu.yaml, gpu.yaml explain each key)."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+    epochs: int = 2
+    max_steps: int | None = None
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    global_loss_norm: bool = True
+    skip_nonfinite: bool = False
+    max_consecutive_skips: int = 10   # skipped updates in a row after which the run fails (a diverged run)
+    activation_checkpointing: bool | str = False   # auto: on where the preflight says the step needs it
+    gpu_mem_gb: float | None = None
+    num_threads: int | None = None
+    num_workers: int = 0
+    log_every: int = 50
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    progress: bool = True
+    steady_warmup_steps: int = 10
+    tau_every: int = 0
+    measure_tau: bool = True
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])
+    dist_backend: str | None = None
+
+    SPEC = {
+        "device": lambda k, v: v if isinstance(v, str) and (v == "cpu" or v.startswith("cuda"))
+        else as_choice(k, v, ["cpu", "cuda"]),
+        "precision": lambda k, v: as_choice(k, v, ["fp32", "bf16"]),
+        "epochs": _int(1), "max_steps": _int(0, allow_none=True), "grad_accum": _int(1),
+        "lr": _float(minimum=0.0), "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
+        "weight_decay": _float(minimum=0.0), "betas": _betas, "grad_clip": _float(minimum=0.0),
+        "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "max_consecutive_skips": _int(1),
+        "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
+        "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
+        "num_threads": _int(1, allow_none=True), "num_workers": _int(0), "log_every": _int(1),
+        "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
+        "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
+        "dist_backend": lambda k, v: None if v is None else as_choice(k, v, ["gloo", "nccl"]),
+    }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainerSettings:
+        """Build from the config section; unknown keys and badly typed values are refused, naming the key."""
+        settings = cls(**_checked("trainer", values, cls.SPEC))
+        if settings.precision == "bf16" and not settings.device.startswith("cuda"):
+            raise ValueError("trainer.precision=bf16 is for GPUs; on CPU use trainer.precision=fp32 (or trainer=gpu)")
+        if settings.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={settings.device} but no CUDA device is visible; use trainer=cpu")
+        return settings
+
+
+@dataclass
+class ProbeSettings:
+    """The ``probes`` section of conf/train.yaml."""
+
+    every: int = 50
+    bands: list[int] = field(default_factory=lambda: list(DEFAULT_BANDS))
+    per_band: int = 24
+    seed: int = 0
+    max_tokens: int = 4096
+    presentations: bool = True
+
+    SPEC = {"every": _int(0), "bands": lambda k, v: validate_bands(v), "per_band": _int(1), "seed": _int(0),
+            "max_tokens": _int(1), "presentations": as_bool}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ProbeSettings:
+        return cls(**_checked("probes", values, cls.SPEC))
+
+
+
+LOGGER_KEYS = {"none": ("kind",),
+               "wandb": ("kind", "mode", "project", "entity", "group", "job_type", "name", "tags", "overrides")}
+
+
+def logger_settings(values: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``logger`` section checked (kind none | wandb, known keys only); the W&B settings, or None."""
+    kind = as_choice("logger.kind", values.get("kind", "none"), list(LOGGER_KEYS))
+    refuse_unknown_keys("logger", values, LOGGER_KEYS[kind])
+    if kind == "wandb":
+        as_choice("logger.mode", values.get("mode", "offline"), ["offline", "online", "disabled"])
+        return dict(values)
+    return None
+
+
+def plain_config(cfg: DictConfig | Mapping) -> dict[str, Any]:
+    """A resolved plain-dict copy of the config (the one place a DictConfig is read)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+@dataclass
+class RunSettings:
+    """Everything a run is told, checked: the typed sections, and the plain config (``config``) that the checkpoint
+    and W&B record and the builders of the model, data and policy read (``config["model"]``, ...)."""
+
+    config: dict[str, Any]
+    trainer: TrainerSettings
+    probes: ProbeSettings
+    wandb: dict[str, Any] | None   # the W&B settings; None: no W&B
+    seed: int
+    resume: bool
+    overwrite: bool
+    run_dir: Path
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping) -> RunSettings:
+        """Check the composed config of conf/train.yaml (``run_dir`` must resolve: Hydra sets it; tests pass a
+        path)."""
+        config = plain_config(cfg)
+        refuse_unknown_keys("top-level config", config, CONFIG_SECTIONS)
+        return cls(config=config,
+                   trainer=TrainerSettings.from_dict(config.get("trainer") or {}),
+                   probes=ProbeSettings.from_dict(config.get("probes") or {}),
+                   wandb=logger_settings(config.get("logger") or {}),
+                   seed=as_int("seed", config.get("seed", 0), minimum=0),
+                   resume=as_bool("resume", config.get("resume", False)),
+                   overwrite=as_bool("overwrite", config.get("overwrite", False)),
+                   run_dir=Path(config["run_dir"]))
+
+    def gpu_memory_gb(self, device: torch.device) -> float | None:
+        """Memory of one GPU for the memory plan: ``gpu.memory_gb`` (a preset), else ``trainer.gpu_mem_gb``, else
+        the device's own total; None on CPU."""
+        preset = (self.config.get("gpu") or {}).get("memory_gb")
+        if preset is not None:
+            return as_float("gpu.memory_gb", preset, minimum=1.0)
+        if self.trainer.gpu_mem_gb is not None:
+            return self.trainer.gpu_mem_gb
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory / 2**30
+        return None
