@@ -1,4 +1,6 @@
-"""One optimizer step of the draft, and the rules around it (the learning rate, the anchors' seed, skipped updates).
+"""One optimizer step of the draft: where the run stands (:class:`Position`), the step's micro-batches
+(:class:`StepBatches`), the update itself (:class:`OptimizerStep`) and its rules (the learning rate, the anchors'
+seed, skipped updates).
 
 A step (:class:`OptimizerStep`): ``grad_accum`` micro-batches, each moved to the device and run forward (anchors
 drawn from a generator seeded by (seed, step, slot), so a resumed run redraws them) and backward, DDP
@@ -170,3 +172,41 @@ class OptimizerStep:
         return skip, (f"{self.consecutive_skips} updates in a row skipped (steps {step + 2 - self.consecutive_skips}"
                       f"..{step + 1}; {totals.skipped_steps} in all): the run has diverged or its batches supervise "
                       f"nothing; lower trainer.lr, check the data, or raise trainer.max_consecutive_skips")
+
+
+@dataclass
+class Position:
+    """Where the run stands: the loop's tiny resumable state (the sampler's own is in its ``state_dict``)."""
+
+    totals: record.RunTotals
+    step: int = 0                      # completed optimizer steps
+    epoch: int = 0
+    consumed: int = 0                  # batches of this epoch already trained on
+    loaded_step: int | None = None     # the checkpoint's step this segment started from (None: a fresh start)
+
+
+class StepBatches:
+    """Each step's ``grad_accum`` micro-batches from the policy's DataLoader, epoch after epoch (a step never spans
+    two epochs); the position's epoch and consumed count move with them, so a checkpoint resumes mid-epoch."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, policy, plan: record.PlanFacts, grad_accum: int,
+                 epochs: int, position: Position):
+        self.loader, self.policy, self.plan = loader, policy, plan
+        self.grad_accum, self.epochs, self.position = grad_accum, epochs, position
+        self._iterator = None
+
+    def next_step(self) -> tuple[list[dict[str, Any]], int]:
+        """The next step's micro-batches and the epoch they belong to."""
+        position = self.position
+        epoch = position.epoch
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        micro_batches = []
+        while len(micro_batches) < self.grad_accum and position.consumed < self.plan.batches_per_epoch[epoch]:
+            micro_batches.append(next(self._iterator))
+            position.consumed += 1
+        if position.consumed >= self.plan.batches_per_epoch[epoch]:   # the epoch is done: the next one starts
+            position.epoch, position.consumed, self._iterator = epoch + 1, 0, None
+            if position.epoch < self.epochs:
+                self.policy.set_epoch(position.epoch)
+        return micro_batches, epoch

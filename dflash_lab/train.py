@@ -41,23 +41,20 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import numpy as np
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from dflash_lab import checkpoint as ckpt
 from dflash_lab import dist, record
 from dflash_lab.components import Components, build_components
 from dflash_lab.evaluation import Evaluation
-from dflash_lab.metrics import throughput
-from dflash_lab.probes import PresentationRecorder
-from dflash_lab.run_dir import RunDirectory, check_records_cover
+from dflash_lab.run_dir import RunDirectory
 from dflash_lab.run_lock import RunDirBusy
-from dflash_lab.run_logger import RunLogger, close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
+from dflash_lab.run_logger import close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
 from dflash_lab.run_names import name_wandb_run
 from dflash_lab.settings import RunSettings, plain_config
-from dflash_lab.step import OptimizerStep, StepResult
+from dflash_lab.run_records import Checkpointer, RunRecords, StepClock
+from dflash_lab.step import OptimizerStep, Position, StepBatches
 
 FAILED_EXIT_CODE = 1
 REFUSED_EXIT_CODE = 2  # a refused config, resume or dataset (the one-line message says why and the fix)
@@ -119,10 +116,6 @@ def _train(settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, ho
     log, checkpoints, state = open_run(settings, env, directory)
     device = torch.device(env.device)
     parts = build_components(settings, env, device, log)
-    if state is not None and state.get("data_digest") not in (None, parts.train_ds.content_digest):
-        raise ValueError(f"the data changed since the checkpoint (content digest {state['data_digest']} then, "
-                         f"{parts.train_ds.content_digest} now; data.* = {settings.config['data']}): restore the data "
-                         f"the run started with, or start a fresh run directory (hydra.run.dir=<new dir>)")
     # ---- 2. resume --------------------------------------------------------------------------------------------
     position = resume(state, parts, settings, log)
     if state is not None and position.step >= parts.plan.end_step:
@@ -162,27 +155,22 @@ def open_run(settings: RunSettings, env: dist.DistEnv,
             directory.check_fresh_start(settings.overwrite, log)
         return log, checkpoints, None
     directory.resuming(state.get("hydra_files"))
+    # refused changes stop here, before the model is built; the accepted ones are logged on resume
     state["changed"] = ckpt.check_resume_config(state["config"], settings.config)
     return log, checkpoints, state
 
 
-@dataclass
-class Position:
-    """Where the run stands: the loop's tiny resumable state (the sampler's own is in its ``state_dict``)."""
-
-    totals: record.RunTotals
-    step: int = 0                      # completed optimizer steps
-    epoch: int = 0
-    consumed: int = 0                  # batches of this epoch already trained on
-    loaded_step: int | None = None     # the checkpoint's step this segment started from (None: a fresh start)
-
-
 def resume(state: dict[str, Any] | None, parts: Components, settings: RunSettings, log: logging.Logger) -> Position:
     """The run's position: from the checkpoint (model, optimizer, sampler position, anchor RNG, totals restored
-    into ``parts``), or step 0 of epoch 0. Refuses a ``trainer.max_steps`` that ends before the checkpoint."""
+    into ``parts``), or step 0 of epoch 0. Refuses other data than the checkpoint's, and a ``trainer.max_steps``
+    that ends before it."""
     if state is None:
         parts.policy.set_epoch(0)
         return Position(totals=record.RunTotals())
+    if state.get("data_digest") not in (None, parts.train_ds.content_digest):
+        raise ValueError(f"the data changed since the checkpoint (content digest {state['data_digest']} then, "
+                         f"{parts.train_ds.content_digest} now; data.* = {settings.config['data']}): restore the data "
+                         f"the run started with, or start a fresh run directory (hydra.run.dir=<new dir>)")
     trainer = settings.trainer
     parts.model.load_draft_state_dict(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
@@ -202,193 +190,6 @@ def resume(state: dict[str, Any] | None, parts: Components, settings: RunSetting
                          f"{position.step}, or start a fresh run directory (hydra.run.dir=<new dir>) to train fewer "
                          f"steps")
     return position
-
-
-class RunRecords:
-    """The run's record files as this segment writes them: metric and probe rows (``RunLogger``: JSONL, W&B),
-    presentations (one row per example seen, ``presentations.parquet``) and ``summary.json`` built from all of
-    them by ``record.build_summary``. On resume, rows logged after the checkpoint are dropped and the files must
-    cover the run up to it."""
-
-    def __init__(self, logger: RunLogger, presentations: PresentationRecorder | None, *, plan: record.PlanFacts,
-                 identity: dict[str, Any], data_counts: dict[str, Any], ledger: record.TimeLedger,
-                 steady_warmup_steps: int):
-        self.logger, self.presentations, self.plan = logger, presentations, plan
-        self.identity, self.data_counts, self.ledger = identity, data_counts, ledger
-        self.steady_warmup_steps = steady_warmup_steps
-
-    @classmethod
-    def open(cls, settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, parts: Components,
-             position: Position, last_probe_step: int | None, run_id: str | None, ledger: record.TimeLedger,
-             log: logging.Logger) -> RunRecords:
-        """The records of this segment: rows after the checkpoint dropped, and checked to cover the run up to it."""
-        wandb_settings, wandb_config = wandb_run_settings(settings, parts, env)
-        logger = RunLogger(directory.path, is_main=env.is_main, resume_step=position.loaded_step, log=log,
-                           run_id=run_id, wandb_settings=wandb_settings, config=wandb_config)
-        # the file is resumed (rows after the checkpoint dropped) even when this segment records none
-        presentations = PresentationRecorder(directory.path / record.PRESENTATIONS_FILE, settings.probes.bands)
-        recording = settings.probes.presentations
-        if env.is_main:
-            dropped = presentations.resume(position.loaded_step)
-            if dropped:
-                log.info(f"resume: removed {dropped} presentation rows logged after step {position.loaded_step}")
-            if position.loaded_step:
-                problem = presentations.resume_problem or (
-                    f"{record.PRESENTATIONS_FILE} is missing or empty"
-                    if recording and presentations.covered_step() is None else None)
-                check_records_cover(position.loaded_step, logger.history, logger.probed_steps, last_probe_step,
-                                    problem)
-            if recording:
-                presentations.warm_up()
-        return cls(logger, presentations if recording else None, plan=parts.plan,
-                   identity=parts.identity(settings, env.world_size),
-                   data_counts=parts.data_counts(), ledger=ledger,
-                   steady_warmup_steps=settings.trainer.steady_warmup_steps)
-
-    def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]],
-             parts: Components, timing: StepClock) -> dict[str, Any]:
-        """Record one step: its presentations and its metrics row (returned)."""
-        if self.presentations is not None:
-            self.presentations.record(
-                np.concatenate([b["sample_index"].numpy() for b in micro_batches]),
-                np.concatenate(result.doc_lengths), result.doc_correct.cpu().numpy(), result.doc_count.cpu().numpy(),
-                epoch=epoch, step=step)
-        step_time, eta = timing.step_done(step)
-        row = record.step_row(step=step, epoch=epoch, stats=result.stats, lr=result.lr,
-                              bucket=parts.policy.bucket_of(micro_batches[0]["sample_index"].numpy()),
-                              step_time_s=step_time, compute_time_s=result.compute_s, eta_s=eta)
-        self.logger.log_step(row)
-        return row
-
-    def summary(self, status: str, steps: int, **extra: Any) -> dict[str, Any]:
-        """Write ``summary.json`` (rank 0) and return it."""
-        summary = record.build_summary(self.logger.history, self.plan, self.ledger.totals, identity=self.identity,
-                                       status=status, steps=steps, steady_warmup_steps=self.steady_warmup_steps,
-                                       extra={**self.data_counts, **extra}, times=self.ledger.split())
-        self.logger.write_summary(summary)
-        return summary
-
-
-def wandb_run_settings(settings: RunSettings, parts: Components,
-                       env: dist.DistEnv) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The W&B settings with the tags a sweep's runs differ by (policy, K buckets, seed), and the config W&B records
-    (the run's, with its overrides and what the policy resolved); no W&B: (None, the run's config)."""
-    if settings.wandb is None:
-        return None, settings.config
-    policy, plan = parts.policy, parts.plan
-    k = len(policy.boundaries) - 1 if policy.boundaries else None
-    wandb_settings = dict(settings.wandb)
-    wandb_settings["tags"] = list(dict.fromkeys([*(wandb_settings.get("tags") or []), policy.name,
-                                                 *([f"K{k}"] if k else []), f"seed{settings.seed}"]))
-    resolved = {"boundaries": str(policy.boundaries), "num_buckets": k, "steps_per_epoch": plan.steps_per_epoch[0],
-                "end_step": plan.end_step}
-    return wandb_settings, {**settings.config, "overrides": list(wandb_settings.get("overrides") or []),
-                            "resolved": resolved}
-
-
-class Checkpointer:
-    """Saves the run's full state: draft weights, optimizer, LR schedule, sampler position, anchor RNG, position,
-    run totals, the resolved config and its ``.hydra`` files, the data digest and the W&B run id. Collective
-    (presentations are gathered from every rank); rank 0 writes."""
-
-    def __init__(self, checkpoints: ckpt.CheckpointManager, settings: RunSettings, env: dist.DistEnv,
-                 directory: RunDirectory, parts: Components, records: RunRecords, evaluation: Evaluation,
-                 run_id: str | None, log: logging.Logger):
-        self.checkpoints, self.settings, self.env, self.directory = checkpoints, settings, env, directory
-        self.parts, self.records, self.evaluation, self.run_id, self.log = parts, records, evaluation, run_id, log
-
-    def save(self, position: Position) -> Path | None:
-        with self.records.ledger.part("checkpoint"):
-            presentations = self.records.presentations
-            if presentations is not None:
-                presentations.gather(dist.all_gather_objects)
-            if not self.env.is_main:
-                return None
-            if presentations is not None:
-                presentations.write()
-            self.records.ledger.save()   # the checkpoint's totals hold the run's wall time up to this save
-            self.directory.keep_hydra_files(self.log)
-            parts = self.parts
-            return self.checkpoints.save({
-                "model": parts.model.draft_state_dict(), "optimizer": parts.optimizer.state_dict(),
-                "schedule": parts.schedule.state_dict(),
-                "sampler": parts.policy.state_dict(batches_consumed=position.consumed),
-                "rng": ckpt.capture_rng_state(parts.anchor_generator), "step": position.step,
-                "epoch": position.epoch, "config": self.settings.config,
-                "data_digest": parts.train_ds.content_digest, "hydra_files": self.directory.launch_hydra_files,
-                "wandb_run_id": self.run_id,
-                "extra": {"totals": position.totals.state_dict(),
-                          "last_probe_step": self.evaluation.last_probe_step},
-            }, step=position.step)
-
-    def latest(self) -> Path | None:
-        return self.checkpoints.latest_path()
-
-
-class StepBatches:
-    """Each step's ``grad_accum`` micro-batches from the policy's DataLoader, epoch after epoch (a step never spans
-    two epochs); the position's epoch and consumed count move with them, so a checkpoint resumes mid-epoch."""
-
-    def __init__(self, loader: torch.utils.data.DataLoader, policy, plan: record.PlanFacts, grad_accum: int,
-                 epochs: int, position: Position):
-        self.loader, self.policy, self.plan = loader, policy, plan
-        self.grad_accum, self.epochs, self.position = grad_accum, epochs, position
-        self._iterator = None
-
-    def next_step(self) -> tuple[list[dict[str, Any]], int]:
-        """The next step's micro-batches and the epoch they belong to."""
-        position = self.position
-        epoch = position.epoch
-        if self._iterator is None:
-            self._iterator = iter(self.loader)
-        micro_batches = []
-        while len(micro_batches) < self.grad_accum and position.consumed < self.plan.batches_per_epoch[epoch]:
-            micro_batches.append(next(self._iterator))
-            position.consumed += 1
-        if position.consumed >= self.plan.batches_per_epoch[epoch]:   # the epoch is done: the next one starts
-            position.epoch, position.consumed, self._iterator = epoch + 1, 0, None
-            if position.epoch < self.epochs:
-                self.policy.set_epoch(position.epoch)
-        return micro_batches, epoch
-
-
-class StepClock:
-    """A step's time (data wait, compute and bookkeeping; not the evaluation and saves after it), the ETA from its
-    moving average, and what the user sees: a tqdm bar on a terminal, else a log line every ``log_every`` steps."""
-
-    def __init__(self, end_step: int, start_step: int, *, show_bar: bool, log_every: int, name: str,
-                 log: logging.Logger):
-        self.end_step, self.show_bar, self.log_every, self.log = end_step, show_bar, log_every, log
-        self.bar = tqdm(total=end_step, initial=start_step, disable=not show_bar, desc=name, dynamic_ncols=True,
-                        mininterval=1.0)
-        self.ema_step_time = self.ema_ktok = None
-        self.restart()
-
-    def restart(self) -> None:
-        """The next step's time starts now."""
-        self.t_start = time.perf_counter()
-
-    def step_done(self, step: int) -> tuple[float, float]:
-        """The step's time and the run's ETA."""
-        now = time.perf_counter()
-        step_time, self.t_start = now - self.t_start, now
-        self.ema_step_time = throughput.ema_update(self.ema_step_time, step_time)
-        return step_time, throughput.eta_seconds(self.end_step - step, self.ema_step_time)
-
-    def show(self, row: dict[str, Any], stats: record.StepStats) -> None:
-        """The step on the bar, or its log line (``stats``: the loss as a float, NaN where the row holds None)."""
-        self.ema_ktok = throughput.ema_update(self.ema_ktok, row["ktok_s"] or 0.0)
-        eta = throughput.format_eta(row["eta_s"])
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", ktok_s=f"{self.ema_ktok:.1f}",
-                             pad_eff=f"{row['pad_eff']:.2f}", eta=eta, refresh=False)
-        step = row["step"]
-        if not self.show_bar and (step % self.log_every == 0 or step == self.end_step):
-            self.log.info(f"step {step}/{self.end_step} epoch {row['epoch']} loss {stats.loss:.4f} acc "
-                          f"{stats.acc:.3f} {self.ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {eta}")
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 @dataclass
@@ -475,8 +276,7 @@ def run_loop(run: Run) -> str:
         run.evaluation.after_step(position.step, plan.end_step)
         if result.stats.stop_requested:
             preempt(run)
-        if run.settings.trainer.ckpt_every and position.step % run.settings.trainer.ckpt_every == 0 \
-                and position.step < plan.end_step:
+        if run.checkpointer.due(position.step):
             run.checkpointer.save(position)
         run.clock.restart()   # the next step's time starts after this one's evaluation and saves
     return ""

@@ -1,0 +1,196 @@
+"""What a run writes to its directory and shows while it runs, one object each:
+
+- :class:`RunRecords`: metric and probe rows (``RunLogger``: JSONL, W&B), presentations (one row per example
+  seen, ``presentations.parquet``) and ``summary.json``, built from all of them by ``record.build_summary``;
+- :class:`Checkpointer`: the full state a restart needs (draft weights, optimizer, LR schedule, sampler position,
+  anchor RNG, position and totals, the resolved config and its ``.hydra`` files, the data digest, the W&B run id);
+- :class:`StepClock`: a step's time, the ETA, and the progress bar or log lines.
+
+The files, their columns and the step numbering are defined in :mod:`dflash_lab.record`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from dflash_lab import checkpoint as ckpt
+from dflash_lab import dist, record
+from dflash_lab.components import Components
+from dflash_lab.evaluation import Evaluation
+from dflash_lab.metrics import throughput
+from dflash_lab.probes import PresentationRecorder
+from dflash_lab.run_dir import RunDirectory, check_records_cover
+from dflash_lab.run_logger import RunLogger
+from dflash_lab.settings import RunSettings
+from dflash_lab.step import Position, StepResult
+
+
+class RunRecords:
+    """The run's record files as this segment writes them: metric and probe rows (``RunLogger``: JSONL, W&B),
+    presentations (one row per example seen, ``presentations.parquet``) and ``summary.json`` built from all of
+    them by ``record.build_summary``. On resume, rows logged after the checkpoint are dropped and the files must
+    cover the run up to it."""
+
+    def __init__(self, logger: RunLogger, presentations: PresentationRecorder | None, *, plan: record.PlanFacts,
+                 identity: dict[str, Any], data_counts: dict[str, Any], ledger: record.TimeLedger,
+                 steady_warmup_steps: int):
+        self.logger, self.presentations, self.plan = logger, presentations, plan
+        self.identity, self.data_counts, self.ledger = identity, data_counts, ledger
+        self.steady_warmup_steps = steady_warmup_steps
+
+    @classmethod
+    def open(cls, settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, parts: Components,
+             position: Position, last_probe_step: int | None, run_id: str | None, ledger: record.TimeLedger,
+             log: logging.Logger) -> RunRecords:
+        """The records of this segment: rows after the checkpoint dropped, and checked to cover the run up to it."""
+        wandb_settings, wandb_config = wandb_run_settings(settings, parts, env)
+        logger = RunLogger(directory.path, is_main=env.is_main, resume_step=position.loaded_step, log=log,
+                           run_id=run_id, wandb_settings=wandb_settings, config=wandb_config)
+        # the file is resumed (rows after the checkpoint dropped) even when this segment records none
+        presentations = PresentationRecorder(directory.path / record.PRESENTATIONS_FILE, settings.probes.bands)
+        recording = settings.probes.presentations
+        if env.is_main:
+            dropped = presentations.resume(position.loaded_step)
+            if dropped:
+                log.info(f"resume: removed {dropped} presentation rows logged after step {position.loaded_step}")
+            if position.loaded_step:
+                problem = presentations.resume_problem or (
+                    f"{record.PRESENTATIONS_FILE} is missing or empty"
+                    if recording and presentations.covered_step() is None else None)
+                check_records_cover(position.loaded_step, logger.history, logger.probed_steps, last_probe_step,
+                                    problem)
+            if recording:
+                presentations.warm_up()
+        return cls(logger, presentations if recording else None, plan=parts.plan,
+                   identity=parts.identity(settings, env.world_size),
+                   data_counts=parts.data_counts(), ledger=ledger,
+                   steady_warmup_steps=settings.trainer.steady_warmup_steps)
+
+    def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]],
+             parts: Components, timing: StepClock) -> dict[str, Any]:
+        """Record one step: its presentations and its metrics row (returned)."""
+        if self.presentations is not None:
+            self.presentations.record(
+                np.concatenate([b["sample_index"].numpy() for b in micro_batches]),
+                np.concatenate(result.doc_lengths), result.doc_correct.cpu().numpy(), result.doc_count.cpu().numpy(),
+                epoch=epoch, step=step)
+        step_time, eta = timing.step_done(step)
+        row = record.step_row(step=step, epoch=epoch, stats=result.stats, lr=result.lr,
+                              bucket=parts.policy.bucket_of(micro_batches[0]["sample_index"].numpy()),
+                              step_time_s=step_time, compute_time_s=result.compute_s, eta_s=eta)
+        self.logger.log_step(row)
+        return row
+
+    def summary(self, status: str, steps: int, **extra: Any) -> dict[str, Any]:
+        """Write ``summary.json`` (rank 0) and return it."""
+        summary = record.build_summary(self.logger.history, self.plan, self.ledger.totals, identity=self.identity,
+                                       status=status, steps=steps, steady_warmup_steps=self.steady_warmup_steps,
+                                       extra={**self.data_counts, **extra}, times=self.ledger.split())
+        self.logger.write_summary(summary)
+        return summary
+
+
+def wandb_run_settings(settings: RunSettings, parts: Components,
+                       env: dist.DistEnv) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The W&B settings with the tags a sweep's runs differ by (policy, K buckets, seed), and the config W&B records
+    (the run's, with its overrides and what the policy resolved); no W&B: (None, the run's config)."""
+    if settings.wandb is None:
+        return None, settings.config
+    policy, plan = parts.policy, parts.plan
+    k = len(policy.boundaries) - 1 if policy.boundaries else None
+    wandb_settings = dict(settings.wandb)
+    wandb_settings["tags"] = list(dict.fromkeys([*(wandb_settings.get("tags") or []), policy.name,
+                                                 *([f"K{k}"] if k else []), f"seed{settings.seed}"]))
+    resolved = {"boundaries": str(policy.boundaries), "num_buckets": k, "steps_per_epoch": plan.steps_per_epoch[0],
+                "end_step": plan.end_step}
+    return wandb_settings, {**settings.config, "overrides": list(wandb_settings.get("overrides") or []),
+                            "resolved": resolved}
+
+
+class Checkpointer:
+    """Saves the run's full state: draft weights, optimizer, LR schedule, sampler position, anchor RNG, position,
+    run totals, the resolved config and its ``.hydra`` files, the data digest and the W&B run id. Collective
+    (presentations are gathered from every rank); rank 0 writes."""
+
+    def __init__(self, checkpoints: ckpt.CheckpointManager, settings: RunSettings, env: dist.DistEnv,
+                 directory: RunDirectory, parts: Components, records: RunRecords, evaluation: Evaluation,
+                 run_id: str | None, log: logging.Logger):
+        self.checkpoints, self.settings, self.env, self.directory = checkpoints, settings, env, directory
+        self.parts, self.records, self.evaluation, self.run_id, self.log = parts, records, evaluation, run_id, log
+
+    def save(self, position: Position) -> Path | None:
+        with self.records.ledger.part("checkpoint"):
+            presentations = self.records.presentations
+            if presentations is not None:
+                presentations.gather(dist.all_gather_objects)
+            if not self.env.is_main:
+                return None
+            if presentations is not None:
+                presentations.write()
+            self.records.ledger.save()   # the checkpoint's totals hold the run's wall time up to this save
+            self.directory.keep_hydra_files(self.log)
+            parts = self.parts
+            return self.checkpoints.save({
+                "model": parts.model.draft_state_dict(), "optimizer": parts.optimizer.state_dict(),
+                "schedule": parts.schedule.state_dict(),
+                "sampler": parts.policy.state_dict(batches_consumed=position.consumed),
+                "rng": ckpt.capture_rng_state(parts.anchor_generator), "step": position.step,
+                "epoch": position.epoch, "config": self.settings.config,
+                "data_digest": parts.train_ds.content_digest, "hydra_files": self.directory.launch_hydra_files,
+                "wandb_run_id": self.run_id,
+                "extra": {"totals": position.totals.state_dict(),
+                          "last_probe_step": self.evaluation.last_probe_step},
+            }, step=position.step)
+
+    def due(self, step: int) -> bool:
+        """A scheduled save after ``step`` (every ``trainer.ckpt_every`` steps; the end saves anyway)."""
+        every = self.settings.trainer.ckpt_every
+        return bool(every) and step % every == 0 and step < self.parts.plan.end_step
+
+    def latest(self) -> Path | None:
+        return self.checkpoints.latest_path()
+
+
+class StepClock:
+    """A step's time (data wait, compute and bookkeeping; not the evaluation and saves after it), the ETA from its
+    moving average, and what the user sees: a tqdm bar on a terminal, else a log line every ``log_every`` steps."""
+
+    def __init__(self, end_step: int, start_step: int, *, show_bar: bool, log_every: int, name: str,
+                 log: logging.Logger):
+        self.end_step, self.show_bar, self.log_every, self.log = end_step, show_bar, log_every, log
+        self.bar = tqdm(total=end_step, initial=start_step, disable=not show_bar, desc=name, dynamic_ncols=True,
+                        mininterval=1.0)
+        self.ema_step_time = self.ema_ktok = None
+        self.restart()
+
+    def restart(self) -> None:
+        """The next step's time starts now."""
+        self.t_start = time.perf_counter()
+
+    def step_done(self, step: int) -> tuple[float, float]:
+        """The step's time and the run's ETA."""
+        now = time.perf_counter()
+        step_time, self.t_start = now - self.t_start, now
+        self.ema_step_time = throughput.ema_update(self.ema_step_time, step_time)
+        return step_time, throughput.eta_seconds(self.end_step - step, self.ema_step_time)
+
+    def show(self, row: dict[str, Any], stats: record.StepStats) -> None:
+        """The step on the bar, or its log line (``stats``: the loss as a float, NaN where the row holds None)."""
+        self.ema_ktok = throughput.ema_update(self.ema_ktok, row["ktok_s"] or 0.0)
+        eta = throughput.format_eta(row["eta_s"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", ktok_s=f"{self.ema_ktok:.1f}",
+                             pad_eff=f"{row['pad_eff']:.2f}", eta=eta, refresh=False)
+        step = row["step"]
+        if not self.show_bar and (step % self.log_every == 0 or step == self.end_step):
+            self.log.info(f"step {step}/{self.end_step} epoch {row['epoch']} loss {stats.loss:.4f} acc "
+                          f"{stats.acc:.3f} {self.ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {eta}")
+
+    def close(self) -> None:
+        self.bar.close()
