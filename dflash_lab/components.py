@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,45 @@ def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.dev
     return sampler_cfg, memory, (block_tokens if memory.max_block_tokens is not None else None)
 
 
+def cpu_matmul_flops(size: int = 512, seconds: float = 0.2) -> float:
+    """This CPU's measured fp32 matmul rate (FLOP/s), over about ``seconds`` of square ``size`` matmuls."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)   # warm-up
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds or done == 0:
+        torch.mm(a, b)
+        done += 1
+    return done * 2.0 * size**3 / (time.perf_counter() - started)
+
+
+def predicted_cpu_step_s(model, policy, grad_accum: int, flops_per_s: float) -> float:
+    """A floor on the median step time on this CPU: the step's executed FLOPs (``footprint.step_flops``, with
+    each document's anchors) at the measured matmul rate. Real steps are slower (attention, softmax, the
+    optimizer), so the warning it feeds understates, never overstates."""
+    step_model = footprint.StepModel.from_model(model)
+    batches = policy.global_plan(0).batches[:256]   # a sample is enough for the median
+    shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model,
+                                    anchors=footprint.policy_anchors(policy, step_model))
+    executed = footprint.step_flops(step_model, shapes)["executed"]
+    return float(np.median(executed)) * grad_accum / flops_per_s
+
+
+def warn_if_slow_on_cpu(model, policy, plan: record.PlanFacts, grad_accum: int, threshold_s: float,
+                        log: logging.Logger) -> None:
+    """A large target on the CPU with the GPU recipe looks hung (minutes per step): say so before step 1, with the
+    predicted step time and the CPU-sized preset (``trainer.cpu_step_warn_s``: the threshold)."""
+    rate = cpu_matmul_flops()
+    step_s = predicted_cpu_step_s(model, policy, grad_accum, rate)
+    if step_s < threshold_s:
+        return
+    log.warning(f"CPU run of a large target: predicted >= {step_s:.3g} s per step, >= "
+                f"{step_s * plan.end_step / 3600:.1f} h for {plan.end_step} steps (the step's FLOPs at this CPU's "
+                f"measured {rate / 1e9:.0f} GFLOP/s; block {model.block_size}, "
+                f"{anchor_rule_name(model.anchor_density)} anchors, {len(model.draft.layers)} draft layer(s)). "
+                f"For a smoke run use model=hf_cpu (block 8, anchor density 1/16, 1 draft layer, 4 tau prompts) "
+                f"and trainer.max_steps=<a few>; train the recipe with trainer=gpu on a GPU")
+
+
 @dataclass
 class Components:
     """Everything a run trains with (see the module docstring)."""
@@ -158,6 +198,8 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
                     f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
+    if device.type == "cpu" and config["model"].get("kind", "tiny") != "tiny":
+        warn_if_slow_on_cpu(model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
     optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
                                   weight_decay=trainer.weight_decay)
     components = Components(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,8 @@ from dflash_lab import record
 from dflash_lab.model import heldout_prompts, measure_acceptance
 from dflash_lab.probes import ProbeSets, heldout_evaluator
 from dflash_lab.settings import ProbeSettings
+
+PROGRESS_EVERY_S = 30.0   # tau progress lines at most this often
 
 
 class Evaluation:
@@ -79,17 +82,39 @@ class Evaluation:
 
     def final_tau(self, should_stop: Callable[[], bool]) -> tuple[float, float, bool]:
         """Tau of the trained draft and of the untrained one (rank 0): ``(tau, tau_baseline, complete)``; a
-        ``should_stop`` request ends it early (partial tau, NaN baseline, complete False)."""
+        ``should_stop`` request ends it early (partial tau, NaN baseline, complete False). Its cost is
+        ``model.decode_num_prompts`` x ``model.decode_max_new_tokens`` tokens per draft; the log tells its start,
+        its progress (at most every 30 s) and its end."""
         if not self.is_main:
             return math.nan, math.nan, True
         with self._evaluating("tau"):
-            measured = measure_acceptance(self.model, self.prompts, self.new_tokens, should_stop=should_stop)
+            measured = self._measure("trained draft", self.model, should_stop)
             tau, baseline = float(measured["tau"]), math.nan
             if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
-                untrained = measure_acceptance(self.model.baseline_model(), self.prompts, self.new_tokens,
-                                               should_stop=should_stop)
+                untrained = self._measure("untrained draft", self.model.baseline_model(), should_stop)
                 baseline = float(untrained["tau"]) if untrained["complete"] else math.nan
         return tau, baseline, bool(measured["complete"])
+
+    def _measure(self, name: str, model, should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """One tau measurement, announced and reported as it goes (a large target on a CPU takes minutes)."""
+        started = last_report = time.perf_counter()
+        total = len(self.prompts)
+        self.log.info(f"tau ({name}): {total} held-out prompts x up to {self.new_tokens} new tokens "
+                      f"(model.decode_num_prompts, model.decode_max_new_tokens)")
+
+        def report(done: int, of: int, tau_so_far: float) -> None:
+            nonlocal last_report
+            now = time.perf_counter()
+            if done < of and now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                self.log.info(f"tau ({name}): {done}/{of} prompts, tau so far {tau_so_far:.3f}, "
+                              f"{now - started:.0f} s")
+
+        measured = measure_acceptance(model, self.prompts, self.new_tokens, should_stop=should_stop,
+                                      on_prompt=report)
+        self.log.info(f"tau ({name}): {measured['tau']:.3f} over {measured['prompts']}/{total} prompts in "
+                      f"{time.perf_counter() - started:.1f} s")
+        return measured
 
     @contextlib.contextmanager
     def _evaluating(self, kind: str) -> Iterator[None]:

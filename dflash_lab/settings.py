@@ -66,6 +66,7 @@ class TrainerSettings:
     activation_checkpointing: bool | str = False   # auto: on where the preflight says the step needs it
     gpu_mem_gb: float | None = None
     num_threads: int | None = None
+    cpu_step_warn_s: float = 5.0   # model=hf on a CPU: a predicted step above this is announced
     num_workers: int = 0
     log_every: int = 50
     ckpt_every: int = 100
@@ -87,7 +88,8 @@ class TrainerSettings:
         "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "max_consecutive_skips": _int(1),
         "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
         "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
-        "num_threads": _int(1, allow_none=True), "num_workers": _int(0), "log_every": _int(1),
+        "num_threads": _int(1, allow_none=True), "cpu_step_warn_s": _float(minimum=0.0), "num_workers": _int(0),
+        "log_every": _int(1),
         "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
         "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
         "dist_backend": lambda k, v: None if v is None else as_choice(k, v, ["gloo", "nccl"]),

@@ -253,7 +253,8 @@ def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedD
 def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | None = None,
                   probe_fraction: float = 0.05, seed: int = 0, num_samples: int | None = 3000,
                   min_length: int = 32, max_length: int = 1024, path: str | None = None,
-                  max_bad_fraction: float = 0.01, stdlib_dir: str | None = None, chat_template: str | None = None,
+                  max_bad_fraction: float = 0.01, max_truncated_fraction: float = 0.05,
+                  stdlib_dir: str | None = None, chat_template: str | None = None,
                   band_skills: str = "none", skill_bands=None, **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
@@ -268,6 +269,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         max_length: code/jsonl: cap on tokens per sample (synthetic lengths are capped at 1024 by their shape).
         path: jsonl: the file.
         max_bad_fraction: jsonl: largest tolerated share of unusable lines.
+        max_truncated_fraction: jsonl: largest tolerated share of kept samples cut to ``max_length`` (a cut
+            conversation loses its ending, often the assistant's answer); above it the dataset is refused.
         stdlib_dir: code: override the standard-library directory.
         chat_template: jsonl with an HF tokenizer: a Jinja file or template text replacing the tokenizer's own.
         band_skills: synthetic: ``none`` (the length-styled corpus), ``aligned`` or ``independent`` (the skills
@@ -347,7 +350,31 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
     build_once(directory, build)
-    return _load(directory, probe_fraction, seed)
+    dataset = _load(directory, probe_fraction, seed)
+    if kind == "jsonl":
+        check_truncated_share(dataset.stats, max_length=int(max_length), max_fraction=float(max_truncated_fraction))
+    return dataset
+
+
+def check_truncated_share(stats: dict, *, max_length: int, max_fraction: float) -> None:
+    """Refuse a dataset whose share of samples cut to ``max_length`` exceeds ``max_fraction`` (a check, not part
+    of the cache key: the cached tokens are the same whatever the threshold).
+
+    Example:
+        >>> check_truncated_share({"kept": 100, "truncated": 5}, max_length=1024, max_fraction=0.05)
+        >>> check_truncated_share({"kept": 100, "truncated": 52}, max_length=1024, max_fraction=0.05)
+        Traceback (most recent call last):
+        ...
+        ValueError: data: 52 of 100 samples (52%) are longer than data.max_length=1024 tokens and were cut, more than data.max_truncated_fraction=0.05: raise data.max_length, or accept the cut with data.max_truncated_fraction=1.0
+    """
+    if not 0.0 <= max_fraction <= 1.0:
+        raise ValueError(f"data.max_truncated_fraction={max_fraction}: choose a share in [0, 1]")
+    kept, truncated = int(stats.get("kept") or 0), int(stats.get("truncated") or 0)
+    if kept and truncated / kept > max_fraction:
+        raise ValueError(f"data: {truncated} of {kept} samples ({truncated / kept:.0%}) are longer than "
+                         f"data.max_length={max_length} tokens and were cut, more than "
+                         f"data.max_truncated_fraction={max_fraction}: raise data.max_length, or accept the cut "
+                         f"with data.max_truncated_fraction=1.0")
 
 
 # Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).

@@ -145,12 +145,13 @@ def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int = 64,
 @torch.no_grad()
 def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int = 64,
                        stop_token_ids: list[int] | None = None, block_size: int | None = None,
-                       should_stop=None) -> dict:
+                       should_stop=None, on_prompt=None) -> dict:
     """Real acceptance length tau over held-out prompts.
 
     Args:
         should_stop: optional ``() -> bool`` polled before each prompt (a preemption request): when it turns
             True the measurement ends early and reports the prompts done so far (``complete`` False).
+        on_prompt: optional ``(done, total, tau_so_far) -> None`` called after each prompt (progress reports).
 
     Returns:
         {"tau", "verify_steps", "new_tokens", "prompts", "complete"}; tau is NaN when no verify step ran.
@@ -171,6 +172,8 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
             tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
             accepted.extend(steps)
             new_tokens += len(tokens)
+            if on_prompt is not None:
+                on_prompt(done, len(prompts), acceptance_length_tau(accepted))
     finally:
         model.draft.train(was_training)
     return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,

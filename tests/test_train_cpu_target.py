@@ -1,0 +1,105 @@
+"""model=hf on a CPU: the run says up front when its steps will be slow (with the CPU-sized preset), and the tau
+measurement announces itself and reports its progress. The target is a real ``transformers`` Qwen3 with random
+weights saved locally; the chat data and template come from the chat-template tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_data_chat_templates import CONVERSATIONS, QWEN3, tiny_chat_tokenizer  # noqa: E402
+
+
+def _local_qwen3(directory: Path) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_chat_tokenizer()
+    tokenizer.save_pretrained(directory)
+    config = Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.slow
+def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path, monkeypatch):
+    from dflash_lab import evaluation
+    from dflash_lab.train import train
+
+    target = _local_qwen3(tmp_path / "target")
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 10))
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)   # a progress line after every prompt
+    run_dir = tmp_path / "run"
+    summary = train(_compose([
+        "model=hf_cpu", f"model.target_path={target}", "model.device=cpu", "model.decode_num_prompts=3",
+        "model.decode_max_new_tokens=4", f"model.cache_dir={tmp_path / 'cache'}", "data=jsonl", f"data.path={chats}",
+        f"data.chat_template={QWEN3}", f"data.cache_dir={tmp_path / 'cache'}", "data.probe_fraction=0.1",
+        "sampler.max_tokens=512",
+        "sampler.boundaries=[0,64,512]", "probes.every=0", "trainer.max_steps=2", "trainer.num_threads=1",
+        "trainer.progress=false", "trainer.cpu_step_warn_s=0", f"run_dir={run_dir}",
+    ]))
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    log = (run_dir / "train_rank0.log").read_text()
+    # the warning: a predicted step time, the hours for the run, the measured rate and the preset to use
+    assert "CPU run of a large target: predicted >=" in log and "GFLOP/s" in log and "model=hf_cpu" in log
+    for name in ("trained draft", "untrained draft"):
+        assert f"tau ({name}): 3 held-out prompts x up to 4 new tokens" in log
+        assert f"tau ({name}): 1/3 prompts, tau so far" in log and f"tau ({name}): 2/3 prompts" in log
+        assert "over 3/3 prompts in" in log
+
+
+def test_cpu_step_prediction_grows_with_the_draft_objective():
+    """The floor on the CPU step time scales with the step's FLOPs: the GPU recipe's objective (block 16, up to 512
+    anchors, 5 layers) predicts a slower step than the CPU preset's, for the same target and data."""
+    import numpy as np
+
+    from dflash_lab.components import predicted_cpu_step_s
+    from dflash_lab.model import build_model
+    from dflash_lab.sampling import policy_from_config
+
+    lengths = np.random.default_rng(0).integers(64, 1024, size=400)
+    times = {}
+    for name, objective in {"recipe": dict(block_size=16, anchors_per_doc=512, anchor_density=None,
+                                           draft_layers=1),
+                            "cpu": dict(block_size=8, anchors_per_doc=64, anchor_density=0.0625,
+                                        draft_layers=1)}.items():
+        model, _ = build_model("tiny", **objective)
+        policy = policy_from_config({"name": "bucketed", "max_tokens": 4096, "boundaries": [0, 256, 1024]},
+                                    lengths, seed=0)
+        times[name] = predicted_cpu_step_s(model, policy, grad_accum=1, flops_per_s=1e10)
+    assert times["recipe"] > 3 * times["cpu"] > 0
+
+
+def test_a_run_whose_data_is_mostly_cut_is_refused_naming_the_keys(tmp_path):
+    """More than data.max_truncated_fraction of the samples cut to data.max_length: refused before training, with
+    the keys and the fix; accepted with the threshold raised, and the count is in summary.json."""
+    from dflash_lab.train import train
+
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    long = [{"role": "user", "content": "tell me more"}, {"role": "assistant", "content": "sure, " * 40}]
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": long if i % 4 == 0 else short}) + "\n" for i in range(80)))
+    overrides = ["data=jsonl", f"data.path={chats}", "data.max_length=128", f"data.cache_dir={tmp_path / 'cache'}",
+                 "probes.every=0", "probes.presentations=false", "trainer.max_steps=1", "trainer.measure_tau=false",
+                 "trainer.progress=false", "sampler.boundaries=[0,64,128]"]
+    with pytest.raises(ValueError, match=r"20 of 80 samples \(25%\) are longer than data.max_length=128 tokens.*"
+                                         r"data.max_truncated_fraction=0.05"):
+        train(_compose([*overrides, f"run_dir={tmp_path / 'refused'}"]))
+    summary = train(_compose([*overrides, "data.max_truncated_fraction=0.3", f"run_dir={tmp_path / 'run'}"]))
+    assert summary["status"] == "finished" and summary["data_truncated"] == 20
