@@ -10,6 +10,7 @@ LR schedule spans the run's end step, which the policy's batch counts give.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -23,9 +24,10 @@ import torch
 from dflash_lab import dist, record
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
+from dflash_lab.probes import resolve_bands
 from dflash_lab.sampling import policy_from_config
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
-from dflash_lab.settings import RunSettings
+from dflash_lab.settings import ProbeSettings, RunSettings
 from dflash_lab.step import LRSchedule
 
 
@@ -147,6 +149,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     autocast: Any              # bf16 autocast on GPU, else a null context
+    probes: ProbeSettings      # the probe settings with ``bands`` resolved (``auto``: see probes.resolve_bands)
     # the anchors' RNG, reseeded for every batch (step.anchor_seed); its state is checkpointed all the same
     anchor_generator: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu"))
 
@@ -157,7 +160,7 @@ class Components:
                 "anchor_rule": anchor_rule_name(self.model.anchor_density),
                 "max_block_tokens": self.memory.max_block_tokens,
                 "activation_checkpointing": self.memory.activation_checkpointing,
-                "data_digest": self.train_ds.content_digest}
+                "data_digest": self.train_ds.content_digest, "probe_bands": list(self.probes.bands)}
 
     def data_counts(self) -> dict[str, Any]:
         """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""
@@ -172,9 +175,13 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
                                    activation_checkpointing=trainer.activation_checkpointing is True)
     model.to(device)
+    dataset = build_dataset(tokenizer=tokenizer, **config["data"])
+    bands = resolve_bands(probes.bands, dataset.lengths, builtin_corpus=config["data"].get("kind") == "synthetic")
+    if probes.bands == "auto" and config["data"].get("kind") != "synthetic":
+        log.info(f"probes.bands=auto: {bands} (the data's length quantiles)")
+    probes = dataclasses.replace(probes, bands=bands)
     # probes need probes.per_band held-out samples in every band: the split tops up short bands
-    train_ds, heldout_ds = build_dataset(tokenizer=tokenizer, **config["data"]).split(
-        bands=probes.bands if probes.every > 0 else None, per_band=probes.per_band)
+    train_ds, heldout_ds = dataset.split(bands=bands if probes.every > 0 else None, per_band=probes.per_band)
     sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, train_ds, device, env.world_size)
     log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
     policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
@@ -207,7 +214,7 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         heldout_ds=heldout_ds, policy=policy, loader=loader, plan=plan, memory=memory, optimizer=optimizer,
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
-                  else contextlib.nullcontext()))
+                  else contextlib.nullcontext()), probes=probes)
     counts = components.data_counts()
     if any(counts["data_skipped"].values()):
         log.warning(f"data: skipped lines by reason {counts['data_skipped']} (summary.json 'data_skipped')")

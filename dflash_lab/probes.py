@@ -56,7 +56,8 @@ def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
         ValueError: naming ``probes.bands`` and the fix.
     """
     if isinstance(bands, (str, bytes)) or not hasattr(bands, "__iter__"):
-        raise ValueError(f"probes.bands={bands!r}: give a list of boundaries, e.g. {list(DEFAULT_BANDS)}")
+        raise ValueError(f"probes.bands={bands!r}: give a list of boundaries, e.g. {list(DEFAULT_BANDS)}, or auto "
+                         f"(the data's length quantiles)")
     values = [as_int("probes.bands", b, minimum=0) for b in bands]
     if len(values) < 2 or values[0] != 0 or any(b <= a for a, b in zip(values, values[1:])):
         raise ValueError(
@@ -64,6 +65,30 @@ def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
             f"e.g. {list(DEFAULT_BANDS)}"
         )
     return values
+
+
+def fitted_bands(lengths: np.ndarray, num_bands: int = 6, multiple: int = 16) -> list[int]:
+    """Probe bands at the data's length quantiles: ``num_bands`` bands of about equal sample counts, inner
+    boundaries rounded up to a multiple of ``multiple`` tokens, the last at the longest sample (band b = (lo, hi]).
+
+    Example:
+        >>> fitted_bands(np.arange(1, 601), num_bands=3)
+        [0, 208, 416, 600]
+    """
+    lengths = np.asarray(lengths)
+    longest = int(lengths.max())
+    inner = np.quantile(lengths, np.arange(1, num_bands) / num_bands)
+    bands = [0, *sorted({int(np.ceil(q / multiple) * multiple) for q in inner if 0 < q < longest}), longest]
+    return [b for i, b in enumerate(bands) if i == 0 or b > bands[i - 1]]
+
+
+def resolve_bands(bands: list[int] | str, lengths: np.ndarray, *, builtin_corpus: bool) -> list[int]:
+    """``probes.bands``: a list as given; ``auto``: the built-in corpus's bands (:data:`DEFAULT_BANDS`, so runs
+    compare with the ablation) for the built-in corpus, else bands at the data's length quantiles
+    (:func:`fitted_bands`)."""
+    if bands != "auto":
+        return list(bands)
+    return list(DEFAULT_BANDS) if builtin_corpus else fitted_bands(lengths)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class RunRecords:
         logger = RunLogger(directory.path, is_main=env.is_main, resume_step=position.loaded_step, log=log,
                            run_id=run_id, wandb_settings=wandb_settings, config=wandb_config)
         # the file is resumed (rows after the checkpoint dropped) even when this segment records none
-        presentations = PresentationRecorder(directory.path / record.PRESENTATIONS_FILE, settings.probes.bands)
+        presentations = PresentationRecorder(directory.path / record.PRESENTATIONS_FILE, parts.probes.bands)
         recording = settings.probes.presentations
         if env.is_main:
             dropped = presentations.resume(position.loaded_step)

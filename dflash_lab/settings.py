@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
-from dflash_lab.probes import DEFAULT_BANDS, validate_bands
+from dflash_lab.probes import validate_bands
 
 CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
                    "overwrite", "run_dir", "experiment")
@@ -111,13 +111,14 @@ class ProbeSettings:
     """The ``probes`` section of conf/train.yaml."""
 
     every: int = 50
-    bands: list[int] = field(default_factory=lambda: list(DEFAULT_BANDS))
+    bands: list[int] | str = "auto"   # auto: the built-in corpus's bands, else the data's length quantiles
     per_band: int = 24
     seed: int = 0
     max_tokens: int = 4096
     presentations: bool = True
 
-    SPEC = {"every": _int(0), "bands": lambda k, v: validate_bands(v), "per_band": _int(1), "seed": _int(0),
+    SPEC = {"every": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v), "per_band": _int(1),
+            "seed": _int(0),
             "max_tokens": _int(1), "presentations": as_bool}
 
     @classmethod

@@ -222,7 +222,7 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     last_probe_step = state["extra"].get("last_probe_step") if state is not None else None
     records = RunRecords.open(settings, env, directory, parts, position, last_probe_step, run_id, ledger, log)
     evaluation = Evaluation(model=parts.model, heldout_ds=parts.heldout_ds, pad_id=parts.tokenizer.pad_token_id,
-                            device=device, autocast=parts.autocast, probes=settings.probes,
+                            device=device, autocast=parts.autocast, probes=parts.probes,
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
                             log_probes=records.logger.log_probes, ledger=ledger, is_main=env.is_main, log=log,
                             last_probe_step=last_probe_step)

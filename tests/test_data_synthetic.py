@@ -218,6 +218,20 @@ def test_probe_split_gives_every_band_its_probes(tmp_path):
     np.testing.assert_array_equal(heldout.source_indices, ds.split(bands=SKILL_BANDS, per_band=24)[1].source_indices)
 
 
+def test_probe_top_ups_are_capped_so_a_small_file_is_not_drained_into_probes(tmp_path):
+    """A small corpus with many bands and many probes per band: the top-ups stop at probe_fraction of the data
+    (held out at most 2 x probe_fraction), handed out one per band in turn so every band gets some."""
+    from dflash_lab.sampling.boundaries import bucket_ids
+
+    ds = build_dataset("synthetic", num_samples=300, seed=0, cache_dir=tmp_path)
+    bands = [0, 96, 152, 216, 304, 412, 1024]
+    heldout = ds.heldout_indices(bands=bands, per_band=24)
+    assert len(heldout) <= 2 * 0.05 * len(ds) and len(heldout) > len(ds.heldout_indices())
+    per_band = np.bincount(bucket_ids(ds.lengths[heldout], bands), minlength=6)
+    plain = np.bincount(bucket_ids(ds.lengths[ds.heldout_indices()], bands), minlength=6)
+    assert (per_band - plain).min() >= 1 and (per_band - plain).max() - (per_band - plain).min() <= 1
+
+
 @pytest.mark.parametrize("overrides, key", [
     ({"band_skills": "mixed"}, "data.band_skills"),
     ({"band_skills": "aligned", "skill_bands": [0, 152, 96, 1024]}, "data.skill_bands"),

@@ -103,3 +103,22 @@ def test_a_run_whose_data_is_mostly_cut_is_refused_naming_the_keys(tmp_path):
         train(_compose([*overrides, f"run_dir={tmp_path / 'refused'}"]))
     summary = train(_compose([*overrides, "data.max_truncated_fraction=0.3", f"run_dir={tmp_path / 'run'}"]))
     assert summary["status"] == "finished" and summary["data_truncated"] == 20
+
+
+def test_probe_bands_auto_follow_the_data_and_keep_the_builtin_corpus_bands():
+    """probes.bands=auto: the built-in corpus keeps the ablation's bands; other data gets bands at its length
+    quantiles, ending at its longest sample, so a long-tailed file is never refused for its lengths."""
+    import numpy as np
+
+    from dflash_lab.probes import DEFAULT_BANDS, ProbeSets, fitted_bands, resolve_bands
+
+    lengths = np.random.default_rng(0).lognormal(6.5, 0.9, size=3000).astype(int) + 16
+    assert resolve_bands("auto", lengths, builtin_corpus=True) == list(DEFAULT_BANDS)
+    assert resolve_bands([0, 50, 5000], lengths, builtin_corpus=False) == [0, 50, 5000]
+    bands = resolve_bands("auto", lengths, builtin_corpus=False)
+    assert bands == fitted_bands(lengths) and bands[0] == 0 and bands[-1] == lengths.max()
+    assert len(bands) == 7 and all(b % 16 == 0 for b in bands[1:-1])
+    counts = np.histogram(lengths, bins=np.asarray(bands) + 0.5)[0]
+    assert counts.min() > 0.7 * len(lengths) / 6   # about equal counts per band
+    probes = ProbeSets(lengths, bands, per_band=6, seed=0, max_tokens=1 << 16)
+    assert not probes.empty_bands

@@ -147,7 +147,9 @@ class TokenizedDataset:
 
         ``bands`` (boundaries, band b = lengths in (lo, hi]) and ``per_band``: a band with fewer held-out samples
         gets extra picks from its other samples (at most half of them), drawn with (seed, band): the stratified
-        picks are kept, so without a short band the split is unchanged.
+        picks are kept, so without a short band the split is unchanged. The extra picks of all bands together are
+        capped at ``probe_fraction`` of the data (held out: at most twice ``probe_fraction``), handed out one per
+        band in turn, so a small file is not drained into probes.
         """
         fraction = self.probe_fraction if probe_fraction is None else probe_fraction
         seed = self.split_seed if seed is None else seed
@@ -164,14 +166,20 @@ class TokenizedDataset:
         held[np.asarray(picks, dtype=np.int64)] = True
         if bands is not None and per_band > 0:
             band_of = bucket_ids(self.lengths, bands)
+            wanted = []   # per band: its extra picks in draw order
             for band in range(len(bands) - 1):
                 in_band = band_of == band
                 short = per_band - int(held[in_band].sum())
                 free = np.flatnonzero(in_band & ~held)
                 extra = min(short, len(free) // 2)
-                if extra > 0:
-                    band_rng = np.random.default_rng([seed, band])
-                    held[band_rng.choice(free, size=extra, replace=False)] = True
+                band_rng = np.random.default_rng([seed, band])
+                wanted.append(list(band_rng.choice(free, size=extra, replace=False)) if extra > 0 else [])
+            budget = int(fraction * n)
+            for turn in range(max(map(len, wanted), default=0)):   # one pick per band in turn, up to the budget
+                for picks in wanted:
+                    if turn < len(picks) and budget > 0:
+                        held[picks[turn]] = True
+                        budget -= 1
         return np.flatnonzero(held).astype(np.int64)
 
     def train_indices(self, probe_fraction: float | None = None, seed: int | None = None,
