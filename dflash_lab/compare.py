@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="step-time model c0 + c1 x padded + c2 x attention tokens, per rank, for the "
                              "modelled-time axis (default: analysis.cost)")
     parser.add_argument("--alpha", type=float, help="test level (default: analysis.alpha, else 0.05)")
+    parser.add_argument("--test", choices=("t", "sign_flip"),
+                        help="the paired test verdicts use: t (paired t test) or sign_flip (exact; cannot reach "
+                             "p_holm < 0.05 below 6 seeds); both are reported (default: analysis.test, else t)")
     parser.add_argument("--theta", type=float, default=LEARNED_THRESHOLD,
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
@@ -274,7 +277,7 @@ def _compare(args: argparse.Namespace) -> int:
         return 1
     try:
         protocol = resolve_protocol(report.runs, baseline=args.baseline, endpoints=args.endpoints,
-                                    margins=args.margins, cost=args.cost, alpha=args.alpha)
+                                    margins=args.margins, cost=args.cost, alpha=args.alpha, test=args.test)
         comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates)
     except ValueError as error:
         raise Refused(str(error)) from error

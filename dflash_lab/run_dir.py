@@ -21,6 +21,7 @@ from typing import Any
 from dflash_lab import record
 from dflash_lab.run_lock import RunDirLock
 from dflash_lab.run_lock import describe as describe_holder
+from dflash_lab.run_logger import write_json_atomic
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
@@ -59,6 +60,8 @@ class RunDirectory:
         self._lock: RunDirLock | None = None
         self.launch_hydra_files: dict[str, str] = {}   # this launch's, as Hydra wrote them before the run started
         self._restore_on_refusal: dict[str, str] = {}  # the resumed checkpoint's, put back if this launch is refused
+        self.fresh_start = False    # no checkpoint to resume (set when the checkpoint was looked for)
+        self.loop_started = False
 
     def claim(self) -> str | None:
         """Create the directory and (rank 0) take its lock, before anything in it is opened. Raises
@@ -77,12 +80,30 @@ class RunDirectory:
     def running(self) -> None:
         """The loop starts: this launch's ``.hydra`` files are the run's from here on."""
         self._restore_on_refusal = {}
+        self.loop_started = True
 
     def restore_if_refused(self) -> None:
         """This launch stops before its loop (or crashed in it before ``running``): restore the run's files."""
         files, self._restore_on_refusal = self._restore_on_refusal, {}
         if self.is_main and files:
             write_hydra_files(self.path, files)
+
+    def record_failure(self, error: BaseException) -> None:
+        """After a crash or a refusal of this launch (rank 0, directory claimed), ``summary.json`` says so: the
+        running summary of a run whose loop started gets status failed and the error; a fresh start refused before
+        its loop (a config the model or data refuses) gets a summary of its own (status failed, steps 0), so the
+        folder says what happened. A refused resume leaves every file as it was."""
+        if self._lock is None:
+            return
+        summary = self.summary()
+        message = f"{type(error).__name__}: {error}"
+        if self.loop_started and summary is not None and summary.get("status") == "running":
+            summary.update(status="failed", error=message)
+        elif self.fresh_start and not self.loop_started and (summary is None or summary.get("status") == "running"):
+            summary = {"status": "failed", "steps": 0, "error": message}
+        else:
+            return
+        write_json_atomic(self.path / record.SUMMARY_FILE, summary)
 
     def keep_hydra_files(self, log: logging.Logger) -> None:
         """Rewrite this run's ``.hydra`` files if another launch in the directory (refused by the lock, but only
@@ -112,10 +133,15 @@ class RunDirectory:
         if overwrite:
             log.warning(f"overwrite=true: replacing the records of the earlier run in {self.path}")
             return
-        status = (self.summary() or {}).get("status")
+        summary = self.summary() or {}
+        status = summary.get("status")
         if status not in ("finished", "failed", "preempted"):
             log.warning("an earlier attempt ended before its first checkpoint: its rows are dropped and the run "
                         "starts over")
+            return
+        if status == "failed" and summary.get("steps") == 0:
+            log.warning(f"an earlier attempt failed before its first step ({summary.get('error')}): the run starts "
+                        f"over")
             return
         raise ValueError(f"{self.path} holds the records of a run that ended (status {status}) but no checkpoint to "
                          f"continue from: starting fresh would replace them. Use another directory "

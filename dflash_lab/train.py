@@ -29,7 +29,6 @@ next step boundary and exit with code 75; during the final tau measurement they 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -37,7 +36,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -50,10 +48,10 @@ from dflash_lab.components import Components, build_components
 from dflash_lab.evaluation import Evaluation
 from dflash_lab.run_dir import RunDirectory
 from dflash_lab.run_lock import RunDirBusy
-from dflash_lab.run_logger import close_text_log, load_or_create_run_id, setup_text_log, write_json_atomic
+from dflash_lab.run_logger import close_text_log, load_or_create_run_id, setup_text_log
 from dflash_lab.run_names import name_wandb_run
-from dflash_lab.settings import RunSettings, plain_config
 from dflash_lab.run_records import Checkpointer, RunRecords, StepClock
+from dflash_lab.settings import RunSettings
 from dflash_lab.step import OptimizerStep, Position, StepBatches
 
 FAILED_EXIT_CODE = 1
@@ -100,7 +98,7 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
     except Exception as exc:
         if directory is not None:
             directory.restore_if_refused()   # refused before its loop: the directory keeps the run's own config
-        _mark_failed(cfg, exc)
+            directory.record_failure(exc)
         raise
     finally:
         ckpt.uninstall_preemption_handler()
@@ -147,6 +145,7 @@ def open_run(settings: RunSettings, env: dist.DistEnv,
     checkpoints = ckpt.CheckpointManager(directory.path / record.CHECKPOINT_DIR,
                                          keep=settings.trainer.keep_checkpoints)
     state = checkpoints.load_latest()
+    directory.fresh_start = state is None
     if state is None:
         if settings.resume:
             raise FileNotFoundError(f"resume=true but {checkpoints.directory} holds no checkpoint; pass the run's "
@@ -327,20 +326,6 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         ckpt.run_previous_handler()
         raise ckpt.Preempted(position.step, run.checkpointer.latest())
     return summary
-
-
-def _mark_failed(cfg: DictConfig | Mapping, exc: BaseException) -> None:
-    """After a crash: rank 0 sets ``status: failed`` and the error in a running ``summary.json``."""
-    try:
-        path = Path(plain_config(cfg)["run_dir"]) / record.SUMMARY_FILE
-        if dist.current_env().is_main and path.is_file():
-            summary = json.loads(path.read_text())
-            if summary.get("status") != "running":  # not this run's summary (e.g. a refused resume)
-                return
-            summary.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-            write_json_atomic(path, summary)
-    except Exception:  # noqa: BLE001 - never hide the original error behind a reporting error
-        logging.getLogger("dflash_lab").exception("could not mark summary.json as failed")
 
 
 @hydra.main(config_path="pkg://dflash_lab.conf", config_name="train", version_base="1.3")

@@ -8,7 +8,6 @@ All runs share one small configuration (a 2-layer target pretrained for a few st
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -579,3 +578,17 @@ def test_a_refused_resume_leaves_the_recorded_config_and_export_reads_the_checkp
 
     (hydra_dir / "config.yaml").write_text("model:\n  block_size: 16\n")
     assert run_model_config(run_dir, ckpt.load_run_checkpoint(run_dir))["block_size"] == 4
+
+
+def test_a_fresh_start_refused_after_the_model_loads_leaves_a_summary_and_a_fixed_relaunch_starts_over(tmp_path):
+    """A config the data refuses (probe bands that end below the longest sample) stops the run after the model and
+    data loaded: the folder's summary.json says failed, steps 0, and why. The relaunch with the fix starts over
+    (no overwrite=true needed: nothing was trained)."""
+    run_dir = tmp_path / "refused"
+    with pytest.raises(ValueError, match="extend probes.bands"):
+        train(compose_cfg(run_dir, "probes.bands=[0,96,200]", "trainer.max_steps=2"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 0 and "extend probes.bands" in summary["error"]
+    fixed = train(compose_cfg(run_dir, "trainer.max_steps=2", "trainer.measure_tau=false"))
+    assert fixed["status"] == "finished" and fixed["steps"] == 2
+    assert "failed before its first step" in (run_dir / "train_rank0.log").read_text()

@@ -8,8 +8,19 @@ analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline
     bootstrap         percentiles alpha/2, 1 - alpha/2 of mean(d*) over 10,000 resamples of the seeds with replacement
                       (NaN below 5 pairs: the resampled means then take too few distinct values to form an interval)
     p_value           exact sign-flip permutation test: share of the 2^n sign patterns s with |mean(s d)| >= |mean(d)|
-                      (random patterns beyond n = 16). The smallest attainable value is 2 / 2^n (p_min).
-    p_holm            Holm's step-down adjustment of p_value over the endpoints of one arm (its family)
+                      (random patterns beyond n = 16). The smallest attainable value is 2 / 2^n (p_min): 0.0625 at
+                      5 seeds, so after Holm it can never reach 0.05 there.
+    p_t               paired t test, two-sided: 2 P(T >= |mean(d)| / (sd(d) / sqrt(n))), T ~ t_(n-1)
+    p_bca             BCa bootstrap test (the 10,000 resampled means of the bootstrap interval): the two-sided level at
+                      which the bias-corrected and accelerated interval (Efron 1987; bias z0 from the share of
+                      resampled means below mean(d), acceleration a from the jackknife) just reaches 0
+    test              the test the verdict uses (``analysis.test``: t, the default, can reach significance at 5
+                      seeds; sign_flip is exact but cannot below 6 seeds for one endpoint)
+    p_holm            Holm's step-down adjustment of the verdict test's p over the endpoints of one arm (its family)
+    mdd               minimum detectable difference at power 0.8: (t_(1 - alpha/2, n-1) + t_(0.8, n-1)) sd(d) / sqrt(n)
+                      (two-sided, one endpoint, before Holm)
+    seeds_needed      the fewest seed pairs whose mdd is at most the declared margin, with this sd(d) (NaN without a
+                      margin)
     p_tost            two one-sided paired t-tests of |true diff| < margin: max(P(T >= (diff + m)/se),
                       P(T <= (diff - m)/se)), T ~ t_(n-1); p_tost_holm: Holm over the endpoints with a margin
     verdict           "equivalent" if a margin was declared and p_tost_holm < alpha (the difference is inside the
@@ -29,7 +40,9 @@ from dflash_lab.analysis.schema import BETTER
 
 PAIRED_COLUMNS = ("policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", "p_holm", "verdict", "better",
                   "stratum", "baseline", "n_pairs", "boot_low", "boot_high", "margin", "p_tost", "p_tost_holm",
-                  "p_min", "arm_mean", "baseline_mean", "seeds")
+                  "p_min", "arm_mean", "baseline_mean", "seeds", "p_t", "p_bca", "test", "mdd", "seeds_needed")
+TESTS = ("t", "sign_flip")
+POWER = 0.8
 EXACT_UP_TO = 16
 BOOTSTRAP_RESAMPLES = 10_000
 MIN_BOOTSTRAP_PAIRS = 5
@@ -97,6 +110,87 @@ def sign_flip_p_value(diffs, seed: int = 0) -> float:
     return float((1 + np.sum(flipped >= observed - 1e-12 * max(observed, 1.0))) / (1 + signs.shape[0]))
 
 
+def paired_t_p_value(diffs) -> float:
+    """Two-sided paired t test of mean(d) = 0; NaN with fewer than 2 differences.
+
+    Example:
+        >>> round(paired_t_p_value([1.0, 2.0, 3.0, 4.0, 5.0]), 4)   # t = 3 / (1.581 / sqrt(5)) = 4.243, 4 df
+        0.0132
+        >>> paired_t_p_value([0.2, 0.2, 0.2])   # no spread: any non-zero mean is certain
+        0.0
+    """
+    d = _clean(diffs)
+    if d.size < 2:
+        return float("nan")
+    se = d.std(ddof=1) / np.sqrt(d.size)
+    if se <= 1e-12 * abs(d.mean()) or se == 0:   # no spread (up to rounding): a non-zero mean is certain
+        return 0.0 if d.mean() != 0 else 1.0
+    return float(2.0 * stats.t.sf(abs(d.mean()) / se, d.size - 1))
+
+
+def bca_p_value(diffs, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
+    """Two-sided BCa bootstrap p-value of mean(d) = 0 (module docstring); NaN below 5 pairs.
+
+    Inverting the BCa interval: with G the resampled means' distribution, w = Phi^-1(G(0)) - z0, the interval's
+    one-sided level at 0 is beta = Phi(w / (1 + a w) - z0) and p = 2 min(beta, 1 - beta).
+
+    Example:
+        >>> bca_p_value([1.0, 2.0, 3.0, 4.0, 5.0]) < 0.01
+        True
+        >>> bca_p_value([1.0, -1.2, 0.5, -0.4, 0.2]) > 0.5
+        True
+    """
+    d = _clean(diffs)
+    if d.size < MIN_BOOTSTRAP_PAIRS:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    observed = d.mean()
+    share_below = np.clip(np.mean(means < observed), 1.0 / resamples, 1.0 - 1.0 / resamples)
+    z0 = stats.norm.ppf(share_below)
+    jackknife = np.array([np.delete(d, i).mean() for i in range(d.size)])
+    spread = jackknife.mean() - jackknife
+    denominator = 6.0 * np.sum(spread**2) ** 1.5
+    a = float(np.sum(spread**3) / denominator) if denominator > 0 else 0.0
+    g0 = np.clip(np.mean(means < 0.0), 0.5 / resamples, 1.0 - 0.5 / resamples)   # 0 beyond every mean: p < 1/B
+    w = stats.norm.ppf(g0) - z0
+    beta = stats.norm.cdf(w / (1.0 + a * w) - z0)
+    return float(min(1.0, 2.0 * min(beta, 1.0 - beta)))
+
+
+def minimum_detectable_difference(diffs, alpha: float = 0.05, power: float = POWER) -> float:
+    """The smallest true mean difference a paired two-sided t test at ``alpha`` detects with ``power``, given this
+    sd(d) and n: (t_(1 - alpha/2, n-1) + t_(power, n-1)) sd(d) / sqrt(n); NaN below 2 pairs.
+
+    Example:
+        >>> round(minimum_detectable_difference([1.0, 2.0, 3.0, 4.0, 5.0]), 3)   # (2.776 + 0.941) x 1.581 / sqrt(5)
+        2.629
+    """
+    d = _clean(diffs)
+    if d.size < 2:
+        return float("nan")
+    df = d.size - 1
+    return float((stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)) * d.std(ddof=1) / np.sqrt(d.size))
+
+
+def seeds_needed(diffs, effect: float, alpha: float = 0.05, power: float = POWER, most: int = 1000) -> float:
+    """The fewest seed pairs whose minimum detectable difference is at most ``effect``, with this sd(d); NaN
+    without an effect or below 2 pairs; ``most + 1`` means more than ``most``.
+
+    Example:
+        >>> int(seeds_needed([1.0, 2.0, 3.0, 4.0, 5.0], effect=1.0))   # sd 1.581: n with (t + t) 1.581 / sqrt(n) <= 1
+        22
+    """
+    d = _clean(diffs)
+    if d.size < 2 or not np.isfinite(effect) or effect <= 0:
+        return float("nan")
+    sd = d.std(ddof=1)
+    for n in range(2, most + 1):
+        if (stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / np.sqrt(n) <= effect:
+            return float(n)
+    return float(most + 1)
+
+
 def holm(p_values) -> np.ndarray:
     """Holm's step-down adjusted p-values (NaN entries stay NaN and do not count in the family).
 
@@ -154,13 +248,14 @@ def verdict(diff: float, p_holm: float, p_tost_holm: float, better: str, alpha: 
     return "inconclusive"
 
 
-def _per_seed(runs: pd.DataFrame, arm: str, endpoint: str) -> pd.Series:
+def per_seed_values(runs: pd.DataFrame, arm: str, endpoint: str) -> pd.Series:
+    """One arm's endpoint per seed (the mean where a seed ran more than once)."""
     rows = runs[(runs["arm"] == arm) & runs["seed"].notna()]
     return pd.to_numeric(rows[endpoint], errors="coerce").groupby(rows["seed"].astype(int)).mean()
 
 
 def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, ...], margins: dict[str, float],
-                 alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
+                 alpha: float = 0.05, test: str = "t") -> tuple[pd.DataFrame, list[str]]:
     """Every arm against its stratum's baseline, per endpoint (PAIRED_COLUMNS), and notes on what was left out.
 
     Args:
@@ -169,15 +264,18 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
         endpoints: columns to compare (schema.BETTER keys); all-NaN endpoints of an arm are skipped.
         margins: endpoint -> TOST margin.
         alpha: test level; intervals have confidence 1 - alpha.
+        test: the test the verdict uses, ``t`` (paired t) or ``sign_flip`` (exact); both are reported.
 
     Example:
         >>> runs = pd.DataFrame({"arm": ["a"] * 6 + ["b"] * 6, "seed": list(range(6)) * 2,
         ...                      "jumpiness": [0.2, 0.3, 0.25, 0.2, 0.3, 0.25, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]})
         >>> arms = pd.DataFrame({"stratum": ["", ""], "baseline": ["b", "b"]}, index=["a", "b"])
         >>> table, notes = paired_table(runs, arms, ("jumpiness",), {})
-        >>> table[["policy", "diff", "p_value", "verdict"]].round(4).values.tolist()
-        [['a', 0.15, 0.0312, 'worse']]
+        >>> table[["policy", "diff", "p_value", "p_t", "verdict"]].round(4).values.tolist()
+        [['a', 0.15, 0.0312, 0.0004, 'worse']]
     """
+    if test not in TESTS:
+        raise ValueError(f"analysis.test={test!r}: choose one of {', '.join(TESTS)}")
     rows, notes = [], []
     repeated = runs.dropna(subset=["seed"]).groupby(["arm", "seed"]).size()
     for (arm, seed), count in repeated[repeated > 1].items():
@@ -191,7 +289,7 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
             if endpoint not in runs.columns:
                 notes.append(f"endpoint {endpoint}: not a column of the runs table")
                 continue
-            pairs = pd.concat([_per_seed(runs, arm, endpoint), _per_seed(runs, baseline, endpoint)],
+            pairs = pd.concat([per_seed_values(runs, arm, endpoint), per_seed_values(runs, baseline, endpoint)],
                               axis=1, keys=["arm", "baseline"], join="inner").dropna()
             if pairs.empty:
                 continue  # e.g. loop_score of a shuffled order: NaN by definition, nothing to compare
@@ -206,17 +304,19 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
                 "boot_low": boot_low, "boot_high": boot_high, "margin": margin,
                 "p_tost": tost_p_value(diffs, margin), "p_min": 2.0 / 2**diffs.size if diffs.size else np.nan,
                 "arm_mean": float(pairs["arm"].mean()), "baseline_mean": float(pairs["baseline"].mean()),
-                "seeds": " ".join(str(s) for s in pairs.index),
+                "seeds": " ".join(str(s) for s in pairs.index), "p_t": paired_t_p_value(diffs),
+                "p_bca": bca_p_value(diffs), "test": test, "mdd": minimum_detectable_difference(diffs, alpha),
+                "seeds_needed": seeds_needed(diffs, margin, alpha),
             })
         if not family:
             notes.append(f"{arm}: no seed in common with its baseline {baseline}")
             continue
-        p_holm = holm([row["p_value"] for row in family])
+        p_holm = holm([row["p_t" if test == "t" else "p_value"] for row in family])
         p_tost_holm = holm([row["p_tost"] for row in family])
         for row, adjusted, tost_adjusted in zip(family, p_holm, p_tost_holm):
             row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
             row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
-        if max(row["p_min"] for row in family) * len(family) >= alpha:
+        if test == "sign_flip" and max(row["p_min"] for row in family) * len(family) >= alpha:
             n = max(row["n_pairs"] for row in family)
             needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
             notes.append(f"{arm}: with {n} seed pairs the sign-flip test cannot reach p_holm < {alpha:g} over "

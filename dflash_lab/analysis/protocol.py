@@ -11,11 +11,13 @@ seeing them:
       cost: null                # {c0, c1, c2}: step time = c0 + c1 padded + c2 attention tokens (seconds, per rank)
                                 # for the equal-modelled-time endpoint; null: that endpoint is NaN
       alpha: 0.05               # level of the tests and 1 - alpha the confidence of the intervals
+      test: t                   # the paired test verdicts use: t (paired t test) or sign_flip (exact; cannot reach
+                                # p_holm < 0.05 below 6 seeds); both are reported (analysis.paired)
       verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
                                 # the ablation's verdict.json (analysis.verdict); null: no verdict
 
 Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
---cost, --alpha). Runs that declare different values for a key not given on the command line are an error (they
+--cost, --alpha, --test). Runs that declare different values for a key not given on the command line are an error (they
 belong to different sweeps).
 """
 
@@ -25,10 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dflash_lab.analysis.paired import TESTS
 from dflash_lab.analysis.schema import BETTER, DEFAULT_ENDPOINTS, RunRecord
 from dflash_lab.config_check import as_float, refuse_unknown_keys
 
-PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict")
+PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict", "test")
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 COST_KEYS = ("c0", "c1", "c2")
 
@@ -43,6 +46,7 @@ class Protocol:
     cost: tuple[float, float, float] | None = None
     alpha: float = 0.05
     verdict: dict[str, str] | None = None
+    test: str = "t"
 
 
 def _endpoint(key: str, name: Any) -> str:
@@ -162,8 +166,21 @@ def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] |
     return roles
 
 
+def check_test(value: Any, key: str = "analysis.test") -> str:
+    """The paired test verdicts use (analysis.paired.TESTS).
+
+    Example:
+        >>> check_test("sign_flip")
+        'sign_flip'
+    """
+    if value not in TESTS:
+        raise ValueError(f"{key}={value!r}: choose one of {', '.join(TESTS)} (t: paired t test; sign_flip: exact "
+                         f"sign-flip permutation test)")
+    return value
+
+
 _CHECKS = {"baseline": check_baseline, "endpoints": check_endpoints, "margins": check_margins, "cost": check_cost,
-           "alpha": check_alpha, "verdict": check_verdict}
+           "alpha": check_alpha, "verdict": check_verdict, "test": check_test}
 
 
 def protocol_from_section(section: Mapping | None) -> Protocol:
@@ -175,7 +192,7 @@ def protocol_from_section(section: Mapping | None) -> Protocol:
         >>> protocol_from_section({"margin": {}})
         Traceback (most recent call last):
         ...
-        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, verdict
+        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, test, verdict
     """
     if section is None:
         return Protocol()
@@ -201,7 +218,8 @@ def resolve_protocol(records: list[RunRecord], **command_line: Any) -> Protocol:
         >>> run = RunRecord("r", "local", "/r", config={"analysis": {"baseline": "full_random"}})
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
-'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None)
+'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
+test='t')
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     declared = [(record.run_id, protocol_from_section(record.config.get("analysis"))) for record in records

@@ -403,7 +403,8 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
     if pairing is not None:
         runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
-        paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha)
+        paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha,
+                                            test=protocol.test)
         notes += pairing.notes + paired_notes
     bands, cross = _long_tables(analyses, runs)
     verdict = None
@@ -504,8 +505,8 @@ def _markdown(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def paired_markdown(paired: pd.DataFrame) -> str:
-    """The paired table as markdown: arm, endpoint, better direction, n, diff [t CI], bootstrap CI, p, p_holm,
-    margin, verdict.
+    """The paired table as markdown: arm, endpoint, better direction, n, diff [t CI], bootstrap CI, the three
+    tests' p, p_holm, margin, verdict, minimum detectable difference and the seeds the margin needs.
 
     Example:
         >>> print(paired_markdown(pd.DataFrame(columns=list(PAIRED_COLUMNS))))
@@ -520,11 +521,12 @@ def paired_markdown(paired: pd.DataFrame) -> str:
             f"{_format_number(r['diff'], r['endpoint'])} [{_format_number(r['ci_low'], '')}, "
             f"{_format_number(r['ci_high'], '')}]",
             f"[{_format_number(r['boot_low'], '')}, {_format_number(r['boot_high'], '')}]",
-            _format_number(r["p_value"], "", 3), _format_number(r["p_holm"], "", 3),
-            _format_number(r["margin"], ""), f"**{r['verdict']}**",
+            _format_number(r["p_t"], "", 3), _format_number(r["p_bca"], "", 3), _format_number(r["p_value"], "", 3),
+            _format_number(r["p_holm"], "", 3), _format_number(r["margin"], ""), f"**{r['verdict']}**",
+            _format_number(r["mdd"], ""), _format_number(r["seeds_needed"], "", 0),
         ])
-    headers = ["arm", "baseline", "endpoint", "direction", "pairs", "diff [t CI]", "bootstrap CI", "p", "p_holm",
-               "margin", "verdict"]
+    headers = ["arm", "baseline", "endpoint", "direction", "pairs", "diff [t CI]", "bootstrap CI", "p_t", "p_bca",
+               "p_sign", "p_holm", "margin", "verdict", "mdd", "seeds"]
     return _markdown(headers, rows)
 
 
@@ -556,8 +558,10 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
     protocol = comparison.protocol
     parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
               f"diff = arm − baseline, mean over seed pairs; {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
-              "intervals; p: exact sign-flip permutation test, p_holm: Holm over the endpoints of an arm; verdict: "
-              "TOST against the declared margin, else the sign of a Holm-significant difference.", "",
+              "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "
+              f"over the endpoints of an arm of the verdict's test ({protocol.test}); verdict: TOST against the "
+              "declared margin, else the sign of a Holm-significant difference; mdd: the difference detectable with "
+              "power 0.8 at these seeds; seeds: pairs needed for the margin.", "",
               paired_markdown(comparison.paired), ""]
     budget = comparison.budgets
     parts += ["## Equal compute", "",
