@@ -122,7 +122,12 @@ def test_arms_are_settings_and_pairs_stay_inside_their_stratum(ablation, tmp_pat
                                                          "full_random band_skills=independent"}
     markdown = (out / "comparison.md").read_text()
     assert "## Paired differences vs baseline `full_random`" in markdown
-    assert "'better'/'worse' need >= 8 seeds" in markdown  # 3 seeds and 6 endpoints cannot reach p_holm < 0.05
+    assert "p_t" in markdown and "mdd" in markdown and "seeds" in markdown
+    exact = tmp_path / "exact"
+    assert compare.main([str(ablation), "--out", str(exact), "--no-plots", "--baseline", "full_random",
+                         "--test", "sign_flip"]) == 0
+    # the exact test: 3 seeds and 6 endpoints cannot reach p_holm < 0.05, and the note says how many seeds would
+    assert "'better'/'worse' need >= 8 seeds" in (exact / "comparison.md").read_text()
 
 
 def test_a_baseline_selector_can_compare_data_settings_within_each_sampler(ablation, tmp_path):
@@ -154,7 +159,7 @@ def test_ambiguous_or_unknown_baselines_are_refused_with_the_fix(ablation, tmp_p
 def test_the_sweep_declares_the_protocol_before_the_runs(tmp_path):
     root = tmp_path / "m"
     analysis = {"baseline": "full_random", "endpoints": ["ktok_s", "probe_loss_at_tokens"],
-                "margins": {"probe_loss_at_tokens": 0.5}, "cost": {"c0": 0.01, "c1": 1e-5}}
+                "margins": {"probe_loss_at_tokens": 0.5}, "cost": {"c0": 0.01, "c1": 1e-5}, "test": "sign_flip"}
     for sampler in ("full_random", "bucketed"):
         for seed in range(7):
             write_run(root / f"{sampler}_{seed}", sampler, seed, analysis=analysis,
@@ -163,7 +168,8 @@ def test_the_sweep_declares_the_protocol_before_the_runs(tmp_path):
     assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
     paired = pd.read_csv(out / "paired.csv").set_index("endpoint")
     assert list(paired.index) == ["ktok_s", "probe_loss_at_tokens"]
-    assert paired.loc["ktok_s", "p_holm"] == pytest.approx(2 * 2 / 2**7)  # 7 seeds, 2 endpoints
+    assert paired.loc["ktok_s", "p_holm"] == pytest.approx(2 * 2 / 2**7)  # the declared exact test: 7 seeds, 2 endpoints
+    assert (paired["test"] == "sign_flip").all()
     assert paired.loc["ktok_s", "verdict"] == "better"
     assert paired.loc["probe_loss_at_tokens", "verdict"] == "equivalent"  # same curves up to noise, margin 0.5
     runs = pd.read_csv(out / "comparison.csv")

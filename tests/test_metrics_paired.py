@@ -85,7 +85,7 @@ def test_pairs_only_common_seeds_and_averages_repeated_runs():
     runs = pd.DataFrame({"arm": ["a", "a", "a", "a", "b", "b", "b"], "seed": [0, 1, 2, 2, 1, 2, 3],
                          "ktok_s": [9.0, 10.0, 11.0, 13.0, 5.0, 6.0, 7.0]})
     arms = pd.DataFrame({"stratum": "", "baseline": "b"}, index=["a", "b"])
-    table, notes = paired.paired_table(runs, arms, ("ktok_s",), {})
+    table, notes = paired.paired_table(runs, arms, ("ktok_s",), {}, test="sign_flip")
     row = table.iloc[0]
     assert row["n_pairs"] == 2 and row["seeds"] == "1 2"
     assert row["diff"] == pytest.approx(((10 - 5) + (12 - 6)) / 2)  # seed 2 of arm a: mean of 11 and 13
@@ -100,11 +100,47 @@ def test_holm_runs_over_the_endpoints_of_an_arm_and_nan_endpoints_are_left_out()
                          "jumpiness": np.r_[seeds * 0.1 + 0.01, seeds * 0.1],
                          "loop_score": np.nan})  # a shuffled order: no loop score on either side
     arms = pd.DataFrame({"stratum": "", "baseline": "b"}, index=["a", "b"])
-    table, _ = paired.paired_table(runs, arms, ("ktok_s", "jumpiness", "loop_score"), {})
+    table, _ = paired.paired_table(runs, arms, ("ktok_s", "jumpiness", "loop_score"), {}, test="sign_flip")
     assert table["endpoint"].tolist() == ["ktok_s", "jumpiness"]
     assert table["p_value"].tolist() == pytest.approx([2 / 128, 2 / 128])
     assert table["p_holm"].tolist() == pytest.approx([4 / 128, 4 / 128])
     assert table["verdict"].tolist() == ["better", "worse"]
+
+
+def test_the_t_test_can_conclude_at_five_seeds_where_the_exact_sign_flip_test_cannot():
+    """Five seeds, every difference positive: the sign-flip test's smallest p is 2/32 = 0.0625, so it can never
+    say 'better'; the paired t test (the default) and the BCa bootstrap can. The minimum detectable difference and
+    the seeds a margin needs are reported."""
+    seeds = np.arange(5)
+    runs = pd.DataFrame({"arm": ["a"] * 5 + ["b"] * 5, "seed": np.r_[seeds, seeds],
+                         "ktok_s": np.r_[[18.1, 17.6, 18.4, 17.9, 18.2], [10.0, 10.2, 9.9, 10.1, 10.0]]})
+    arms = pd.DataFrame({"stratum": "", "baseline": "b"}, index=["a", "b"])
+    exact, notes = paired.paired_table(runs, arms, ("ktok_s",), {"ktok_s": 1.0}, test="sign_flip")
+    assert exact.iloc[0]["p_value"] == pytest.approx(2 / 32) and exact.iloc[0]["verdict"] == "inconclusive"
+    assert any("cannot reach" in note for note in notes)
+    table, notes = paired.paired_table(runs, arms, ("ktok_s",), {"ktok_s": 1.0})
+    row = table.iloc[0]
+    d = runs["ktok_s"].to_numpy()[:5] - runs["ktok_s"].to_numpy()[5:]
+    assert row["test"] == "t" and row["p_t"] == pytest.approx(stats.ttest_rel(d, np.zeros(5)).pvalue)
+    assert row["p_holm"] == row["p_t"] < 0.001 and row["verdict"] == "better" and not notes
+    assert row["p_bca"] < 0.01 and row["p_value"] == pytest.approx(2 / 32)
+    sd = d.std(ddof=1)
+    assert row["mdd"] == pytest.approx((stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) * sd / np.sqrt(5))
+    def mdd(n: int) -> float:
+        return (stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) * sd / np.sqrt(n)
+
+    needed = int(row["seeds_needed"])   # the fewest pairs whose mdd is within the margin 1.0
+    assert mdd(needed) <= 1.0 and (needed == 2 or mdd(needed - 1) > 1.0)
+    with pytest.raises(ValueError, match="analysis.test='z'"):
+        paired.paired_table(runs, arms, ("ktok_s",), {}, test="z")
+
+
+def test_bca_p_value_agrees_with_the_t_test_on_clear_and_null_effects():
+    rng = np.random.default_rng(1)
+    clear, null = rng.normal(1.0, 0.5, size=8), rng.normal(0.0, 0.5, size=8)
+    assert paired.bca_p_value(clear) < 0.01 and paired.paired_t_p_value(clear) < 0.01
+    assert paired.bca_p_value(null) > 0.1 and paired.paired_t_p_value(null) > 0.1
+    assert np.isnan(paired.bca_p_value([1.0, 2.0, 3.0]))   # below 5 pairs: no bootstrap
 
 
 def test_tost_verdicts_against_declared_margins():
