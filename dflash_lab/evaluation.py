@@ -4,7 +4,9 @@
   probe sets (:class:`dflash_lab.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
   even when the schedule and the end of the run meet on it (its number is remembered across a resume).
 - Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of speculative decoding over held-out
-  prompts; at the end also the untrained draft's (same initial weights), the baseline of the gain.
+  prompts spread over the probe bands (``model.decode_num_prompts`` in all, one band after another), so one
+  measurement also gives tau per band (``tau_by_band``; ``tau_band_min``, ``tau_band_mean`` over the bands that have
+  prompts); at the end also the untrained draft's (same initial weights), the baseline of the gain.
 
 Their time is the ledger's scheduled evaluation (``record.TimeLedger.evaluation``): apart from the training loop's
 overhead, reported as ``eval_frac``.
@@ -19,10 +21,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_lab import record
-from dflash_lab.model import heldout_prompts, measure_acceptance
+from dflash_lab.metrics.draft_quality import acceptance_length_tau
+from dflash_lab.model import measure_acceptance
+from dflash_lab.model.decoding import banded_prompts
 from dflash_lab.probes import ProbeSets, heldout_evaluator
 from dflash_lab.settings import ProbeSettings
 
@@ -57,8 +62,10 @@ class Evaluation:
                 log.warning(f"probes: no held-out samples in band(s) {self.probe_sets.empty_bands} of "
                             f"probes.bands={self.probe_sets.bands}")
         self.evaluate_batch = heldout_evaluator(model, heldout_ds, pad_id, device, autocast)
-        self.prompts = heldout_prompts(heldout_ds, num_prompts=int(model_cfg.get("decode_num_prompts", 16)),
-                                       max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
+        self.prompts, self.prompt_bands = banded_prompts(
+            heldout_ds, probes.bands, num_prompts=int(model_cfg.get("decode_num_prompts", 16)),
+            max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
+        self.num_bands = len(probes.bands) - 1
         self.new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
 
     def after_step(self, step: int, end_step: int) -> None:
@@ -68,8 +75,10 @@ class Evaluation:
             self.probe(step)
         if self.tau_every and step % self.tau_every == 0 and step < end_step and self.is_main:
             with self._evaluating("tau"):
-                tau = measure_acceptance(self.model, self.prompts, self.new_tokens)["tau"]
-            self.log.info(f"step {step}: tau {tau:.3f}")
+                measured = measure_acceptance(self.model, self.prompts, self.new_tokens)
+            by_band = self.by_band(measured)
+            self.log.info(f"step {step}: tau {measured['tau']:.3f}, by band "
+                          f"{[round(t, 3) if t is not None else None for t in by_band]}")
 
     def probe(self, step: int) -> None:
         """Evaluate every probe band once for this step number (rank 0)."""
@@ -80,20 +89,38 @@ class Evaluation:
             with self._evaluating("probe"):
                 self.log_probes(self.probe_sets.evaluate(self.evaluate_batch, step, seed=self.settings.seed))
 
-    def final_tau(self, should_stop: Callable[[], bool]) -> tuple[float, float, bool]:
-        """Tau of the trained draft and of the untrained one (rank 0): ``(tau, tau_baseline, complete)``; a
-        ``should_stop`` request ends it early (partial tau, NaN baseline, complete False). Its cost is
-        ``model.decode_num_prompts`` x ``model.decode_max_new_tokens`` tokens per draft; the log tells its start,
-        its progress (at most every 30 s) and its end."""
+    def final_tau(self, should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_baseline``, ``tau_by_band``,
+        ``tau_baseline_by_band``, ``tau_band_min``, ``tau_band_mean`` and ``complete``; a ``should_stop`` request
+        ends it early (partial tau, NaN baseline, complete False). Its cost is ``model.decode_num_prompts`` x
+        ``model.decode_max_new_tokens`` tokens per draft; the log tells its start, its progress (at most every
+        30 s) and its end."""
+        nothing = [None] * self.num_bands
+        result = {"tau": math.nan, "tau_baseline": math.nan, "tau_by_band": nothing,
+                  "tau_baseline_by_band": nothing, "tau_band_min": math.nan, "tau_band_mean": math.nan,
+                  "complete": True}
         if not self.is_main:
-            return math.nan, math.nan, True
+            return result
         with self._evaluating("tau"):
             measured = self._measure("trained draft", self.model, should_stop)
-            tau, baseline = float(measured["tau"]), math.nan
+            by_band = self.by_band(measured)
+            measured_bands = [t for t in by_band if t is not None]
+            result.update(tau=float(measured["tau"]), tau_by_band=by_band, complete=bool(measured["complete"]),
+                          tau_band_min=min(measured_bands, default=math.nan),
+                          tau_band_mean=float(np.mean(measured_bands)) if measured_bands else math.nan)
             if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
                 untrained = self._measure("untrained draft", self.model.baseline_model(), should_stop)
-                baseline = float(untrained["tau"]) if untrained["complete"] else math.nan
-        return tau, baseline, bool(measured["complete"])
+                if untrained["complete"]:
+                    result.update(tau_baseline=float(untrained["tau"]), tau_baseline_by_band=self.by_band(untrained))
+        return result
+
+    def by_band(self, measured: dict[str, Any]) -> list[float | None]:
+        """Tau per probe band from one measurement (its prompts' verify steps, grouped by their band); None for a
+        band without a measured prompt."""
+        accepted: list[list[int]] = [[] for _ in range(self.num_bands)]
+        for band, steps in zip(self.prompt_bands, measured["accepted_per_prompt"]):
+            accepted[band].extend(steps)
+        return [acceptance_length_tau(steps) if steps else None for steps in accepted]
 
     def _measure(self, name: str, model, should_stop: Callable[[], bool]) -> dict[str, Any]:
         """One tau measurement, announced and reported as it goes (a large target on a CPU takes minutes)."""

@@ -307,13 +307,14 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         run.evaluation.probe(position.step)
         if position.step != position.loaded_step:
             run.checkpointer.save(position)
-    tau = tau_baseline = math.nan
+    taus = {"tau": math.nan, "tau_baseline": math.nan}
     if status != "failed" and trainer.measure_tau and run.env.is_main:
-        tau, tau_baseline, _ = run.evaluation.final_tau(should_stop=ckpt.checkpoint_requested)
+        taus = run.evaluation.final_tau(should_stop=ckpt.checkpoint_requested)
+        taus.pop("complete")
         if ckpt.checkpoint_requested():
             status = "preempted"
-    summary = run.records.summary(status, steps=position.step, tau=tau, tau_baseline=tau_baseline,
-                                  error=failure or None)
+    tau, tau_baseline = taus["tau"], taus["tau_baseline"]
+    summary = run.records.summary(status, steps=position.step, **taus, error=failure or None)
     run.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
     log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "

@@ -592,3 +592,19 @@ def test_a_fresh_start_refused_after_the_model_loads_leaves_a_summary_and_a_fixe
     fixed = train(compose_cfg(run_dir, "trainer.max_steps=2", "trainer.measure_tau=false"))
     assert fixed["status"] == "finished" and fixed["steps"] == 2
     assert "failed before its first step" in (run_dir / "train_rank0.log").read_text()
+
+
+def test_tau_is_measured_per_length_band_from_the_same_prompts(tmp_path):
+    """The tau prompts are spread over the probe bands, one band after another, so one measurement gives tau per
+    band: every band with a prompt has a tau >= 1, the overall tau lies between the bands' (it pools their verify
+    steps), and tau_band_min / tau_band_mean summarise the measured bands, for the untrained draft too."""
+    summary = train(compose_cfg(tmp_path / "tau", "trainer.max_steps=3", "probes.every=0",
+                                "model.decode_num_prompts=6", "model.decode_max_new_tokens=16"))
+    by_band, baseline = summary["tau_by_band"], summary["tau_baseline_by_band"]
+    assert len(by_band) == len(summary["probe_bands"]) - 1 == len(baseline)
+    measured = [t for t in by_band if t is not None]
+    assert len(measured) >= 4 and all(t >= 1.0 for t in measured)   # 6 prompts over 6 bands, where samples exist
+    assert min(measured) - 1e-9 <= summary["tau"] <= max(measured) + 1e-9
+    assert summary["tau_band_min"] == min(measured)
+    assert summary["tau_band_mean"] == pytest.approx(sum(measured) / len(measured))
+    assert all(t is None or t >= 1.0 for t in baseline)

@@ -85,6 +85,8 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "final_acc": "summary.final_acc, else the last logged acc",
     "tau": "summary.tau: acceptance length of greedy speculative decoding",
     "tau_baseline": "summary.tau_baseline: tau of the untrained draft",
+    "tau_band_min": "summary.tau_band_min: the worst probe band's tau (tau prompts spread over the bands)",
+    "tau_band_mean": "summary.tau_band_mean: the mean over probe bands of tau per band",
     "notes": "what was missing or approximated for this run",
 }
 RUN_COLUMNS: tuple[str, ...] = tuple(RUN_COLUMN_DOCS)
@@ -120,6 +122,7 @@ BETTER: dict[str, str] = {
     "frac_ever_forgotten": "lower", "frac_never_learned": "lower", "modelled_time_s": "lower",
     "probe_loss_final": "lower", "probe_loss_at_steps": "lower", "probe_loss_at_tokens": "lower",
     "probe_loss_at_time": "lower", "final_loss": "lower", "final_acc": "higher", "tau": "higher",
+    "tau_band_min": "higher", "tau_band_mean": "higher",
 }
 
 # Endpoints of the paired comparison when the sweep declares none (analysis.endpoints). Holm's correction runs over

@@ -168,6 +168,8 @@ _FALLBACK_REASONS = {
     "pad_eff": "not in summary.json and no real/padded tokens in metrics.jsonl",
     "final_loss": "not in summary.json and no logged loss",
     "tau": "not in summary.json (measured at the end of training)",
+    "tau_band_min": "not in summary.json (tau per band: measured at the end of training)",
+    "tau_band_mean": "not in summary.json (tau per band: measured at the end of training)",
 }
 
 
@@ -222,7 +224,7 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         partial=record.partial,
     )
     for key in ("ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "overhead_frac", "final_loss", "final_acc", "tau",
-                "tau_baseline", "steps"):
+                "tau_baseline", "tau_band_min", "tau_band_mean", "steps"):
         row[key] = _finite_or_nan(summary.get(key))
     _throughput_and_final(row, steps)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -44,17 +45,52 @@ def heldout_prompts(dataset, num_prompts: int = 16, max_prompt_tokens: int = 128
     step = max(1, len(order) // max(1, num_prompts))
     prompts = []
     for i in order[::step]:
-        sample = dataset[i]
-        supervised = torch.as_tensor(sample["loss_mask"]).nonzero()
-        if supervised.numel() == 0:
+        prompt = _prompt_of(dataset[i], max_prompt_tokens)
+        if prompt is None:
             continue
-        cut = int(supervised[0])
-        if cut == 0:
-            cut = 1  # at least one prompt token so the target has context
-        prompts.append(torch.as_tensor(sample["input_ids"][:cut], dtype=torch.long)[-max_prompt_tokens:])
+        prompts.append(prompt)
         if len(prompts) >= num_prompts:
             break
     return prompts
+
+
+def _prompt_of(sample: dict, max_prompt_tokens: int) -> torch.Tensor | None:
+    """The unsupervised prefix of a sample (its last ``max_prompt_tokens`` tokens); None without supervision."""
+    supervised = torch.as_tensor(sample["loss_mask"]).nonzero()
+    if supervised.numel() == 0:
+        return None
+    cut = max(1, int(supervised[0]))   # at least one prompt token so the target has context
+    return torch.as_tensor(sample["input_ids"][:cut], dtype=torch.long)[-max_prompt_tokens:]
+
+
+def banded_prompts(dataset, bands, num_prompts: int = 16,
+                   max_prompt_tokens: int = 128) -> tuple[list[torch.Tensor], list[int]]:
+    """Prompts spread over length bands (the probe bands: band b = documents of length in (lo, hi]), and the band of
+    each: one prompt per band in turn, each band's taken evenly over its length order, until ``num_prompts``; a
+    band with no usable sample gets none. Tau per band then comes from the same measurement at no extra cost.
+
+    Returns:
+        (prompts, band of each prompt).
+    """
+    from dflash_lab.sampling.boundaries import bucket_ids
+
+    band_of = bucket_ids(np.asarray(dataset.lengths), list(bands))
+    share = max(1, -(-num_prompts // max(1, len(bands) - 1)))   # ceil: a band's fair share of the prompts
+    queues = []   # per band: its samples, evenly spaced picks first, the rest after (for prompts that lack one)
+    for band in range(len(bands) - 1):
+        members = [int(i) for i in sorted(np.flatnonzero(band_of == band), key=lambda i: int(dataset.lengths[i]))]
+        spaced = members[::max(1, len(members) // share)]
+        queues.append(spaced + sorted(set(members) - set(spaced), key=members.index))
+    prompts, prompt_bands = [], []
+    while len(prompts) < num_prompts and any(queues):
+        for band, queue in enumerate(queues):
+            while queue and len(prompts) < num_prompts:
+                prompt = _prompt_of(dataset[queue.pop(0)], max_prompt_tokens)
+                if prompt is not None:
+                    prompts.append(prompt)
+                    prompt_bands.append(band)
+                    break
+    return prompts, prompt_bands
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -154,7 +190,8 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
         on_prompt: optional ``(done, total, tau_so_far) -> None`` called after each prompt (progress reports).
 
     Returns:
-        {"tau", "verify_steps", "new_tokens", "prompts", "complete"}; tau is NaN when no verify step ran.
+        {"tau", "verify_steps", "new_tokens", "prompts", "complete", "accepted_per_prompt"} (the accepted
+        tokens of each verify step, per measured prompt); tau is NaN when no verify step ran.
 
     Example:
         >>> res = measure_acceptance(model, heldout_prompts(heldout, 8), max_new_tokens=32)   # doctest: +SKIP
@@ -162,19 +199,20 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
     was_training = model.draft.training
     model.draft.eval()
     accepted: list[int] = []
+    per_prompt: list[list[int]] = []
     new_tokens = 0
-    done = 0
     try:
         for prompt in prompts:
             if should_stop is not None and should_stop():
                 break
-            done += 1
             tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
+            per_prompt.append(list(steps))
             accepted.extend(steps)
             new_tokens += len(tokens)
             if on_prompt is not None:
-                on_prompt(done, len(prompts), acceptance_length_tau(accepted))
+                on_prompt(len(per_prompt), len(prompts), acceptance_length_tau(accepted))
     finally:
         model.draft.train(was_training)
     return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
-            "prompts": done, "complete": done == len(prompts)}
+            "prompts": len(per_prompt), "complete": len(per_prompt) == len(prompts),
+            "accepted_per_prompt": per_prompt}
