@@ -227,3 +227,23 @@ def test_sigkill_mid_run_keeps_every_logged_row_and_the_next_launch_resumes(tmp_
     log = (run_dir / "train_rank0.log").read_text()
     assert f"resume: removed {steps[-1] - checkpoint} metric and 0 probe rows logged after step {checkpoint}" in log
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+def test_train_help_lists_the_own_data_path_and_every_key_of_data_jsonl_and_model_hf():
+    """`python -m dflash_lab.train --help` (the code behind `dflash-train --help`): the config groups with their
+    options, the own-data command, and every key of conf/data/jsonl.yaml and conf/model/hf.yaml by name."""
+    result = subprocess.run([sys.executable, "-m", "dflash_lab.train", "--help"], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    groups = dict(line.split(": ", 1) for line in text.splitlines() if re.fullmatch(r"\w+: [\w, ]+", line))
+    assert "jsonl" in groups["data"].split(", ") and "hf" in groups["model"].split(", ")
+    assert "model=hf model.target_path=" in text and "data=jsonl data.path=" in text
+    own_data = text.split("== Your data, your target ==")[1].split("== Config")[0]
+    for name, group in (("jsonl", "data"), ("hf", "model")):
+        keys = set(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml")) - {"kind"}
+        entry = re.search(rf"^{group}={name}  .*?(?=^\S|\Z)", own_data, re.M | re.S)   # its indented block
+        assert entry, f"--help has no {group}={name} entry"
+        listed = entry.group(0).split("keys:")[1]
+        missing = sorted(k for k in keys if not re.search(rf"\b{k}\b", listed))
+        assert not missing, f"--help lists no {missing} for {group}={name}: update conf/hydra/help/train.yaml"
