@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from test_train_e2e import SMALL, read_jsonl
 
 from dflash_lab import compare
@@ -247,3 +247,35 @@ def test_train_help_lists_the_own_data_path_and_every_key_of_data_jsonl_and_mode
         listed = entry.group(0).split("keys:")[1]
         missing = sorted(k for k in keys if not re.search(rf"\b{k}\b", listed))
         assert not missing, f"--help lists no {missing} for {group}={name}: update conf/hydra/help/train.yaml"
+
+
+def test_sweep_run_folders_are_named_by_the_boundary_list(grid):
+    names = sorted((p.name for p in grid.iterdir() if p.is_dir() and p.name[0].isdigit()), key=lambda n: int(n[0]))
+    assert names == [f"{i}_bucketed_b{'-'.join(map(str, b))}_s0" for i, b in enumerate(GRID)]
+
+
+def _wandb_name(overrides: list[str]) -> str:
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash_lab.run_names import name_wandb_run
+
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["logger=wandb", *overrides], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]   # the job's config, as the task function receives it
+    name_wandb_run(cfg)
+    return cfg.logger.name
+
+
+def test_a_single_runs_wandb_name_is_short_and_drops_paths():
+    long_dir = "/scratch/" + "very_long_directory_name/" * 8
+    name = _wandb_name([f"run_dir={long_dir}run", "data=jsonl", f"data.path={long_dir}chats.jsonl",
+                        "model=hf", f"model.target_path={long_dir}Qwen3-8B", "sampler=packed", "seed=3"])
+    assert name == "logger=wandb,data=jsonl,model=hf,sampler=packed,seed=3"
+    many = ["trainer.lr=0.0010", "probes.per_band=3", "sampler.max_tokens=8192", "trainer.max_steps=12345",
+            "sampler.boundaries=[0,64,96,128,152,184,216,256,304,352,412,512,768,1024]", "probes.every=25", "seed=7"]
+    capped = _wandb_name(many)
+    assert len(capped) == 96 and re.fullmatch(r".+~[0-9a-f]{6}", capped) and capped.startswith("logger=wandb,")
+    assert capped == _wandb_name(many) != _wandb_name([*many[:-1], "seed=8"])   # stable, and distinct when cut
