@@ -64,7 +64,7 @@ def grid(tmp_path_factory) -> Path:
 def wandb_folder(grid, tmp_path_factory) -> Path:
     """The sweep's offline W&B runs on their own, as `wandb sync` or a download would leave them."""
     folder = tmp_path_factory.mktemp("wandb_runs")
-    for run_dir in sorted(grid.glob("*_bucketed_s0")):
+    for run_dir in sorted(grid.glob("*_bucketed_b*_s0")):   # <job#>_bucketed_b<boundaries>_s0
         shutil.copytree(run_dir / "wandb", folder / run_dir.name, symlinks=True)  # latest-run stays a link
     return folder
 
