@@ -817,6 +817,73 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
                        for k in ("c0", "c1", "c2", "c3", "c4")))
 
 
+def model_fingerprint(model_cfg: Mapping[str, Any] | None) -> str | None:
+    """The dims that set a step's cost: the target's shape and the draft's (layers, block size), as one line; None
+    when the model config gives no shape (``model=hf`` without ``target_path`` / ``target_config``).
+
+    Example:
+        >>> model_fingerprint({"kind": "tiny", "draft_layers": 1, "block_size": 8})
+        'hidden 64, layers 4, heads 4/2, intermediate 192, vocab 264; draft layers 1, block 8'
+    """
+    from .model.build import target_config_only
+
+    if not model_cfg:
+        return None
+    try:
+        config = target_config_only(**dict(model_cfg))
+    except (ValueError, OSError):
+        return None
+    return (f"hidden {config.hidden_size}, layers {config.num_hidden_layers}, heads {config.num_attention_heads}/"
+            f"{config.num_key_value_heads}, intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
+            f"draft layers {model_cfg.get('draft_layers')}, block {model_cfg.get('block_size')}")
+
+
+def _run_model_config(run_dir: str | Path) -> dict | None:
+    """The ``model`` section a run trained with (its ``.hydra/config.yaml``), or None when it is not there."""
+    from omegaconf import OmegaConf
+
+    file = Path(run_dir) / ".hydra" / "config.yaml"
+    if not file.is_file():
+        return None
+    config = OmegaConf.load(file)
+    return OmegaConf.to_container(config.model, resolve=False) if "model" in config else None
+
+
+def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None) -> str | None:
+    """A warning when the cost model was calibrated on another model than the one planned (its ETA is then a
+    guess), naming both and the fix; None when they match or the calibration's model is unknown.
+
+    The calibration's model: ``cost.calibrate=true`` times the planned model itself; ``cost.from_run`` runs record
+    theirs (``.hydra/config.yaml``); a cost config names it in ``calibrated_for`` (a ``conf/model`` preset).
+    """
+    if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
+        return None
+    planned = model_fingerprint(model_cfg)
+    from_run = cost_cfg.get("from_run")
+    if from_run:
+        runs = [from_run] if isinstance(from_run, str) else list(from_run)
+        fitted = {str(run): model_fingerprint(_run_model_config(run)) for run in runs}
+        source = "cost.from_run=" + ",".join(run for run, dims in fitted.items() if dims != planned)
+        others = {dims for dims in fitted.values() if dims != planned}
+    elif cost_cfg.get("calibrated_for"):
+        from omegaconf import OmegaConf
+
+        preset = str(cost_cfg["calibrated_for"])
+        preset_cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml"), resolve=False)
+        source = f"the cost config (calibrated for model={preset})"
+        others = {model_fingerprint(preset_cfg)} - {planned}
+    else:
+        return None
+    if not others:
+        return None
+    kind = (model_cfg or {}).get("kind", "?")
+    shown = planned or "its shape unknown (set model.target_path or model.target_config)"
+    return (f"warning: the cost model is not calibrated for this model: {source} was fitted on "
+            f"{' / '.join(sorted(str(o) for o in others))}, the plan is for model={kind} ({shown}). Predicted "
+            f"Ktok/s and ETA are a guess: calibrate with cost.from_run=<a run dir of this model> (a short "
+            f"dflash-train run of it) or cost.calibrate=true; coefficients of your own: cost.calibrated_for=null")
+
+
 def plan_block_tokens(valid: np.ndarray, model_cfg: Mapping[str, Any] | None) -> np.ndarray | None:
     """Block tokens per sample under the model config's anchor rule (``sampling.anchors``); None without one."""
     if not model_cfg or "block_size" not in model_cfg:
@@ -847,6 +914,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
+    cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
     lengths, valid = load_plan_data(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
 
@@ -861,7 +929,8 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
             "epochs": epochs, "world_size": world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
-            "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]}}
+            "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
+            "cost_warning": cost_warning}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
@@ -869,6 +938,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     readable = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
         f"{epochs:g} epochs; {describe_cost(cost)}\n"
+        + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(cfg.get("model"), block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from test_train_e2e import SMALL, read_jsonl
 
 from dflash_lab import compare
@@ -64,7 +64,7 @@ def grid(tmp_path_factory) -> Path:
 def wandb_folder(grid, tmp_path_factory) -> Path:
     """The sweep's offline W&B runs on their own, as `wandb sync` or a download would leave them."""
     folder = tmp_path_factory.mktemp("wandb_runs")
-    for run_dir in sorted(grid.glob("*_bucketed_s0")):
+    for run_dir in sorted(grid.glob("*_bucketed_b*_s0")):   # <job#>_bucketed_b<boundaries>_s0
         shutil.copytree(run_dir / "wandb", folder / run_dir.name, symlinks=True)  # latest-run stays a link
     return folder
 
@@ -227,3 +227,55 @@ def test_sigkill_mid_run_keeps_every_logged_row_and_the_next_launch_resumes(tmp_
     log = (run_dir / "train_rank0.log").read_text()
     assert f"resume: removed {steps[-1] - checkpoint} metric and 0 probe rows logged after step {checkpoint}" in log
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+def test_train_help_lists_the_own_data_path_and_every_key_of_data_jsonl_and_model_hf():
+    """`python -m dflash_lab.train --help` (the code behind `dflash-train --help`): the config groups with their
+    options, the own-data command, and every key of conf/data/jsonl.yaml and conf/model/hf.yaml by name."""
+    result = subprocess.run([sys.executable, "-m", "dflash_lab.train", "--help"], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    groups = dict(line.split(": ", 1) for line in text.splitlines() if re.fullmatch(r"\w+: [\w, ]+", line))
+    assert "jsonl" in groups["data"].split(", ") and "hf" in groups["model"].split(", ")
+    assert "model=hf model.target_path=" in text and "data=jsonl data.path=" in text
+    own_data = text.split("== Your data, your target ==")[1].split("== Config")[0]
+    for name, group in (("jsonl", "data"), ("hf", "model")):
+        keys = set(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml")) - {"kind"}
+        entry = re.search(rf"^{group}={name}  .*?(?=^\S|\Z)", own_data, re.M | re.S)   # its indented block
+        assert entry, f"--help has no {group}={name} entry"
+        listed = entry.group(0).split("keys:")[1]
+        missing = sorted(k for k in keys if not re.search(rf"\b{k}\b", listed))
+        assert not missing, f"--help lists no {missing} for {group}={name}: update conf/hydra/help/train.yaml"
+
+
+def test_sweep_run_folders_are_named_by_the_boundary_list(grid):
+    names = sorted((p.name for p in grid.iterdir() if p.is_dir() and p.name[0].isdigit()), key=lambda n: int(n[0]))
+    assert names == [f"{i}_bucketed_b{'-'.join(map(str, b))}_s0" for i, b in enumerate(GRID)]
+
+
+def _wandb_name(overrides: list[str]) -> str:
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash_lab.run_names import name_wandb_run
+
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["logger=wandb", *overrides], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]   # the job's config, as the task function receives it
+    name_wandb_run(cfg)
+    return cfg.logger.name
+
+
+def test_a_single_runs_wandb_name_is_short_and_drops_paths():
+    long_dir = "/scratch/" + "very_long_directory_name/" * 8
+    name = _wandb_name([f"run_dir={long_dir}run", "data=jsonl", f"data.path={long_dir}chats.jsonl",
+                        "model=hf", f"model.target_path={long_dir}Qwen3-8B", "sampler=packed", "seed=3"])
+    assert name == "logger=wandb,data=jsonl,model=hf,sampler=packed,seed=3"
+    many = ["trainer.lr=0.0010", "probes.per_band=3", "sampler.max_tokens=8192", "trainer.max_steps=12345",
+            "sampler.boundaries=[0,64,96,128,152,184,216,256,304,352,412,512,768,1024]", "probes.every=25", "seed=7"]
+    capped = _wandb_name(many)
+    assert len(capped) == 96 and re.fullmatch(r".+~[0-9a-f]{6}", capped) and capped.startswith("logger=wandb,")
+    assert capped == _wandb_name(many) != _wandb_name([*many[:-1], "seed=8"])   # stable, and distinct when cut

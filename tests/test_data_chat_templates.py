@@ -1,7 +1,8 @@
 """Chat data on real template shapes: assistant-token masks, data.chat_template, skipped lines by reason.
 
 The templates are fixtures (tests/fixtures/chat_templates/): a Qwen3-style one, which strips <think> from replies
-before the last user turn and gives the last reply a think block, and a Llama-3-style one, which trims contents.
+before the last user turn and gives the last reply a think block, a Llama-3-style one, which trims contents, and
+one modelled on Qwen3's own template with tool calling (qwen3_tools.jinja; neither of the other two renders tools).
 The tokenizer is built here with the `tokenizers` library (byte-level, no merges, the templates' markers as
 single tokens): tokenizing a text piece by piece gives the same ids as tokenizing it whole, so the expected mask
 is written piece by piece from what each template is documented to render, and compared token by token.
@@ -16,12 +17,13 @@ import pytest
 
 from dflash_lab.data import ByteTokenizer, HFTokenizerAdapter, build_dataset
 from dflash_lab.data.datasets import DATA_KEYS
-from dflash_lab.data.jsonl import SKIP_REASONS
-from dflash_lab.data.tokenizer import ChatTemplateError, chat_markers, load_chat_template
+from dflash_lab.data.jsonl import SKIP_REASONS, parse_conversation, parse_tools
+from dflash_lab.data.tokenizer import ChatTemplateError, TemplateLacksTools, chat_markers, load_chat_template
 from dflash_lab.plan import CONF_DIR
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN3, LLAMA3 = TEMPLATES / "qwen3_style.jinja", TEMPLATES / "llama3_style.jinja"
+QWEN3_TOOLS = TEMPLATES / "qwen3_tools.jinja"
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 CONVERSATIONS = [
@@ -177,9 +179,11 @@ def test_mixed_single_and_multi_turn_file_skips_nothing(tmp_path, tokenizer, tem
 
 def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
     good = [{"messages": CONVERSATIONS[0]}] * 6
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}
     bad = [
         "{not json",                                                          # malformed_json
-        json.dumps({"messages": [{"role": "tool", "content": "x"}]}),         # tool_calls (a tool role)
+        json.dumps({"messages": [{"role": "user", "content": "q"},            # template_lacks_tools: this
+                                 {"role": "assistant", "content": "let me look", "tool_calls": [call]}]}),  # template
         json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),  # no_assistant_turn
         b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',            # invalid_utf8 (Latin-1 byte)
         json.dumps({"messages": [{"role": "user", "content": "q " * 40}, {"role": "assistant", "content": "ok!"}]}),
@@ -188,7 +192,8 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
     ds = build_dataset("jsonl", tokenizer=tokenizer, path=str(file), chat_template=str(QWEN3), max_length=64,
                        cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
     assert ds.stats["skipped"] == {"invalid_utf8": 1, "malformed_json": 1, "no_assistant_turn": 1,
-                                   "template_error": 0, "too_long": 1, "tool_calls": 1}
+                                   "template_error": 0, "too_long": 1, "bad_tool_arguments": 0,
+                                   "template_lacks_tools": 1}                 # drops the call: never trained on
     assert ds.stats["skipped_examples"]["invalid_utf8"][0][0] == 7 and len(ds) == 6
 
     # A template that cannot render the file: template_error, the commonest reason, named with an example line.
@@ -197,8 +202,10 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
         build_dataset("jsonl", tokenizer=tokenizer, path=str(file), chat_template=failing, max_length=64,
                       cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
     message = str(err.value)
-    assert "commonest reason template_error (7 lines, e.g. line 1:" in message and "no user allowed" in message
-    assert "data.max_bad_fraction=0.5" in message and "malformed_json 1" in message and "tool_calls 1" in message
+    # Every line the template sees fails, the tool-calling one too: a template error, not a lack of tool syntax.
+    assert "commonest reason template_error (8 lines, e.g. line 1:" in message and "no user allowed" in message
+    assert "data.max_bad_fraction=0.5" in message and "malformed_json 1" in message
+    assert "template_lacks_tools" not in message
 
 
 def test_invalid_utf8_is_never_replaced(tmp_path):
@@ -270,3 +277,165 @@ def test_mixed_chat_file_trains_with_nothing_skipped(tmp_path):
                             path=str(file), chat_template=str(QWEN3), max_bad_fraction=0.0,
                             cache_dir=tmp_path / "cache")
     assert dataset.stats["skipped"] == dict.fromkeys(SKIP_REASONS, 0) and len(dataset) == len(records)
+
+
+# --- tool calling: the OpenAI/HF schema rendered as the target's template renders it ------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _call(call_id, name, arguments):
+    """An OpenAI-style call: arguments as a JSON string when given a str, else HF's dict form."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# (record, the calls' text as the template renders them, the tool responses): OpenAI string arguments, HF dict
+# arguments, null and string content beside calls, two calls in one turn, consecutive tool turns.
+TOOL_RECORDS = [
+    ({"tools": [WEATHER_TOOL],
+      "messages": [{"role": "system", "content": "be brief"},
+                   {"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [_call("c1", "get_weather", '{"city": "Paris"}')]},
+                   {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C, sunny"},
+                   {"role": "assistant", "content": "It is 18C and sunny."}]},
+     ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
+     ["18C, sunny"]),
+    ({"tools": [WEATHER_TOOL, TIME_TOOL],
+      "messages": [{"role": "user", "content": "Weather and time in Oslo?"},
+                   {"role": "assistant", "content": "Checking both.",
+                    "tool_calls": [_call("a", "get_weather", {"city": "Oslo"}), _call("b", "get_time", {"city": "Oslo"})]},
+                   {"role": "tool", "tool_call_id": "a", "content": "-3C, snow"},
+                   {"role": "tool", "tool_call_id": "b", "content": "14:05"},
+                   {"role": "assistant", "content": "Snowy, -3C, and it is 14:05."}]},
+     ['Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+      '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'],
+     ["-3C, snow", "14:05"]),
+]
+
+
+def tiny_tool_tokenizer():
+    """tiny_chat_tokenizer plus Qwen3's tool tags as single (added, non-special) tokens."""
+    hf = tiny_chat_tokenizer()
+    hf.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    return HFTokenizerAdapter(tiny_tool_tokenizer())
+
+
+def _encode_record(tokenizer, record, template):
+    return tokenizer.encode_chat(parse_conversation(record), chat_template=template, tools=parse_tools(record))
+
+
+@pytest.mark.parametrize("index", range(len(TOOL_RECORDS)))
+def test_tool_calls_are_trained_and_tool_responses_are_not(tool_tokenizer, index):
+    record, calls, responses = TOOL_RECORDS[index]
+    template = QWEN3_TOOLS.read_text()
+    ids, mask = _encode_record(tool_tokenizer, record, template)
+    # The sequence is the template's own rendering (HF form: dict arguments, no content key on a bare call turn).
+    hf_messages = [{k: v for k, v in m.items() if v is not None} for m in record["messages"]]
+    for m in hf_messages:
+        for call in m.get("tool_calls", []):
+            if isinstance(call["function"]["arguments"], str):
+                call["function"] = {**call["function"], "arguments": json.loads(call["function"]["arguments"])}
+    rendered = tool_tokenizer.hf.apply_chat_template(hf_messages, tools=record["tools"], tokenize=False,
+                                                     chat_template=template)
+    assert ids == tool_tokenizer.encode(rendered)
+    trained = tool_tokenizer.decode([t for t, m in zip(ids, mask) if m], show_special=True)
+    prompt = tool_tokenizer.decode([t for t, m in zip(ids, mask) if not m], show_special=True)
+    for call_text in calls:                        # byte-exact: the call as the template writes it, trained on
+        assert call_text in rendered and call_text in trained
+    for response in responses:                     # tool results are context, never targets
+        wrapped = f"<tool_response>\n{response}\n</tool_response>"
+        assert wrapped in prompt and wrapped not in trained and "tool_response" not in trained
+    for turn in record["messages"]:
+        if turn["role"] in ("system", "user"):
+            assert turn["content"] in prompt and turn["content"] not in trained
+        if turn["role"] == "assistant" and turn["content"]:
+            assert turn["content"] in trained
+    for tool in record["tools"]:                   # the tools list (as tojson writes it) is prompt
+        assert json.dumps(tool) in prompt
+    assert "<tools>" not in trained
+
+
+def test_string_and_dict_arguments_render_the_same(tool_tokenizer):
+    template = QWEN3_TOOLS.read_text()
+    record = TOOL_RECORDS[0][0]
+    as_dict = json.loads(json.dumps(record))
+    as_dict["messages"][2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    assert _encode_record(tool_tokenizer, record, template) == _encode_record(tool_tokenizer, as_dict, template)
+
+
+def test_tool_calling_jsonl_loads_with_nothing_skipped(tmp_path, tool_tokenizer):
+    records = [record for record, _, _ in TOOL_RECORDS] * 4 + [{"messages": m} for m in CONVERSATIONS]
+    file = _write_jsonl(tmp_path / "tools.jsonl", records)
+    ds = build_dataset("jsonl", tokenizer=tool_tokenizer, path=str(file), chat_template=str(QWEN3_TOOLS),
+                       cache_dir=tmp_path / "cache", max_bad_fraction=0.0)
+    assert ds.stats["skipped"] == dict.fromkeys(SKIP_REASONS, 0)
+    assert len(ds) == ds.stats["kept"] == len(records)
+    for i in range(len(TOOL_RECORDS) * 4):
+        sample = ds[i]
+        trained = tool_tokenizer.decode(sample["input_ids"][sample["loss_mask"]].tolist(), show_special=True)
+        for call_text in TOOL_RECORDS[i % len(TOOL_RECORDS)][1]:
+            assert call_text in trained
+
+
+@pytest.mark.parametrize("template", [QWEN3, LLAMA3, "raises"], ids=["qwen3_style", "llama3_style", "raises"])
+def test_a_template_without_tool_support_is_a_named_skip(tmp_path, tool_tokenizer, template):
+    """qwen3_style renders tool turns but drops calls and the tools list; llama3_style likewise; the third raises
+    on a tool role: each tool-calling line is counted as template_lacks_tools, the plain chats are kept."""
+    if template == "raises":
+        template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                    "{{ raise_exception('unsupported role ' + m['role']) }}{% endif %}"
+                    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    records = [record for record, _, _ in TOOL_RECORDS] + [{"messages": m} for m in CONVERSATIONS]
+    file = _write_jsonl(tmp_path / "tools.jsonl", records)
+    ds = build_dataset("jsonl", tokenizer=tool_tokenizer, path=str(file), chat_template=str(template),
+                       cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
+    assert ds.stats["skipped"] == {**dict.fromkeys(SKIP_REASONS, 0), "template_lacks_tools": len(TOOL_RECORDS)}
+    assert len(ds) == len(CONVERSATIONS)
+    assert "data.chat_template" in ds.stats["skipped_examples"]["template_lacks_tools"][0][1]
+
+
+def test_a_rendering_that_drops_a_tool_response_or_the_tools_list_is_refused(tool_tokenizer):
+    """Templates that raise on nothing but leave out a part: the tool turn's result, or the tools list."""
+    record = TOOL_RECORDS[0][0]
+    drops_results = QWEN3_TOOLS.read_text().replace("{{- content }}\n        {{- '\\n</tool_response>' }}",
+                                                    "{{- '\\n</tool_response>' }}")
+    drops_tools = QWEN3_TOOLS.read_text().replace("{{- tool | tojson }}", "{{- 'a tool' }}")
+    assert drops_results != QWEN3_TOOLS.read_text() != drops_tools
+    with pytest.raises(TemplateLacksTools, match="drops a tool response"):
+        _encode_record(tool_tokenizer, record, drops_results)
+    with pytest.raises(TemplateLacksTools, match="does not render the tools list.*get_weather"):
+        _encode_record(tool_tokenizer, record, drops_tools)
+
+
+def test_bad_tool_call_arguments_and_shapes_are_named(tmp_path, tool_tokenizer):
+    def line(call=None, tools=None):
+        record = {"messages": [{"role": "user", "content": "q"},
+                               {"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]}
+        return {**record, "tools": tools} if tools is not None else record
+
+    records = [
+        line(_call("x", "get_weather", "city=Paris")),          # bad_tool_arguments: a string, not JSON
+        line(_call("x", "get_weather", "[1, 2]")),              # bad_tool_arguments: JSON, not an object
+        line({"type": "function", "function": {"arguments": "{}"}}),   # malformed_json: no function name
+        line(_call("x", "get_weather", "{}"), tools=["get_weather"]),  # malformed_json: tools not schemas
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]},  # null, no calls
+    ] + [record for record, _, _ in TOOL_RECORDS] * 3
+    file = _write_jsonl(tmp_path / "bad_tools.jsonl", records)
+    ds = build_dataset("jsonl", tokenizer=tool_tokenizer, path=str(file), chat_template=str(QWEN3_TOOLS),
+                       cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
+    assert ds.stats["skipped"] == {**dict.fromkeys(SKIP_REASONS, 0), "bad_tool_arguments": 2, "malformed_json": 3}
+    messages = dict(ds.stats["skipped_examples"]["bad_tool_arguments"])
+    assert "not JSON" in messages[1] and "must be a JSON object" in messages[2]

@@ -29,7 +29,8 @@ def test_formats_and_assistant_only_loss(tmp_path):
     assert len(ds) == 300
     assert ds.stats["total_lines"] == 302 and ds.stats["kept"] == 300
     assert ds.stats["skipped"] == {"invalid_utf8": 0, "malformed_json": 1, "no_assistant_turn": 1,
-                                   "template_error": 0, "too_long": 0, "tool_calls": 0}
+                                   "template_error": 0, "too_long": 0, "bad_tool_arguments": 0,
+                                   "template_lacks_tools": 0}
     assert [line for line, _ in ds.stats["skipped_examples"]["malformed_json"]] == [6]
     assert [line for line, _ in ds.stats["skipped_examples"]["no_assistant_turn"]] == [51]
     tok = ByteTokenizer()
@@ -72,9 +73,11 @@ def test_a_byte_order_mark_and_an_absurdly_nested_line_are_handled(tmp_path):
     assert "reply 0 here" in ByteTokenizer().decode(ds[0]["input_ids"])   # line 1, after the BOM, is kept
 
 
-def test_tool_calling_conversations_are_skipped_under_their_own_reason(tmp_path):
-    """A tool role, tool_calls (with null or string content) or a tools list: never refused as malformed JSON and
-    never trained with the calls dropped from the text; counted as tool_calls."""
+def test_tool_calling_conversations_need_a_template_with_tool_syntax(tmp_path):
+    """The tiny model's byte tokenizer has no tool syntax: a tool turn, tool_calls (null or string content) or a
+    tools list is parsed (never refused as malformed JSON) and skipped as template_lacks_tools, never trained with
+    the calls dropped from the text (model=hf with a tool-rendering template trains them:
+    tests/test_data_chat_templates.py)."""
     file = tmp_path / "chat.jsonl"
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     tool_lines = [
@@ -89,6 +92,7 @@ def test_tool_calling_conversations_are_skipped_under_their_own_reason(tmp_path)
     ]
     _write(file, 300, bad_lines=tool_lines)
     ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", max_bad_fraction=0.05)
-    assert ds.stats["skipped"]["tool_calls"] == 3 and ds.stats["skipped"]["malformed_json"] == 0
-    assert [line for line, _ in ds.stats["skipped_examples"]["tool_calls"]] == [4, 10, 16]
+    assert ds.stats["skipped"]["template_lacks_tools"] == 3 and ds.stats["skipped"]["malformed_json"] == 0
+    assert [line for line, _ in ds.stats["skipped_examples"]["template_lacks_tools"]] == [4, 10, 16]
+    assert "model=hf" in ds.stats["skipped_examples"]["template_lacks_tools"][0][1]
     assert len(ds) == 300

@@ -9,6 +9,7 @@ tests/test_slurm*.py.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,19 +312,28 @@ def test_sweep_jobs_get_distinct_directories():
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds"):
+    # The name shows what the grid varies, filesystem-safe, after the job number (sampler and seed as before).
+    first_names = {"boundaries_grid": "0_bucketed_b0-770-1216-1728-2432-3296-8192_s0",
+                   "bucket_count_grid": "0_bucketed_K2_s0", "policies_seeds": "0_sorted_static_s0",
+                   "forgetting_ablation": "0_full_random_aligned_full_random_s0"}
+    for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds", "forgetting_ablation"):
         with _hydra_context():
             master = compose(name, return_hydra_config=True)
             loader = GlobalHydra.instance().config_loader()
             jobs = expand_sweep(master)
-            subdirs = set()
+            subdirs = []
             for num, overrides in enumerate(jobs):
                 job = loader.load_sweep_config(master, overrides)
                 OmegaConf.set_struct(job, False)
                 job.hydra.job.num = num
+                job.hydra.mode = "MULTIRUN"
                 HydraConfig.instance().set_config(job)
-                subdirs.add(str(job.hydra.sweep.subdir))
-            assert len(subdirs) == len(jobs), name
+                subdirs.append(str(job.hydra.sweep.subdir))
+            assert len(set(subdirs)) == len(jobs), name
+            assert subdirs[0] == first_names[name], subdirs[:3]
+            assert all(re.fullmatch(rf"{num}_[A-Za-z0-9._+-]+_s\d", d) for num, d in enumerate(subdirs)), subdirs
+            if name == "boundaries_grid":   # one distinct boundary list per folder name
+                assert subdirs[3] == "3_bucketed_b0-216-1024_s0"
 
 
 # ------------------------------------------------------------------------------------------ the real command line

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "dflash_lab", "conf", "conf_plan", "sweeps", "hydra_plugins")
+SOURCES = ("pyproject.toml", "README.md", "dflash_lab", "conf", "conf_plan", "sweeps", "notebooks", "hydra_plugins")
 SMALL = [
     "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
     "++model.intermediate_size=128", "++model.pretrain_steps=20", "++model.pretrain_tokens_per_step=2048",
@@ -69,7 +69,7 @@ def _installed_from(bin_dir: Path, cwd: Path) -> Path:
 def _check_configs(bin_dir: Path, cwd: Path) -> None:
     """train's --help lists only train's groups; a shipped sweep is a primary config from any directory; a
     user's --config-dir extends the shipped configs."""
-    groups = _run([bin_dir / "dflash-train", "--help"], cwd).stdout.split("== Config ==")[0]
+    groups = _run([bin_dir / "dflash-train", "--help"], cwd).stdout.split("\n== Config (")[0]
     assert "sampler: bucket_sequential, bucketed," in groups and "trainer: cpu" in groups
     assert "cost" not in groups and "lengths" not in groups
     sweep = _run([bin_dir / "dflash-train", "--config-name", "boundaries_grid", "--cfg", "hydra"], cwd).stdout
@@ -105,6 +105,9 @@ def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path)
     work.mkdir()
     assert tmp_path / "venv" in _installed_from(bin_dir, work).parents  # the wheel's copy, not a checkout
     _check_configs(bin_dir, work)
+    notebook = _run([bin_dir / "python", "-c", "from dflash_lab.notebooks import COMPARE_POLICIES as p; "
+                     "import json; print(p, len(json.loads(p.read_text())['cells']))"], work).stdout.split()
+    assert tmp_path / "venv" in Path(notebook[0]).parents and int(notebook[1]) > 5   # the notebook, in the wheel
 
     _run([bin_dir / "dflash-train", "hydra.run.dir=run", "trainer.max_steps=2", *SMALL], work)
     summary = json.loads((work / "run" / "summary.json").read_text())
@@ -177,3 +180,25 @@ def _normalise(requirement: str) -> str:
     for stop in "<>=!~[ ":
         name = name.split(stop)[0]
     return name.strip().lower().replace("_", "-")
+
+
+def _notebook_loading_cell() -> str:
+    notebook = json.loads((ROOT / "notebooks" / "compare_policies.ipynb").read_text())
+    return "".join(next(c["source"] for c in notebook["cells"] if "load_runs(" in "".join(c["source"])))
+
+
+def test_the_notebook_without_runs_names_dflash_runs_and_the_fix(tmp_path, monkeypatch):
+    """Its loading cell, run where there is no repository and no runs: a FileNotFoundError naming DFLASH_RUNS and
+    how to set it, never a bare AssertionError."""
+    from dflash_lab.notebooks import COMPARE_POLICIES
+
+    assert COMPARE_POLICIES == (ROOT / "notebooks" / "compare_policies.ipynb").resolve()
+    monkeypatch.chdir(tmp_path)
+    for name in ("DFLASH_RUNS", "WANDB_ENTITY", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(FileNotFoundError, match="DFLASH_RUNS is not set .*Set DFLASH_RUNS to a multirun folder"):
+        exec(_notebook_loading_cell(), {})
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("DFLASH_RUNS", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="no runs found in .*empty: .*point DFLASH_RUNS"):
+        exec(_notebook_loading_cell(), {})

@@ -276,3 +276,58 @@ def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(
     text = (tmp_path / "plan.md").read_text()
     assert "anchor rule: recipe (min(512, valid positions) anchors per document, block size 16)" in text
     assert "executed FLOPs / (0.331 x 500 TFLOP/s)" in text and "Supervision share per length band" in text
+
+
+# ---- the cost model's calibration: a warning when it was fitted on another model ------------------------------------
+def _model(name, **changes):
+    from omegaconf import OmegaConf
+
+    from dflash_lab.plan import CONF_DIR
+
+    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"), resolve=False), **changes}
+
+
+def _hf_target(path: Path, hidden: int) -> Path:
+    """A local HF target with a config.json only (the planner reads the shape, never the weights)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 4 * hidden, "vocab_size": 1000, "head_dim": hidden // 4}))
+    return path
+
+
+def test_the_planner_warns_when_the_cost_model_was_calibrated_on_another_model(tmp_path):
+    from dflash_lab.plan import cost_calibration_warning
+
+    tiny_cost = {"calibrated_for": "tiny", "from_run": None, "calibrate": False}
+    seed_cost = {"calibrated_for": "qwen3_8b", "from_run": None, "calibrate": False}
+    assert cost_calibration_warning(tiny_cost, _model("tiny")) is None
+    assert cost_calibration_warning(seed_cost, _model("qwen3_8b")) is None
+    hf = _model("hf", target_path=str(_hf_target(tmp_path / "target", 64)), draft_layers=1)
+    for cost, model in ((tiny_cost, hf), (tiny_cost, _model("tiny", hidden_size=128)), (seed_cost, hf)):
+        warning = cost_calibration_warning(cost, model)
+        assert warning and "not calibrated for this model" in warning and "cost.from_run=<a run dir" in warning
+        assert f"model={cost['calibrated_for']}" in warning and f"model={model['kind']}" in warning
+    assert cost_calibration_warning({**tiny_cost, "calibrate": True}, hf) is None   # timed on this model
+    assert cost_calibration_warning({**tiny_cost, "calibrated_for": None}, hf) is None   # the user's coefficients
+    # cost.from_run: the runs' own .hydra/config.yaml says what they trained
+    for name, model in (("run_hf", hf), ("run_tiny", _model("tiny"))):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "config.yaml").write_text(json.dumps({"model": model}))
+    assert cost_calibration_warning({**tiny_cost, "from_run": str(tmp_path / "run_hf")}, hf) is None
+    warning = cost_calibration_warning({**tiny_cost, "from_run": [str(tmp_path / "run_hf"),
+                                                                  str(tmp_path / "run_tiny")]}, hf)
+    assert warning and f"cost.from_run={tmp_path / 'run_tiny'} was fitted on hidden 64, layers 4" in warning
+
+
+def test_the_plan_prints_and_records_the_calibration_warning(plan_cfg, tmp_path, capsys):
+    from dflash_lab.plan import run_plan
+
+    cfg = with_override(with_override(plan_cfg, "model.hidden_size", 128), "out_dir", str(tmp_path))
+    run_plan(cfg)
+    printed = capsys.readouterr().out
+    assert printed.count("warning: the cost model is not calibrated for this model") == 1
+    assert "hidden 128" in printed and "cost.from_run=<a run dir of this model>" in printed
+    assert "not calibrated" in json.loads((tmp_path / "plan.json").read_text())["meta"]["cost_warning"]
+    run_plan(with_override(plan_cfg, "out_dir", str(tmp_path)))   # the tiny model the default cost was fitted on
+    assert "not calibrated" not in capsys.readouterr().out

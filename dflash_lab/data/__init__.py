@@ -20,7 +20,8 @@ API (stable; the training loop is written against it):
     loader = DataLoader(train_ds, batch_sampler=policy, collate_fn=collate_fn)
 
 Tokenizers expose: encode(text) -> list[int], decode(ids) -> str, encode_chat(messages) -> (ids, loss_mask)
-(HFTokenizerAdapter.encode_chat also takes chat_template=, the data.chat_template override),
+(both take tools=, a line's function schemas; HFTokenizerAdapter.encode_chat also takes chat_template=, the
+data.chat_template override),
 pad_token_id, mask_token_id, bos_token_id, eos_token_id, vocab_size, fingerprint.
 """
 

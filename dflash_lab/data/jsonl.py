@@ -1,20 +1,40 @@
-"""Chat data from JSONL: ShareGPT (``conversations`` of {from, value}) or ``messages`` (of {role, content}).
+"""Chat data from JSONL: ShareGPT (``conversations`` of {from, value}) or ``messages`` (of {role, content}), with
+OpenAI/HF tool calling.
+
+Schema of one line (one JSON object)::
+
+    {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}],   # optional
+     "messages": [
+        {"role": "system", "content": "..."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null,                       # null or a string beside the calls
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C, sunny"},
+        {"role": "assistant", "content": "18C and sunny."}]}
+
+A call's ``arguments`` may be OpenAI's JSON string or HF's dict; strings are parsed into dicts, as HF's chat
+templating docs ask (Qwen3's template writes ``arguments | tojson``). A flat ``{"name", "arguments"}`` call and the
+legacy ``function_call`` key (one call) are accepted too; ``tools`` may also be a JSON string of that list.
 
 Algorithm: read the file line by line as bytes; decode each non-empty line as UTF-8, parse it as one
-conversation, normalise roles, render it with the target's chat template (``tokenizer.encode_chat``: our template
-for the byte tokenizer, the HF tokenizer's template or ``data.chat_template`` for ``model=hf``), loss only on
-assistant tokens, cap at ``max_length`` tokens. A line that cannot be used is skipped and counted under one
-reason (:data:`SKIP_REASONS`):
+conversation, normalise roles and tool calls, render it with the target's chat template
+(``tokenizer.encode_chat``: our template for the byte tokenizer, the HF tokenizer's template or
+``data.chat_template`` for ``model=hf``, with ``tools=``), loss only on assistant turns (their tool calls included;
+never system, user or tool turns), cap at ``max_length`` tokens. A line that cannot be used is skipped and counted
+under one reason (:data:`SKIP_REASONS`):
 
-    invalid_utf8       the line is not valid UTF-8 (never silently replaced)
-    malformed_json     not JSON, or not a conversation: an object with a non-empty ``conversations`` or
-                       ``messages`` list of turns with string role/content and a known role
-    no_assistant_turn  no assistant turn, or assistant turns with fewer than two tokens to learn
-    template_error     the chat template fails on the conversation or its assistant turns cannot be located
-    too_long           the ``max_length`` cut leaves fewer than two assistant tokens (the prompt is too long)
-    tool_calls         a tool-calling conversation (a ``tools`` list, ``tool_calls`` / ``function_call`` on a
-                       turn, a ``tool`` / ``function`` / ``ipython`` role): not rendered by this version, so never
-                       trained on a text with its calls dropped
+    invalid_utf8          the line is not valid UTF-8 (never silently replaced)
+    malformed_json        not JSON, or not a conversation: an object with a non-empty ``conversations`` or
+                          ``messages`` list of turns with a known string role and string content (null allowed on
+                          an assistant turn with tool calls), tool calls with a function name, a list of tools
+    no_assistant_turn     no assistant turn, or assistant turns with fewer than two tokens to learn
+    template_error        the chat template fails on the conversation or its assistant turns cannot be located
+    too_long              the ``max_length`` cut leaves fewer than two assistant tokens (the prompt is too long)
+    bad_tool_arguments    a tool call's ``arguments`` is a string that is not JSON, or JSON that is not an object
+    template_lacks_tools  the conversation uses tools and the template cannot render them: it raises, or drops a
+                          call, a tool response or the tools list (the byte tokenizer of ``model=tiny`` always);
+                          never trained on a text with its calls dropped
 
 More than ``max_bad_fraction`` of skipped lines is an error naming the file, the commonest reason with an
 example line and its message, and the config key.
@@ -29,11 +49,10 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_lab.data.tokenizer import normalise_role
+from dflash_lab.data.tokenizer import TemplateLacksTools, normalise_role, tool_name
 
-SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long", "tool_calls")
-TOOL_ROLES = ("tool", "function", "ipython")
-TOOL_KEYS = ("tool_calls", "function_call")
+SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long",
+                "bad_tool_arguments", "template_lacks_tools")
 _EXAMPLES_PER_REASON = 5
 
 
@@ -45,12 +64,71 @@ class UnusableLine(ValueError):
         self.reason = reason
 
 
+def parse_tool_call(call) -> dict:
+    """One tool call in HF's form ``{"type": "function", "function": {"name", "arguments": dict}}`` (``id`` kept).
+
+    Raises:
+        UnusableLine: ``malformed_json`` for a call without a function name, ``bad_tool_arguments`` for arguments
+            that are neither a JSON object nor a string holding one.
+
+    Example:
+        >>> parse_tool_call({"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}})
+        {'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}, 'id': 'c1'}
+    """
+    if not isinstance(call, dict):
+        raise UnusableLine("malformed_json", "a tool call is not an object")
+    function = call.get("function", call)   # OpenAI and HF wrap the call in "function"; a flat call is accepted
+    name = tool_name(function)
+    if name is None:
+        raise UnusableLine("malformed_json", "a tool call needs function.name (a non-empty string)")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise UnusableLine("bad_tool_arguments", f"tool call {name!r}: arguments is a string but not JSON "
+                                                     f"({exc}): write the arguments as a JSON object") from exc
+    if not isinstance(arguments, dict):
+        raise UnusableLine("bad_tool_arguments", f"tool call {name!r}: arguments must be a JSON object, got "
+                                                 f"{type(arguments).__name__}")
+    parsed = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call.get("id") is not None:
+        parsed["id"] = call["id"]
+    return parsed
+
+
+def parse_tools(record: dict) -> list[dict] | None:
+    """The line's ``tools`` list (function schemas, passed to the template as given), or None without one.
+
+    Raises:
+        UnusableLine: ``malformed_json`` for tools that are not a list of named function schemas.
+
+    Example:
+        >>> parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+        [{'type': 'function', 'function': {'name': 'f', 'parameters': {}}}]
+    """
+    tools = record.get("tools")
+    if isinstance(tools, str):   # some exports store the list as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise UnusableLine("malformed_json", f"'tools' is a string but not a JSON list: {exc}") from exc
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(tool_name(tool) for tool in tools):
+        raise UnusableLine("malformed_json", "'tools' must be a list of function schemas, each with a name "
+                                             "({\"type\": \"function\", \"function\": {\"name\": ...}})")
+    return tools
+
+
 def parse_conversation(record) -> list[dict]:
-    """Messages [{role, content}] of one JSON record (ShareGPT or messages format).
+    """Messages of one JSON record (ShareGPT or messages format): ``{role, content}``, plus ``tool_calls`` (HF
+    form, :func:`parse_tool_call`) on assistant turns that call tools (content None or a string) and
+    ``tool_call_id`` / ``name`` on tool turns.
 
     Raises:
         UnusableLine: ``malformed_json`` for a record that is not a conversation, ``no_assistant_turn`` for one
-            without an assistant turn, ``tool_calls`` for a tool-calling conversation.
+            without an assistant turn, ``bad_tool_arguments`` for unparseable call arguments.
 
     Example:
         >>> parse_conversation({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
@@ -66,22 +144,31 @@ def parse_conversation(record) -> list[dict]:
         raise UnusableLine("malformed_json", "neither 'conversations' nor 'messages'")
     if not isinstance(turns, list) or not turns:
         raise UnusableLine("malformed_json", "empty or non-list conversation")
-    if record.get("tools") or any(isinstance(turn, dict) and (
-            any(turn.get(key) for key in TOOL_KEYS) or str(turn.get(role_key, "")).strip().lower() in TOOL_ROLES)
-            for turn in turns):
-        raise UnusableLine("tool_calls", "a tool-calling conversation (tools, tool_calls or a tool role): not "
-                                         "rendered by this version of the jsonl loader")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
             raise UnusableLine("malformed_json", "turn is not an object")
         role, content = turn.get(role_key), turn.get(content_key)
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise UnusableLine("malformed_json", f"turn needs string {role_key!r} and {content_key!r}")
+        if not isinstance(role, str):
+            raise UnusableLine("malformed_json", f"turn needs a string {role_key!r}")
         try:
-            messages.append({"role": normalise_role(role), "content": content})
+            role = normalise_role(role)
         except ValueError as exc:
             raise UnusableLine("malformed_json", str(exc)) from exc
+        calls = turn.get("tool_calls") or ([turn["function_call"]] if turn.get("function_call") else [])
+        if calls and role != "assistant":
+            raise UnusableLine("malformed_json", f"tool_calls on a {role} turn: only assistant turns call tools")
+        if not isinstance(calls, list):
+            raise UnusableLine("malformed_json", "tool_calls must be a list of calls")
+        if not isinstance(content, str) and not (content is None and calls):
+            raise UnusableLine("malformed_json", f"turn needs string {role_key!r} and {content_key!r} (null only on "
+                                                 "an assistant turn with tool_calls)")
+        message = {"role": role, "content": content}
+        if calls:
+            message["tool_calls"] = [parse_tool_call(call) for call in calls]
+        if role == "tool":
+            message.update({key: turn[key] for key in ("tool_call_id", "name") if turn.get(key) is not None})
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise UnusableLine("no_assistant_turn", "no assistant turn")
     return messages
@@ -135,9 +222,14 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
     except RecursionError as exc:   # json's decoder recurses per nesting level: one absurd line, not the run
         raise UnusableLine("malformed_json", "not JSON: nested deeper than the JSON decoder's recursion limit") from exc
     messages = parse_conversation(record)
+    tools = parse_tools(record)
+    options = {"tools": tools} if tools else {}
+    if chat_template is not None:
+        options["chat_template"] = chat_template
     try:
-        ids, mask = (tokenizer.encode_chat(messages) if chat_template is None
-                     else tokenizer.encode_chat(messages, chat_template=chat_template))
+        ids, mask = tokenizer.encode_chat(messages, **options)
+    except TemplateLacksTools as exc:
+        raise UnusableLine("template_lacks_tools", str(exc)) from exc
     except ValueError as exc:  # ChatTemplateError and whatever else the template raises as a value problem
         raise UnusableLine("template_error", str(exc)) from exc
     if _supervised_pairs(mask) == 0:
@@ -185,5 +277,6 @@ def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float
             f"{file}: {bad} of {report.total_lines} lines cannot be used, above data.max_bad_fraction="
             f"{max_bad_fraction}; commonest reason {reason} ({count} lines, e.g. line {line_number}: {message})"
             + (f"; also {others}" if others else "")
-            + ": fix the file (or set data.chat_template for template errors) or raise data.max_bad_fraction"
+            + ": fix the file (or set data.chat_template for template errors and tool-calling data) or raise "
+              "data.max_bad_fraction"
         )

@@ -13,6 +13,14 @@ and each assistant turn is located by the template's markers, learned by renderi
 (the reply, any ``<think>`` block the template puts there, and the marker: the model must learn to stop). So
 templates that rewrite earlier turns (Qwen3 strips ``<think>`` from all but the last replies) are handled.
 
+Tool calling (the OpenAI/HF schema, parsed by ``data.jsonl``): a ``tools`` list goes to
+``apply_chat_template(messages, tools=tools)``; an assistant turn's ``tool_calls`` are rendered by the template
+inside that turn (Qwen3: ``<tool_call>...</tool_call>`` before ``<|im_end|>``), so they fall inside its span and are
+trained on, as SpecForge's and HF's assistant masks do; ``tool`` turns (Qwen3: ``<tool_response>`` inside a user
+turn), system and user turns are prompt. A template that cannot render them (it raises, or its rendering lacks a
+call, a tool response or a listed tool) raises :class:`TemplateLacksTools`, never a silent drop. The byte
+tokenizer's own format has no tool syntax: it raises the same.
+
 Cost: ByteTokenizer.encode is one ``str.encode`` + a list comprehension, O(characters); HF chat encoding is one
 template render + one tokenizer call per conversation (the probe renders run once per template).
 """
@@ -28,13 +36,15 @@ PAD, BOS, EOS, MASK, SYSTEM, USER, ASSISTANT, END_OF_TURN = range(8)
 _SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>", "<mask>", "<system>", "<user>", "<assistant>", "<eot>")
 _BYTE_OFFSET = 8
 _ROLE_IDS = {"system": SYSTEM, "user": USER, "human": USER, "assistant": ASSISTANT, "gpt": ASSISTANT}
+TOOL_ROLES = ("tool", "function", "ipython")   # OpenAI's tool (and legacy function) results; Llama 3.1's ipython
 
 
 def normalise_role(role: str) -> str:
-    """Map ShareGPT (human/gpt) and OpenAI (user/assistant) role names onto system | user | assistant.
+    """Map ShareGPT (human/gpt), OpenAI (user/assistant/tool) and legacy tool-result role names onto
+    system | user | assistant | tool.
 
     Raises:
-        ValueError: for a role name neither format uses.
+        ValueError: for a role name none of these formats uses.
     """
     key = str(role).strip().lower()
     if key in ("system",):
@@ -43,7 +53,14 @@ def normalise_role(role: str) -> str:
         return "user"
     if key in ("assistant", "gpt", "model"):
         return "assistant"
-    raise ValueError(f"unknown chat role {role!r}: expected system, user/human or assistant/gpt")
+    if key in TOOL_ROLES:
+        return "tool"
+    raise ValueError(f"unknown chat role {role!r}: expected system, user/human, assistant/gpt or tool")
+
+
+def uses_tools(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> bool:
+    """True when a conversation needs a template's tool syntax: a tools list, a tool call or a tool turn."""
+    return bool(tools) or any(m.get("tool_calls") or normalise_role(m["role"]) == "tool" for m in messages)
 
 
 class ByteTokenizer:
@@ -92,15 +109,23 @@ class ByteTokenizer:
         pieces.append(out.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
-    def encode_chat(self, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
+                    ) -> tuple[list[int], list[bool]]:
         """Render a conversation with our template; loss mask True on assistant text + its closing token.
 
         Args:
             messages: dicts with ``role`` (system/user/assistant or human/gpt) and ``content`` (str).
+            tools: must be empty: our format has no tool syntax.
 
         Returns:
             (ids, loss_mask) of equal length, starting with BOS.
+
+        Raises:
+            TemplateLacksTools: the conversation has tools, tool calls or tool turns.
         """
+        if uses_tools(messages, tools):
+            raise TemplateLacksTools("the byte tokenizer's chat format (model=tiny) has no tool-call syntax: train "
+                                     "tool-calling data with model=hf and a chat template that renders tools")
         ids: list[int] = [BOS]
         mask: list[bool] = [False]
         roles = [normalise_role(m["role"]) for m in messages]
@@ -178,23 +203,30 @@ class HFTokenizerAdapter:
         """Decode ids (special tokens skipped unless show_special)."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=not show_special)
 
-    def encode_chat(self, messages: Sequence[dict],
-                    chat_template: str | None = None) -> tuple[list[int], list[bool]]:
-        """Render with the chat template; loss mask True on the assistant turns' tokens (module docstring).
+    def encode_chat(self, messages: Sequence[dict], chat_template: str | None = None,
+                    tools: Sequence[dict] | None = None) -> tuple[list[int], list[bool]]:
+        """Render with the chat template; loss mask True on the assistant turns' tokens, their tool calls
+        included (module docstring).
 
         Args:
-            messages: dicts with ``role`` and ``content``.
+            messages: dicts with ``role`` and ``content``; assistant turns may carry ``tool_calls`` (HF form:
+                ``{"type": "function", "function": {"name", "arguments": dict}}``, content None when absent),
+                tool turns ``tool_call_id`` / ``name``.
             chat_template: Jinja template text replacing the tokenizer's own (``data.chat_template``).
+            tools: function schemas for ``apply_chat_template(..., tools=tools)``.
 
         Raises:
+            TemplateLacksTools: the conversation uses tools and the template raises on it, or renders it without
+                a tool call, a tool response or a listed tool.
             ChatTemplateError: the template fails on this conversation, or its rendering does not show one
                 assistant header per assistant turn.
         """
-        convo = [{"role": normalise_role(m["role"]), "content": m["content"]} for m in messages]
+        convo = [template_message(m) for m in messages]
 
-        def render(conversation, add_generation_prompt=False) -> str:
+        def render(conversation, add_generation_prompt=False, tools=None) -> str:
             try:
-                return self.hf.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                return self.hf.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                                   chat_template=chat_template,
                                                    add_generation_prompt=add_generation_prompt)
             except Exception as exc:  # jinja errors, raise_exception() in the template, missing template
                 raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
@@ -203,8 +235,17 @@ class HFTokenizerAdapter:
         if key not in self._markers:
             self._markers[key] = chat_markers(render)
         header, end = self._markers[key]
-        text = render(convo)
+        with_tools = uses_tools(messages, tools)
+        try:
+            text = render(convo, tools=list(tools) if tools else None)
+        except ChatTemplateError as exc:
+            if with_tools:
+                raise TemplateLacksTools(f"the chat template cannot render this tool-calling conversation ({exc}): "
+                                         "set data.chat_template to one that renders tools") from exc
+            raise
         spans = assistant_spans(text, header, end, sum(m["role"] == "assistant" for m in convo))
+        if with_tools:
+            check_tools_rendered(text, spans, convo, tools or [])
         encoded = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(s <= lo < e for s, e in spans) for lo, _hi in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), mask
@@ -212,6 +253,76 @@ class HFTokenizerAdapter:
 
 class ChatTemplateError(ValueError):
     """A chat template failed on a conversation, or its assistant turns could not be located."""
+
+
+class TemplateLacksTools(ChatTemplateError):
+    """A chat template (or the byte tokenizer's format) cannot render a conversation's tools, calls or results."""
+
+
+def template_message(message: dict) -> dict:
+    """One turn in the form HF chat templates read: role normalised; ``tool_calls`` kept on assistant turns and
+    ``tool_call_id`` / ``name`` on tool turns; a null content left out (HF's documented tool-call turn has no
+    content key, so a template reading it gets an empty undefined value, never the text "None").
+
+    Example:
+        >>> template_message({"role": "gpt", "content": None, "tool_calls": [{"function": {"name": "f"}}]})
+        {'role': 'assistant', 'tool_calls': [{'function': {'name': 'f'}}]}
+    """
+    role = normalise_role(message["role"])
+    turn = {"role": role}
+    if message.get("content") is not None:
+        turn["content"] = message["content"]
+    if role == "assistant" and message.get("tool_calls"):
+        turn["tool_calls"] = message["tool_calls"]
+    if role == "tool":
+        turn.update({key: message[key] for key in ("tool_call_id", "name") if message.get(key) is not None})
+    return turn
+
+
+def tool_name(tool) -> str | None:
+    """The function name of one ``tools`` entry: OpenAI's ``{"type": "function", "function": {"name"}}`` or a bare
+    ``{"name"}`` schema."""
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function", tool)
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def check_tools_rendered(text: str, spans: list[tuple[int, int]], convo: Sequence[dict], tools: Sequence) -> None:
+    """Refuse a rendering that dropped tool content: every call's name and argument names must lie inside its
+    assistant turn's span (the trained text), every tool response and every listed tool's name outside the spans.
+
+    Raises:
+        TemplateLacksTools: naming what is missing.
+
+    Example:
+        >>> turn = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]}
+        >>> check_tools_rendered("<a>say</a>", [(3, 10)], [turn], [])
+        Traceback (most recent call last):
+        ...
+        dflash_lab.data.tokenizer.TemplateLacksTools: the chat template renders assistant turn 1 without its tool call 'f' ...
+    """
+    prompt = "".join(text[lo:hi] for lo, hi in zip([0] + [e for _, e in spans], [s for s, _ in spans] + [len(text)]))
+    replies = iter(text[s:e] for s, e in spans)
+    fix = "set data.chat_template to a template that renders tools (Qwen3's does)"
+    for number, turn in enumerate((m for m in convo if m["role"] == "assistant"), start=1):
+        reply = next(replies)
+        for call in turn.get("tool_calls", []):
+            function = call["function"]
+            missing = [piece for piece in (function["name"], *function.get("arguments", {})) if piece not in reply]
+            if missing:
+                raise TemplateLacksTools(f"the chat template renders assistant turn {number} without its tool call "
+                                         f"{function['name']!r} ({missing} missing from the reply): {fix}")
+    for turn in convo:
+        if turn["role"] == "tool" and turn.get("content") and turn["content"] not in prompt:
+            raise TemplateLacksTools(f"the chat template drops a tool response ({turn['content'][:40]!r} is not in "
+                                     f"the rendered prompt): {fix}")
+    for tool in tools:
+        name = tool_name(tool)
+        if name and name not in prompt:
+            raise TemplateLacksTools(f"the chat template does not render the tools list (tool {name!r} is not in "
+                                     f"the rendered prompt): {fix}")
 
 
 _PROBE_USER, _PROBE_REPLY = "dflashprobeuserturn", "dflashprobeassistantreply"
