@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: CI and Slurm nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -38,25 +39,42 @@ def _empty(ax: plt.Axes, message: str) -> None:
     ax.set_axis_off()
 
 
+def _plain_log_y(ax: plt.Axes) -> None:
+    """A log y axis labelled in plain numbers (2, 3, 5, 10, 20, ...), never ``5.45x10^0``: a loss axis spans less
+    than a decade, where matplotlib's default labels only minor ticks, in scientific notation."""
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 3.0, 5.0)))
+    ax.yaxis.set_minor_formatter(plain)
+
+
+def _drawable_grid(count: int, columns: int, panel_size: tuple[float, float], **kwargs) -> tuple[plt.Figure, list]:
+    """A figure of ``count`` panels (at most ``columns`` a row), no empty cells: panels with nothing to draw are
+    left out by the caller and named under the figure (:func:`_note_missing`)."""
+    columns = max(1, min(count, columns))
+    rows = max(1, int(np.ceil(count / columns)))
+    fig, axes = plt.subplots(rows, columns, figsize=(panel_size[0] * columns, panel_size[1] * rows), squeeze=False,
+                             **kwargs)
+    flat = list(axes.flat)
+    for ax in flat[count:]:
+        fig.delaxes(ax)
+    return fig, flat[:count]
+
+
+def _note_missing(fig: plt.Figure, missing: list[str]) -> None:
+    """Name the panels left out for lack of data, under the figure."""
+    if missing:
+        fig.text(0.01, 0.005, "n/a (nothing to draw): " + "; ".join(missing), fontsize=7, ha="left", va="bottom")
+
+
 def _legend(ax: plt.Axes) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
 
 
-def _panel_grid(count: int, panel_size: tuple[float, float]) -> tuple[plt.Figure, np.ndarray]:
-    """Up to 3 panels per row sharing the y axis; panels past `count` are hidden."""
-    columns = min(count, 3)
-    rows = int(np.ceil(count / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(panel_size[0] * columns, panel_size[1] * rows), squeeze=False,
-                             sharey=True)
-    for ax in list(axes.flat)[count:]:
-        ax.set_axis_off()
-    return fig, axes
-
-
 def _save(fig: plt.Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))   # room for the n/a note under the panels
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -104,8 +122,11 @@ def plot_loss_curves(records: list[RunRecord], path: Path, arms: dict[str, str] 
             ax.plot(steps[column], ema(steps["loss"].to_numpy(), smooth_alpha), color=colours[arm], linewidth=1.2,
                     linestyle="--" if record.partial else "-", label=None if arm in labelled else arm)
             labelled.add(arm)
-        ax.set(xlabel=label, title=f"training loss vs {label} (EMA; dashed = partial)", yscale="log")
+        ax.set(xlabel=label, yscale="log")
+        ax.set_title(f"vs {label}", fontsize=9)
+        _plain_log_y(ax)
     axes[0].set_ylabel("training loss")
+    fig.suptitle("training loss (EMA; faint: raw; dashed: partial run)", fontsize=10)
     _legend(axes[0])
     return _save(fig, path)
 
@@ -141,11 +162,11 @@ def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, 
         fig, ax = plt.subplots(figsize=(6, 3))
         _empty(ax, "no probe evaluations logged")
         return _save(fig, path)
-    fig, axes = _panel_grid(len(chosen), (5.2, 3.4))
+    fig, axes = _drawable_grid(len(chosen), 3, (5.2, 3.4), sharey=True)
     bands = sorted({int(b) for r in chosen.values() for b in r.probes["band"].dropna().unique()})
     palette = plt.get_cmap("viridis", max(len(bands), 2))
     colour = {band: palette(i) for i, band in enumerate(bands)}
-    for ax, (arm, record) in zip(axes.flat, sorted(chosen.items())):
+    for ax, (arm, record) in zip(axes, sorted(chosen.items())):
         for start, end, bucket in _bucket_spans(record.steps):
             ax.axvspan(start, end, color=colour.get(bucket, "lightgrey"), alpha=0.12, linewidth=0)
         for band in bands:
@@ -155,8 +176,9 @@ def plot_band_loss_by_arm(records: list[RunRecord], path: Path, arms: dict[str, 
                     label=f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))
         ax.set(xlabel="step", yscale="log")
         ax.set_title(f"{arm} (seed {record.seed})", fontsize=8)
-    axes[0][0].set_ylabel("probe loss (shading: bucket of the step)")
-    axes[0][0].legend(fontsize=6)
+        _plain_log_y(ax)
+    axes[0].set_ylabel("probe loss (shading: bucket of the step)")
+    axes[0].legend(fontsize=6)
     return _save(fig, path)
 
 
@@ -168,9 +190,9 @@ def plot_band_accuracy(records: list[RunRecord], path: Path, arms: dict[str, str
         fig, ax = plt.subplots(figsize=(6, 3))
         _empty(ax, "no probe evaluations logged")
         return _save(fig, path)
-    fig, axes = _panel_grid(len(bands), (4.2, 3.2))
+    fig, axes = _drawable_grid(len(bands), 3, (4.2, 3.2), sharey=True)
     colours = _colours([_arm(r, arms) for r in with_probes])
-    for ax, band in zip(axes.flat, bands):
+    for ax, band in zip(axes, bands):
         labelled: set[str] = set()
         for record in with_probes:
             probes = record.probes[record.probes["band"] == band].sort_values("step")
@@ -181,10 +203,11 @@ def plot_band_accuracy(records: list[RunRecord], path: Path, arms: dict[str, str
                     label=None if arm in labelled else arm)
             labelled.add(arm)
         lo, hi = record_band_edges(with_probes, band)
-        ax.set_title(f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""))  # lengths in (lo, hi]
+        ax.set_title(f"band {band}" + (f" ({lo:.0f}, {hi:.0f}]" if np.isfinite(lo) else ""),  # lengths in (lo, hi]
+                     fontsize=9)
         ax.set_xlabel("step")
-    axes[0][0].set_ylabel("probe accuracy")
-    axes[0][0].legend(fontsize=7)
+    axes[0].set_ylabel("probe accuracy")
+    axes[0].legend(fontsize=7)
     return _save(fig, path)
 
 
@@ -220,9 +243,17 @@ def plot_metric_bars(comparison: Comparison, path: Path) -> Path:
         ("band_forgetting", "band forgetting F_b"),
         ("forgetting_events_per_example", "forgetting events / example"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for ax, (column, title) in zip(axes.flat, panels):
-        _bar_panel(ax, comparison.groups, column, title)
+    groups = comparison.groups
+    present = [(c, t) for c, t in panels if not groups.empty and f"{c}_mean" in groups
+               and groups[f"{c}_mean"].notna().any()]
+    if not present:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        _empty(ax, "no metric has a value for any arm")
+        return _save(fig, path)
+    fig, axes = _drawable_grid(len(present), 3, (4.4, 3.5))
+    for ax, (column, title) in zip(axes, present):
+        _bar_panel(ax, groups, column, title)
+    _note_missing(fig, [t for c, t in panels if (c, t) not in present])
     return _save(fig, path)
 
 
@@ -237,19 +268,26 @@ def plot_tradeoff(comparison: Comparison, path: Path) -> Path:
         for ax in axes:
             _empty(ax, "needs Ktok/s for at least one setting")
         return _save(fig, path)
+    present = [(c, t) for c, t in panels if f"{c}_mean" in groups
+               and not groups.dropna(subset=["ktok_s_mean", f"{c}_mean"]).empty]
+    if not present:
+        for ax in axes:
+            _empty(ax, "needs Ktok/s and a forgetting metric for one setting")
+        return _save(fig, path)
+    plt.close(fig)
+    fig, axes = _drawable_grid(len(present), 3, (5.0, 4.8))
     colours = _colours(list(groups.index))
-    for ax, (column, title) in zip(axes, panels):
+    for ax, (column, title) in zip(axes, present):
         drawable = groups.dropna(subset=["ktok_s_mean", f"{column}_mean"])
-        if drawable.empty:
-            _empty(ax, f"{title}: n/a")
-            continue
         for arm, stats in drawable.iterrows():
             ax.errorbar(stats["ktok_s_mean"], stats[f"{column}_mean"], xerr=np.nan_to_num(stats["ktok_s_std"]),
                         yerr=np.nan_to_num(stats[f"{column}_std"]), fmt="o", color=colours[arm], capsize=3,
                         label=arm)
             ax.annotate(arm, (stats["ktok_s_mean"], stats[f"{column}_mean"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set(xlabel="Ktok/s (steady state)", ylabel=title, title=f"Throughput vs {title}")
+        ax.set(xlabel="Ktok/s (steady state)", ylabel=title)
+        ax.set_title(f"throughput vs {title}", fontsize=9)
+    _note_missing(fig, [t for c, t in panels if (c, t) not in present])
     _legend(axes[0])
     return _save(fig, path)
 
@@ -264,11 +302,15 @@ def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
         for ax in axes:
             _empty(ax, "no probe evaluations logged")
         return _save(fig, path)
+    present = [axis for axis in AXES if curves[axis].notna().any()]
+    if not present:
+        for ax in axes:
+            _empty(ax, "no probe evaluations on any compute axis")
+        return _save(fig, path)
+    plt.close(fig)
+    fig, axes = _drawable_grid(len(present), 3, (5.0, 4.2), sharey=True)
     colours = _colours(list(curves["arm"].fillna("unknown")))
-    for ax, axis in zip(axes, AXES):
-        if not curves[axis].notna().any():
-            _empty(ax, f"{labels[axis]}: n/a" + (" (no cost model)" if axis == "modelled_time_s" else ""))
-            continue
+    for ax, axis in zip(axes, present):
         labelled: set[str] = set()
         for (_, arm), curve in curves.groupby(["run_id", curves["arm"].fillna("unknown")], sort=False):
             ax.plot(curve[axis], curve["probe_loss"], color=colours[arm], linewidth=1,
@@ -277,8 +319,12 @@ def plot_equal_compute(comparison: Comparison, path: Path) -> Path:
         budget = comparison.budgets.get(axis, float("nan"))
         if np.isfinite(budget):
             ax.axvline(budget, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel=labels[axis], title=f"probe loss at equal {labels[axis]}", yscale="log")
+        ax.set(xlabel=labels[axis], yscale="log")
+        ax.set_title(f"probe loss at equal {labels[axis]}", fontsize=9)
+        _plain_log_y(ax)
     axes[0].set_ylabel("mean probe loss over bands")
+    _note_missing(fig, [labels[axis] + (" (no cost model)" if axis == "modelled_time_s" else "")
+                        for axis in AXES if axis not in present])
     _legend(axes[0])
     return _save(fig, path)
 
