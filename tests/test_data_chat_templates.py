@@ -240,22 +240,29 @@ def test_unknown_data_keys_are_refused_and_every_config_key_is_valid(tmp_path):
         assert keys <= set(DATA_KEYS), (file.name, keys - set(DATA_KEYS))
 
 
+def local_qwen3(directory: Path) -> Path:
+    """A real transformers Qwen3 (random weights, 4 tiny layers) saved with :func:`tiny_chat_tokenizer`: a local
+    ``model=hf`` target for tests (nothing is downloaded)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_chat_tokenizer()
+    tokenizer.save_pretrained(directory)
+    config = Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 def test_mixed_chat_file_trains_with_nothing_skipped(tmp_path):
     """model=hf (a random tiny Qwen3 saved with the tokenizer above) + data=jsonl + data.chat_template: trains."""
-    import torch
     from hydra import compose, initialize_config_module
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_lab.train import train
 
-    target = tmp_path / "target"
-    hf = tiny_chat_tokenizer()
-    hf.save_pretrained(target)
-    config = Qwen3Config(vocab_size=len(hf) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         pad_token_id=hf.pad_token_id, eos_token_id=hf.eos_token_id)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(target)
+    target = local_qwen3(tmp_path / "target")
     records = [{"messages": m} if i % 2 else _as_sharegpt(m) for i, m in enumerate(CONVERSATIONS * 10)]
     file = _write_jsonl(tmp_path / "chat.jsonl", records)
     overrides = [

@@ -12,21 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_data_chat_templates import CONVERSATIONS, QWEN3, tiny_chat_tokenizer  # noqa: E402
-
-
-def _local_qwen3(directory: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = tiny_chat_tokenizer()
-    tokenizer.save_pretrained(directory)
-    config = Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
+from test_data_chat_templates import CONVERSATIONS, QWEN3, local_qwen3  # noqa: E402
 
 
 def _compose(overrides: list[str]):
@@ -41,7 +27,7 @@ def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path
     from dflash_lab import evaluation
     from dflash_lab.train import train
 
-    target = _local_qwen3(tmp_path / "target")
+    target = local_qwen3(tmp_path / "target")
     chats = tmp_path / "chat.jsonl"
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 10))
     monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)   # a progress line after every prompt
