@@ -64,7 +64,7 @@ from pathlib import Path
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.arms import DUPLICATE_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
-from dflash_lab.analysis.protocol import resolve_protocol
+from dflash_lab.analysis.protocol import RULE_CHANGES, RULES_VERSION, recorded_protocol, resolve_protocol
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
@@ -96,6 +96,16 @@ def _cost(text: str) -> dict[str, float]:
     return dict(zip(("c0", "c1", "c2"), values))
 
 
+def _window(text: str) -> float | str:
+    if text == "steady":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window {text!r}: give a share of the run's end step (e.g. 0.25) or "
+                                         "steady") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test", choices=("t", "sign_flip"),
                         help="the paired test verdicts use: t (paired t test) or sign_flip (exact; cannot reach "
                              "p_holm < 0.05 below 6 seeds); both are reported (default: analysis.test, else t)")
+    parser.add_argument("--window", type=_window, metavar="SHARE|steady",
+                        help="where the analysis window of jumpiness and forgetting starts: a share of each run's "
+                             "end step, or steady (each run's own steady state) (default: analysis.window, else "
+                             "the protocol rules' default, 0.25)")
     parser.add_argument("--theta", type=float, default=LEARNED_THRESHOLD,
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
@@ -267,6 +281,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def changed_rules(since: int) -> str:
+    """The rule changes after version ``since``, one sentence each."""
+    return "; ".join(f"v{version}: {text}" for version, text in sorted(RULE_CHANGES.items()) if version > since)
+
+
+def protocol_note(recorded: dict | None, comparison, today) -> str:
+    """The comparison's first note: which protocol judged it, and whether today's rules would answer otherwise."""
+    if recorded is None:
+        return (f"protocol: none recorded at launch (a single run, W&B runs, or a sweep launched before protocols "
+                f"were recorded): judged by today's rules (version {RULES_VERSION})")
+    note = (f"protocol: as recorded at launch ({recorded.get('recorded_at')}, rules version "
+            f"{recorded['rules_version']}, analysis code {recorded.get('analysis_code')})")
+    if today is not None:
+        same = (today.verdict or {}).get("answer") == (comparison.verdict or {}).get("answer")
+        note += (f"; today's rules (version {RULES_VERSION}) give the same answer" if same else
+                 f"; today's rules (version {RULES_VERSION}) answer differently: "
+                 f"{(today.verdict or {}).get('answer')} (changed: {changed_rules(recorded['rules_version'])})")
+    return note
+
+
 def _compare(args: argparse.Namespace) -> int:
     target = check_out(args.out, force=args.force, inputs=args.paths)
     report = load_runs(args.paths, wandb=args.wandb, group=args.group)
@@ -275,12 +309,20 @@ def _compare(args: argparse.Namespace) -> int:
     if not report.runs:
         print("no runs loaded; nothing to compare", file=sys.stderr)
         return 1
+    options = dict(baseline=args.baseline, endpoints=args.endpoints, margins=args.margins, cost=args.cost,
+                   alpha=args.alpha, test=args.test, window=args.window)
     try:
-        protocol = resolve_protocol(report.runs, baseline=args.baseline, endpoints=args.endpoints,
-                                    margins=args.margins, cost=args.cost, alpha=args.alpha, test=args.test)
+        recorded = recorded_protocol(report.runs)
+        rules = recorded["rules_version"] if recorded else RULES_VERSION
+        protocol = resolve_protocol(report.runs, rules=rules, **options)
         comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates)
+        today = None
+        if rules != RULES_VERSION:   # judged as recorded; today's rules too, to show what they would say
+            today = compare_records(report.runs, theta=args.theta, duplicates=args.duplicates,
+                                    protocol=resolve_protocol(report.runs, rules=RULES_VERSION, **options))
     except ValueError as error:
         raise Refused(str(error)) from error
+    comparison.notes.insert(0, protocol_note(recorded, comparison, today))
     compared = set(comparison.runs["run_id"])
     records = [record for record in report.runs if record.run_id in compared]  # less duplicates left out
 
@@ -298,7 +340,12 @@ def _compare(args: argparse.Namespace) -> int:
     partial = int(comparison.runs["partial"].sum())
     print(markdown_tables(comparison))
     if comparison.verdict is not None:
-        print(f"\nverdict ({comparison.verdict['seeds']} seeds): {comparison.verdict['answer']}")
+        print(f"\nverdict ({comparison.verdict['seeds']} seeds, protocol rules version {protocol.rules}): "
+              f"{comparison.verdict['answer']}")
+    if today is not None and today.verdict is not None and comparison.verdict is not None \
+            and today.verdict["answer"] != comparison.verdict["answer"]:
+        print(f"today's rules (version {RULES_VERSION}) would answer: {today.verdict['answer']}\n"
+              f"rules changed since the sweep was launched: {changed_rules(rules)}")
     print(f"\n{len(records)} run(s) ({partial} partial) in {len(comparison.groups)} setting(s); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0

@@ -564,6 +564,24 @@ class QueueWatch:
                 f"Job files: {folder}{tail}{running}")
 
 
+class RecordProtocol(Callback):
+    """Hydra callback: the sweep's analysis protocol frozen in ``<sweep dir>/protocol.json`` before its runs start
+    (``analysis.protocol.record_protocol``: the declared section, every key resolved, the rules version, the
+    analysis code's digest). Registered for every multirun by conf/train.yaml (``hydra.callbacks.record_protocol``).
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from dflash_lab.analysis.protocol import record_protocol
+
+        section = OmegaConf.select(config, "analysis")
+        section = OmegaConf.to_container(section, resolve=True) if section is not None else None
+        try:
+            path = record_protocol(Path(config.hydra.sweep.dir), section)
+        except ValueError as exc:   # a bad analysis section: stop before anything runs, naming the key
+            raise SystemExit(f"Error: {exc}") from exc
+        log.info("analysis protocol recorded in %s", path)
+
+
 class ValidateLaunch(Callback):
     """Hydra callback: :func:`validate_multirun` before a multirun submits anything.
 

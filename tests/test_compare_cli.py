@@ -237,3 +237,43 @@ def test_arm_files_of_a_sweep_expand_into_the_keys_they_set():
     assert sweep.keys == ["sampler", "sampler.real_tokens_per_step", "sampler.run_length", "data.band_skills"]
     assert sweep.source == "overrides+config"
     assert sweep.values.loc["a_bk80", "sampler.run_length"] == "8"
+
+
+def test_a_sweep_is_judged_by_the_protocol_it_recorded_at_launch(tmp_path, capsys):
+    """protocol.json in the sweep folder fixes the rules: a sweep recorded under rules version 2 is judged by the
+    exact sign-flip test and each run's own steady state, whatever today's defaults, and compare says so; a sweep
+    recorded today is judged by today's rules; runs without a record are judged by today's rules, with a note."""
+    import json
+
+    from dflash_lab.analysis import protocol as protocol_module
+
+    root = tmp_path / "m"
+    analysis = {"baseline": "full_random", "endpoints": ["ktok_s"]}
+    for sampler in ("full_random", "bucketed"):
+        for seed in range(5):
+            write_run(root / f"{sampler}_{seed}", sampler, seed, analysis=analysis,
+                      effects={"ktok_s": 5.0 if sampler == "bucketed" else 0.0})
+    recorded = protocol_module.protocol_record(analysis)
+    old = {**recorded, "rules_version": 2, "rules": protocol_module.RULES[2]}
+    (root / "protocol.json").write_text(json.dumps(old))
+    out = tmp_path / "old"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    paired = pd.read_csv(out / "paired.csv")
+    assert (paired["test"] == "sign_flip").all()   # version 2: the exact test, 2/32 at 5 seeds: inconclusive
+    assert paired.loc[0, "verdict"] == "inconclusive"
+    notes = (out / "comparison.md").read_text()
+    assert "protocol: as recorded at launch" in notes and "rules version 2" in notes
+    assert "today's rules (version 3)" in notes
+
+    (root / "protocol.json").write_text(json.dumps(recorded))   # recorded under today's rules
+    out = tmp_path / "today"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    paired = pd.read_csv(out / "paired.csv")
+    assert (paired["test"] == "t").all() and paired.loc[0, "verdict"] == "better"
+    notes = (out / "comparison.md").read_text()
+    assert "rules version 3" in notes and "answer differently" not in notes
+
+    (root / "protocol.json").unlink()
+    out = tmp_path / "none"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    assert "protocol: none recorded at launch" in (out / "comparison.md").read_text()

@@ -30,6 +30,8 @@ def test_local_launcher_runs_a_two_rank_job(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:] + logs
     assert "launch checks passed: submitit local, 1 node(s) x 2 task(s)" in out.stdout + out.stderr
     (run_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    protocol = json.loads((sweep_dir / "protocol.json").read_text())   # frozen before the runs started
+    assert protocol["rules_version"] >= 3 and protocol["resolved"]["test"] == "t" and protocol["analysis_code"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["world_size"], summary["steps"]) == ("finished", 2, steps)
     steps_logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -236,6 +236,17 @@ def test_verdict_answers(diff, ci, tost, answer):
     assert verdict["answer"].split(":")[0] == answer
 
 
+def test_rules_before_version_2_have_no_small_answer():
+    """A sweep recorded under protocol rules version 1 is judged as it was launched: detected and inside the
+    margin answers "yes" there (the "small" answer came with version 2)."""
+    from dflash_lab.analysis.protocol import RULES
+    from dflash_lab.analysis.verdict import build_verdict
+
+    inputs = _verdict_inputs(0.005, (0.002, 0.008), "equivalent")
+    assert build_verdict(*inputs, small_answer=RULES[2]["small"])["answer"].startswith("small:")
+    assert build_verdict(*inputs, small_answer=RULES[1]["small"])["answer"].startswith("yes:")
+
+
 def test_verdict_is_inconclusive_when_a_control_fails():
     from dflash_lab.analysis.verdict import build_verdict
 

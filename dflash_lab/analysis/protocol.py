@@ -13,17 +13,28 @@ seeing them:
       alpha: 0.05               # level of the tests and 1 - alpha the confidence of the intervals
       test: t                   # the paired test verdicts use: t (paired t test) or sign_flip (exact; cannot reach
                                 # p_holm < 0.05 below 6 seeds); both are reported (analysis.paired)
+      window: 0.25              # where the analysis window of jumpiness and forgetting starts: a share of each run's
+                                # end step (the same step for every arm of a sweep), or steady (each run's own loss
+                                # steady state, which depends on the outcome: the rule of protocol version < 3)
       verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
                                 # the ablation's verdict.json (analysis.verdict); null: no verdict
 
 Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
---cost, --alpha, --test). Runs that declare different values for a key not given on the command line are an error (they
-belong to different sweeps).
+--cost, --alpha, --test, --window). Runs that declare different values for a key not given on the command line are an
+error (they belong to different sweeps).
+
+Frozen at launch: a multirun writes `protocol.json` into its sweep folder before any run starts
+(:func:`record_protocol`, the `record_protocol` Hydra callback of conf/train.yaml): the declared section, every key
+as it resolves, the rules version (:data:`RULES_VERSION`) and a digest of the analysis code. `compare` judges the
+sweep by the recorded rules; when today's rules answer differently it prints both and names the rules that changed
+(:data:`RULE_CHANGES`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
+the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +42,22 @@ from dflash_lab.analysis.paired import TESTS
 from dflash_lab.analysis.schema import BETTER, DEFAULT_ENDPOINTS, RunRecord
 from dflash_lab.config_check import as_float, refuse_unknown_keys
 
-PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict", "test")
+PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict", "test", "window")
+PROTOCOL_FILE = "protocol.json"
+
+# The verdict rules, by version: what code decides beyond the declared keys. A version is added whenever a rule
+# changes, so a sweep recorded under an older version is still judged as it was declared.
+RULES_VERSION = 3
+RULES: dict[int, dict[str, Any]] = {
+    1: {"small": False, "test": "sign_flip", "window": "steady"},
+    2: {"small": True, "test": "sign_flip", "window": "steady"},
+    3: {"small": True, "test": "t", "window": 0.25},
+}
+RULE_CHANGES: dict[int, str] = {
+    2: "the verdict gained the 'small' answer (detected, yet inside the declared margin); before, that was 'yes'",
+    3: "paired verdicts use the paired t test (was the exact sign-flip test, which cannot conclude at 5 seeds), and "
+       "the analysis window starts at 25% of each run's end step (was each run's own loss steady state)",
+}
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 COST_KEYS = ("c0", "c1", "c2")
 
@@ -46,7 +72,9 @@ class Protocol:
     cost: tuple[float, float, float] | None = None
     alpha: float = 0.05
     verdict: dict[str, str] | None = None
-    test: str = "t"
+    test: str = RULES[RULES_VERSION]["test"]
+    window: float | str = RULES[RULES_VERSION]["window"]
+    rules: int = RULES_VERSION      # the rules version the comparison applies (protocol.json's, else today's)
 
 
 def _endpoint(key: str, name: Any) -> str:
@@ -179,12 +207,34 @@ def check_test(value: Any, key: str = "analysis.test") -> str:
     return value
 
 
+def check_window(value: Any, key: str = "analysis.window") -> float | str:
+    """Where the analysis window starts: ``steady`` or a share of the run's end step in [0, 1).
+
+    Example:
+        >>> check_window(0.25), check_window("steady")
+        (0.25, 'steady')
+    """
+    if value == "steady":
+        return value
+    share = as_float(key, value, minimum=0.0, maximum=0.99, example=0.25)
+    return share
+
+
 _CHECKS = {"baseline": check_baseline, "endpoints": check_endpoints, "margins": check_margins, "cost": check_cost,
-           "alpha": check_alpha, "verdict": check_verdict, "test": check_test}
+           "alpha": check_alpha, "verdict": check_verdict, "test": check_test, "window": check_window}
 
 
-def protocol_from_section(section: Mapping | None) -> Protocol:
-    """Check one run's `analysis` section and turn it into a Protocol (missing keys take the defaults).
+def default_protocol(rules: int = RULES_VERSION) -> Protocol:
+    """The protocol of a sweep that declares nothing, under the rules of version ``rules``."""
+    if rules not in RULES:
+        raise ValueError(f"protocol rules version {rules} is unknown to this dflash_lab (it knows "
+                         f"{', '.join(map(str, RULES))}): compare the sweep with the dflash_lab version that ran it")
+    return Protocol(test=RULES[rules]["test"], window=RULES[rules]["window"], rules=rules)
+
+
+def protocol_from_section(section: Mapping | None, rules: int = RULES_VERSION) -> Protocol:
+    """Check one run's `analysis` section and turn it into a Protocol (missing keys take the defaults of the rules
+    version ``rules``).
 
     Example:
         >>> protocol_from_section({"baseline": "full_random", "margins": {"jumpiness": 0.01}}).margins
@@ -192,24 +242,29 @@ def protocol_from_section(section: Mapping | None) -> Protocol:
         >>> protocol_from_section({"margin": {}})
         Traceback (most recent call last):
         ...
-        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, test, verdict
+        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, test, \
+verdict, window
     """
     if section is None:
-        return Protocol()
+        return default_protocol(rules)
     if not isinstance(section, Mapping):
         raise ValueError(f"analysis={section!r}: give a mapping with keys {', '.join(PROTOCOL_KEYS)}")
     refuse_unknown_keys("analysis", section, PROTOCOL_KEYS)
-    given = {key: _CHECKS[key](value) for key, value in section.items() if key != "endpoints" or value is not None}
-    return replace(Protocol(), **given)
+    given = {key: _CHECKS[key](value) for key, value in section.items()
+             if (key != "endpoints" and key not in RULES[rules]) or value is not None}
+    return replace(default_protocol(rules), **given)
 
 
-def resolve_protocol(records: list[RunRecord], **command_line: Any) -> Protocol:
+def resolve_protocol(records: list[RunRecord], rules: int | None = None, **command_line: Any) -> Protocol:
     """The protocol of a set of runs: each key from the command line if given (not None), else from the runs'
-    recorded `analysis` sections, which must agree, else the default.
+    recorded `analysis` sections, which must agree, else the default of the rules version.
 
     Args:
         records: the loaded runs (their `config["analysis"]`).
-        command_line: baseline / endpoints / margins / cost / alpha as given to compare (None: not given).
+        rules: the rules version to judge by; None: the one the sweep recorded at launch (:func:`recorded_protocol`),
+            else today's (:data:`RULES_VERSION`).
+        command_line: baseline / endpoints / margins / cost / alpha / test / window as given to compare (None: not
+            given).
 
     Raises:
         ValueError: a bad value (naming analysis.<key>), or runs that declare different values for a key.
@@ -219,10 +274,13 @@ def resolve_protocol(records: list[RunRecord], **command_line: Any) -> Protocol:
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
 'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
-test='t')
+test='t', window=0.25, rules=3)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
-    declared = [(record.run_id, protocol_from_section(record.config.get("analysis"))) for record in records
+    if rules is None:
+        recorded = recorded_protocol(records)
+        rules = recorded["rules_version"] if recorded else RULES_VERSION
+    declared = [(record.run_id, protocol_from_section(record.config.get("analysis"), rules)) for record in records
                 if record.config.get("analysis") is not None]
     chosen: dict[str, Any] = {}
     for key in PROTOCOL_KEYS:
@@ -236,4 +294,76 @@ test='t')
                              f"choose one with --{key}")
         if values:
             chosen[key] = next(iter(values.values()))[1]
-    return replace(Protocol(), **chosen)
+    return replace(default_protocol(rules), **chosen)
+
+
+# ------------------------------------------------------------------------------------------ frozen at launch
+def analysis_code_digest() -> str:
+    """A digest of the code that turns runs into answers (analysis and metrics modules): recorded at launch, so a
+    later comparison can tell whether the code changed since."""
+    import hashlib
+
+    import dflash_lab.analysis as analysis_package
+    import dflash_lab.metrics as metrics_package
+
+    digest = hashlib.sha256()
+    for package in (analysis_package, metrics_package):
+        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def protocol_record(section: Mapping | None) -> dict[str, Any]:
+    """What a sweep records at launch: the declared `analysis` section, every key as it resolves under today's
+    rules, the rules version and the analysis code's digest."""
+    import datetime
+
+    import dflash_lab
+
+    protocol = protocol_from_section(section)
+    resolved = {key: getattr(protocol, key) for key in PROTOCOL_KEYS}
+    resolved["endpoints"] = list(resolved["endpoints"])
+    resolved["cost"] = list(resolved["cost"]) if resolved["cost"] is not None else None
+    return {"rules_version": RULES_VERSION, "rules": RULES[RULES_VERSION], "declared": dict(section or {}),
+            "resolved": resolved, "analysis_code": analysis_code_digest(),
+            "dflash_lab_version": getattr(dflash_lab, "__version__", None),
+            "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def record_protocol(sweep_dir: Path, section: Mapping | None) -> Path:
+    """Write ``protocol.json`` into a sweep folder before its runs start. A folder that holds one already (a
+    re-launch into the same sweep) keeps it: the protocol stays the one of the first launch."""
+    import json
+
+    path = Path(sweep_dir) / PROTOCOL_FILE
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(protocol_record(section), indent=1, default=str) + "\n")
+    return path
+
+
+def recorded_protocol(records: list[RunRecord]) -> dict[str, Any] | None:
+    """The ``protocol.json`` of the sweep folder(s) of local runs (a run's parent folder); None when none
+    recorded one (sweeps launched before protocols were recorded, single runs, W&B runs).
+
+    Raises:
+        ValueError: runs of sweeps that recorded different protocols.
+    """
+    import json
+
+    found: dict[str, tuple[str, dict]] = {}
+    for record in records:
+        if record.source != "local" or not record.location:
+            continue
+        path = Path(record.location).parent / PROTOCOL_FILE
+        if path.is_file() and str(path) not in found:
+            found[str(path)] = (record.run_id, json.loads(path.read_text()))
+    if not found:
+        return None
+    kinds = {json.dumps({k: v for k, v in data.items() if k not in ("recorded_at",)}, sort_keys=True, default=str):
+             path for path, (_, data) in found.items()}
+    if len(kinds) > 1:
+        raise ValueError(f"the runs come from sweeps that recorded different protocols ({', '.join(kinds.values())})"
+                         f": compare one sweep at a time")
+    return next(iter(found.values()))[1]

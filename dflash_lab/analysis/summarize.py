@@ -19,7 +19,7 @@ import pandas as pd
 from dflash_lab.analysis import arms as arms_module
 from dflash_lab.analysis import budgets
 from dflash_lab.analysis.paired import PAIRED_COLUMNS, paired_table
-from dflash_lab.analysis.protocol import Protocol, resolve_protocol
+from dflash_lab.analysis.protocol import RULES, Protocol, resolve_protocol
 from dflash_lab.analysis.verdict import build_verdict
 from dflash_lab.analysis.schema import (
     COMPARISON_COLUMNS,
@@ -198,13 +198,16 @@ def _throughput_and_final(row: dict, steps: pd.DataFrame) -> None:
 
 
 def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
-                cost: tuple[float, float, float] | None = None) -> RunAnalysis:
+                cost: tuple[float, float, float] | None = None, window: float | str = "steady") -> RunAnalysis:
     """Compute every per-run comparison column for one run (the budget columns need all runs: `compare_records`).
 
     Args:
         record: a loaded run (any source).
         theta: learned threshold for example forgetting events.
         cost: (c0, c1, c2) of the step-time model for the modelled-time axis (None: that axis is NaN).
+        window: where the analysis window of jumpiness and probe dynamics starts (`analysis.window`): a share of
+            the run's end step (summary.json `end_step`, else its last logged step), the same step for every arm
+            of a sweep; or ``steady``, the run's own loss steady state.
 
     Returns:
         RunAnalysis with `row` holding exactly schema.RUN_COLUMNS.
@@ -229,10 +232,12 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
     _throughput_and_final(row, steps)
 
     loss, step = _column(steps, "loss"), _column(steps, "step")
-    steady_start_step = 0.0
+    fixed_start = _window_start_index(window, step, summary)
+    steady_start_step = float(step[fixed_start]) if fixed_start is not None else 0.0
     if loss is not None and np.isfinite(loss).sum() >= 3:
         report = jumpiness.jumpiness_report(
-            loss, _column(steps, "mean_len"), _column(steps, "max_len"), _bucket_column(steps)
+            loss, _column(steps, "mean_len"), _column(steps, "max_len"), _bucket_column(steps),
+            steady_start=fixed_start,
         )
         row.update({k: v for k, v in report.as_dict().items() if k in row})
         steady_start_step = float(step[report.steady_start]) if step is not None else float(report.steady_start)
@@ -395,7 +400,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         swept = ["sampler", *settings.columns]
         if protocol.baseline:
             pairing = arms_module.pair_arms(sweep, labels, protocol.baseline)
-    analyses = [analyse_run(record, theta, protocol.cost) for record in records]
+    analyses = [analyse_run(record, theta, protocol.cost, protocol.window) for record in records]
     runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
     if records:
         runs["arm"] = runs["run_id"].map(labels)
@@ -412,11 +417,20 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     verdict = None
     if protocol.verdict and pairing is not None and not paired.empty:
         try:
-            verdict = build_verdict(runs, paired, protocol.verdict)
+            verdict = build_verdict(runs, paired, protocol.verdict, small_answer=RULES[protocol.rules]["small"])
         except ValueError as error:  # e.g. a sweep still running: its controls have no runs yet
             notes.append(f"verdict.json not written: {error}")
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
                       curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict)
+
+
+def _window_start_index(window: float | str, step: np.ndarray | None, summary: dict) -> int | None:
+    """The index of the first logged step inside a fixed analysis window (None: ``steady``, each run's own)."""
+    if window == "steady" or step is None or not len(step):
+        return None
+    end = summary.get("end_step")
+    end = float(end) if isinstance(end, (int, float)) and end > 0 else float(np.nanmax(step))
+    return min(int(np.searchsorted(step, float(window) * end, side="right")), len(step) - 1)
 
 
 def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.DataFrame:

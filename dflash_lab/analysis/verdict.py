@@ -98,13 +98,14 @@ def _fmt(value: float | None) -> str:
     return "nan" if value is None else f"{value:+.3g}"
 
 
-def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str]) -> dict:
+def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str], small_answer: bool = True) -> dict:
     """verdict.json's content from the comparison's runs and paired tables (rules in the module docstring).
 
     Args:
         runs: Comparison.runs (columns arm, seed and the swept keys).
         paired: Comparison.paired.
         roles: analysis.verdict: endpoint plus a selector per role (ROLES).
+        small_answer: the rules have the "small" answer (protocol rules version >= 2; before, "yes").
 
     Raises:
         ValueError: a role selector that matches no arm or several arms (naming analysis.verdict.<role>).
@@ -147,7 +148,7 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         runs, endpoint, arms["question"], question_baseline=rows_baseline(rows, endpoint),
         positive=arms["positive_control"], positive_baseline=positive.get("baseline"))
     verdict["valid"] = bool(positive["detected"] and not negative["detected"])
-    verdict["answer"] = _answer(verdict, question, endpoint)
+    verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
     return verdict
 
 
@@ -191,7 +192,7 @@ def share_of_positive_control(runs: pd.DataFrame, endpoint: str, question: str, 
     return {"value": _number(value), "ci_low": _number(low), "ci_high": _number(high), "seeds": int(q.size)}
 
 
-def _answer(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
+def _answer(verdict: dict, question: pd.DataFrame, endpoint: str, small_answer: bool = True) -> str:
     positive, negative = verdict["positive_control"], verdict["negative_control"]
     if not verdict["valid"]:
         reasons = []
@@ -216,7 +217,7 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
     ratio_ci = (f", 95% CI [{ratio['ci_low']:.0%}, {ratio['ci_high']:.0%}]"
                 if ratio.get("ci_low") is not None and ratio.get("ci_high") is not None else "")
     of_control = f"{share:.0%}{ratio_ci} of the positive control's {_fmt(positive['diff'])}"
-    if detected and equivalent:
+    if detected and equivalent and small_answer:
         return (f"small: {verdict['arms']['question']} shows a detectable forgetting signature ({interval}; "
                 f"{of_control}) that stays inside the margin {row['margin']:g} declared irrelevant before the "
                 f"runs{speed}")
