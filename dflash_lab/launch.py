@@ -571,15 +571,23 @@ class RecordProtocol(Callback):
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from dflash_lab.analysis.protocol import record_protocol
+        if OmegaConf.select(config, "hydra.callbacks.validate_launch") is not None:
+            return   # ValidateLaunch records it once its checks pass: a refused launch leaves no sweep folder
+        record_sweep_protocol(config)
 
-        section = OmegaConf.select(config, "analysis")
-        section = OmegaConf.to_container(section, resolve=True) if section is not None else None
-        try:
-            path = record_protocol(Path(config.hydra.sweep.dir), section)
-        except ValueError as exc:   # a bad analysis section: stop before anything runs, naming the key
-            raise SystemExit(f"Error: {exc}") from exc
-        log.info("analysis protocol recorded in %s", path)
+
+def record_sweep_protocol(config: DictConfig) -> None:
+    """Write the sweep's ``protocol.json`` (``analysis.protocol.record_protocol``); a bad ``analysis`` section stops
+    the launch, naming the key."""
+    from dflash_lab.analysis.protocol import record_protocol
+
+    section = OmegaConf.select(config, "analysis")
+    section = OmegaConf.to_container(section, resolve=True) if section is not None else None
+    try:
+        path = record_protocol(Path(config.hydra.sweep.dir), section)
+    except ValueError as exc:   # Hydra turns a callback's Exception into a warning: stop with SystemExit
+        raise SystemExit(f"Error: {exc}") from exc
+    log.info("analysis protocol recorded in %s", path)
 
 
 class ValidateLaunch(Callback):
@@ -596,6 +604,7 @@ class ValidateLaunch(Callback):
             # Hydra turns an Exception raised by a callback into a warning and carries on submitting, so stop
             # with SystemExit (a BaseException it lets through): the message goes to stderr, the exit code is 1.
             raise SystemExit(f"Error: {exc}") from exc
+        record_sweep_protocol(config)   # the checks passed: the protocol is frozen before anything runs
         kind = launcher_kind(config.hydra.launcher)
         if kind is not None:
             launcher = config.hydra.launcher

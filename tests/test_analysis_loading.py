@@ -3,6 +3,7 @@
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -209,12 +210,28 @@ def test_every_comparison_column_is_filled_for_complete_runs(multirun):
 
 
 def test_steady_state_start_and_forgetting_window_follow_the_loss_descent(multirun):
-    row = compare_records(load_runs([multirun]).runs).runs.iloc[0]
+    from dflash_lab.analysis.protocol import default_protocol
+
+    records = load_runs([multirun]).runs
+    row = compare_records(records, protocol=replace(default_protocol(), window="steady")).runs.iloc[0]
     # loss 3 exp(-step / 20) + 1: 90% of the EMA's descent is covered near step 20 ln 10 = 46, plus the EMA's lag
     assert 40 <= row["steady_start_step"] <= 65
     evals_after = len(range(0, 121, 5)) - int(np.ceil(row["steady_start_step"] / 5))
     assert row["forgetting_window_evals"] == evals_after
     assert row["real_tokens_total"] == 120 * 3000
+
+
+def test_the_protocol_window_starts_every_run_at_the_same_share_of_its_end_step(multirun):
+    """analysis.window (default 0.25): the window starts after 25% of the run's end step, whatever its loss does,
+    so arms are measured over the same steps."""
+    from dflash_lab.analysis.protocol import default_protocol
+
+    records = load_runs([multirun]).runs
+    row = compare_records(records).runs.iloc[0]          # today's default: 0.25 of 120 steps
+    assert row["steady_start_step"] == 31                # the first logged step after step 30
+    assert row["forgetting_window_evals"] == len(range(35, 121, 5))
+    later = compare_records(records, protocol=replace(default_protocol(), window=0.5)).runs.iloc[0]
+    assert later["steady_start_step"] == 61 and later["forgetting_window_evals"] == len(range(65, 121, 5))
 
 
 def test_a_periodic_order_gets_a_loop_score_and_a_shuffled_one_does_not(tmp_path):
