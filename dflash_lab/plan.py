@@ -50,7 +50,9 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data (dflash_lab.
 PLAN_CONF_DIR = Path(__file__).resolve().parent / "conf_plan"  # groups only the planner uses (cost, data=lengths)
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
 SHARED_KEYS = ("max_tokens", "max_samples", "quadratic_length", "max_block_tokens", "drop_last", "overlong")
-BOUNDARY_KEYS = ("boundaries", "num_buckets", "fit_method")
+# Keys that define the buckets (which boundaries, and what decides membership: bucket_by=random is the negative
+# control): the chosen sampler's values apply to every bucketed policy compared.
+BUCKET_KEYS = ("boundaries", "num_buckets", "fit_method", "bucket_by")
 MAX_SWEEP_K = 256  # more buckets than this is no longer bucketing
 
 
@@ -298,7 +300,9 @@ def sampler_configs(chosen: Mapping[str, Any], policies: Any) -> dict[str, dict[
     """The sampler config of each compared policy: its own conf/sampler file, with the chosen budget keys applied.
 
     The chosen sampler (``sampler=...``) is used as composed; the others take their file's policy-specific keys
-    and the chosen sampler's budget keys (and boundary keys, for bucketed policies) so all share one budget.
+    and the chosen sampler's budget keys (and bucket keys, ``BUCKET_KEYS``, for bucketed policies) so all share one
+    budget and one bucketing: ``sampler.bucket_by=random`` plans every bucketed policy compared as its negative
+    control.
     Every config's keys are checked against its policy (``sampling.policy_keys``) before anything is built.
     """
     from omegaconf import OmegaConf
@@ -310,7 +314,7 @@ def sampler_configs(chosen: Mapping[str, Any], policies: Any) -> dict[str, dict[
             out[name] = dict(chosen)
             continue
         own = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "sampler" / f"{name}.yaml"), resolve=True)
-        for key in SHARED_KEYS + BOUNDARY_KEYS:
+        for key in SHARED_KEYS + BUCKET_KEYS:
             if key in chosen and key in own:
                 own[key] = chosen[key]
         out[name] = own
@@ -639,7 +643,7 @@ NARROW_COLUMNS = (
     Column("fits", "fits", str, "yes | ckpt (only with activation checkpointing) | no, against 90% of gpu_mem_gb"),
 )
 FULL_COLUMNS = (
-    "pad_eff", "budget_fill", "real_tokens_per_step", "steps_per_epoch", "mean_samples_per_batch",
+    "bucket_by", "pad_eff", "budget_fill", "real_tokens_per_step", "steps_per_epoch", "mean_samples_per_batch",
     "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_s",
@@ -944,6 +948,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
         + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n" + describe_block_budgets(table)
+        + describe_bucket_keying(table)
         + (f"Supervision share per length band (block tokens of an epoch in each band):\n\n"
            f"{to_markdown(table, [Column(c, c.removeprefix('share '), _number(3)) for c in shares])}\n\n"
            if shares else "")
@@ -987,6 +992,23 @@ def describe_block_budgets(table: pd.DataFrame) -> str:
     parts = [f"{name} {number(row['max_block_tokens'])} / {number(row['max_block_tokens_fit'])}"
              + (f" (checkpointing {row['ckpt']})" if "ckpt" in row else "") for name, row in table.iterrows()]
     return "block budget in force / largest that fits the GPU: " + "; ".join(parts) + "\n\n"
+
+
+def describe_bucket_keying(table: pd.DataFrame) -> str:
+    """One line naming the policies planned with ``bucket_by=random`` (empty when none is).
+
+    Example:
+        >>> t = pd.DataFrame({"bucket_by": ["random", None]}, index=["bucket_sequential", "full_random"])
+        >>> print(describe_bucket_keying(t).strip())  # doctest: +ELLIPSIS
+        bucket_by=random (the negative control): bucket_sequential plan fixed random groups of the length ...
+    """
+    if "bucket_by" not in table.columns:
+        return ""
+    random_keyed = [str(name) for name in table.index if table.at[name, "bucket_by"] == "random"]
+    if not random_keyed:
+        return ""
+    return (f"bucket_by=random (the negative control): {', '.join(random_keyed)} plan fixed random groups of the "
+            f"length buckets' sizes, members independent of length (their bucket run length counts the groups)\n\n")
 
 
 def describe_cost(cost: CostModel) -> str:

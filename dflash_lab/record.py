@@ -82,7 +82,8 @@ STEP_FIELDS = (
     "batch_size",     # documents, all ranks
     "max_len",        # longest document of the step
     "mean_len",       # mean document length of the step
-    "bucket",         # bucket of rank 0's batch by its longest document (-1: policy without buckets)
+    "bucket",         # bucket of rank 0's batch by its longest document (bucket_by=random: its random group;
+                      # -1: policy without buckets)
     "step_time_s",    # wall time of the step, loading and bookkeeping included
     "compute_time_s", # forward, backward, sync and optimizer time of the step
     "ktok_s",         # real tokens / step time / 1000

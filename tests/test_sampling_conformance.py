@@ -1,4 +1,5 @@
-"""Conformance suite: every policy must satisfy the same contract (lhotse-style, parametrized over policies)."""
+"""Conformance suite: every policy must satisfy the same contract (lhotse-style, parametrized over policies, and
+over the bucketed ones again with ``bucket_by=random``)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,31 @@ PARAMS = {
     "packed": {"chunk_rows": 8},
     "bucket_sequential": {"boundaries": [0, 96, 152, 216, 304, 412, 1024]},
 }
+# Every bucketed policy again with bucket_by=random (the negative control): variant "<policy>+random".
+PARAMS.update({f"{name}+random": {**params, "bucket_by": "random"}
+               for name, params in list(PARAMS.items()) if "bucket_by" in policy_keys(name)})
 # Policies whose batch composition must change between epochs (sorted_static only reshuffles batch order).
-COMPOSITION_CHANGES = {"full_random", "bucketed", "bucketed_megabatch", "packed", "bucket_sequential"}
+COMPOSITION_CHANGES = {"full_random", "bucketed", "bucketed_megabatch", "packed", "bucket_sequential",
+                       "bucketed+random", "bucketed_megabatch+random", "bucket_sequential+random"}
+
+
+def policy_of(variant):
+    """The policy a variant builds (``bucketed+random`` -> ``bucketed``)."""
+    return variant.split("+")[0]
 
 
 def make(name, lengths, **kw):
-    return build_policy(name, lengths, max_tokens=MAX_TOKENS, seed=3, **{**PARAMS[name], **kw})
+    return build_policy(policy_of(name), lengths, max_tokens=MAX_TOKENS, seed=3, **{**PARAMS[name], **kw})
 
 
 def test_every_policy_is_covered():
-    assert set(PARAMS) == set(POLICIES)
+    assert {policy_of(v) for v in PARAMS} == set(POLICIES)
+    keyed = {name for name in POLICIES if "bucket_by" in policy_keys(name)}
+    assert keyed == {"bucketed", "bucketed_megabatch", "bucket_sequential"}
+    assert {v for v in PARAMS if v.endswith("+random")} == {f"{name}+random" for name in keyed}
 
 
-@pytest.fixture(params=sorted(POLICIES))
+@pytest.fixture(params=sorted(PARAMS))
 def name(request):
     return request.param
 
@@ -87,7 +100,8 @@ def test_same_plan_in_a_fresh_process(name, cpu_lengths, tmp_path):
     code = (
         "import json, sys, numpy as np\n"
         "from dflash_lab.sampling import build_policy\n"
-        f"p = build_policy({name!r}, np.load(sys.argv[1]), max_tokens={MAX_TOKENS}, seed=3, world_size=2, rank=1, "
+        f"p = build_policy({policy_of(name)!r}, np.load(sys.argv[1]), max_tokens={MAX_TOKENS}, seed=3, world_size=2, "
+        f"rank=1, "
         f"**{PARAMS[name]!r})\n"
         "print(json.dumps([b.tolist() for b in p.batches(2)]))\n"
     )
@@ -110,7 +124,8 @@ def test_epochs_differ_as_the_policy_says(name, cpu_lengths):
 
 def test_seed_changes_plan(name, cpu_lengths):
     a = [b.tolist() for b in make(name, cpu_lengths).batches(0)]
-    b = [b.tolist() for b in build_policy(name, cpu_lengths, max_tokens=MAX_TOKENS, seed=4, **PARAMS[name]).batches(0)]
+    b = [b.tolist() for b in build_policy(policy_of(name), cpu_lengths, max_tokens=MAX_TOKENS, seed=4,
+                                          **PARAMS[name]).batches(0)]
     assert a != b
 
 
@@ -156,7 +171,7 @@ def test_mismatched_state_is_refused(name, cpu_lengths):
         make(name, cpu_lengths, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="max_tokens"):
         build_policy(
-            name, cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]
+            policy_of(name), cpu_lengths, max_tokens=MAX_TOKENS * 2, seed=3, world_size=2, **PARAMS[name]
         ).load_state_dict(state)
     other = cpu_lengths.copy()
     other[0] += 1
@@ -179,11 +194,12 @@ def test_overlong_modes(name):
     lengths = np.array([10, 20, 3000, 40, 50, 5000, 60])
     with pytest.raises(ValueError, match="overlong"):
         make(name, lengths)
-    extra = {"boundaries": [0, 100, MAX_TOKENS]} if "boundaries" in policy_keys(name) else {}
-    t = build_policy(name, lengths, max_tokens=MAX_TOKENS, overlong="truncate", **{**PARAMS[name], **extra})
+    extra = {"boundaries": [0, 100, MAX_TOKENS]} if "boundaries" in policy_keys(policy_of(name)) else {}
+    t = build_policy(policy_of(name), lengths, max_tokens=MAX_TOKENS, overlong="truncate",
+                     **{**PARAMS[name], **extra})
     assert t.diagnostics(0)["truncated"] == 2 and t.lengths.max() == MAX_TOKENS
     assert sorted(i for b in t.batches(0) for i in b.tolist()) == list(range(7))
-    extra = {"boundaries": [0, 100]} if "boundaries" in policy_keys(name) else {}
-    d = build_policy(name, lengths, max_tokens=MAX_TOKENS, overlong="drop", **{**PARAMS[name], **extra})
+    extra = {"boundaries": [0, 100]} if "boundaries" in policy_keys(policy_of(name)) else {}
+    d = build_policy(policy_of(name), lengths, max_tokens=MAX_TOKENS, overlong="drop", **{**PARAMS[name], **extra})
     assert d.diagnostics(0)["dropped_overlong"] == 2
     assert sorted(i for b in d.batches(0) for i in b.tolist()) == [0, 1, 3, 4, 6]

@@ -13,7 +13,9 @@
 | packed             | packed.py             | none (rows)  | random chunks             | shuffled              |
 | bucket_sequential  | bucket_sequential.py  | bucket width | random inside buckets     | bucket by bucket      |
 
-``bucket_sequential`` is a positive control for the forgetting ablation, never a production order.
+``bucket_sequential`` is a positive control for the forgetting ablation, never a production order. The bucketed
+policies take ``bucket_by: length | random``; ``random`` keeps the length buckets' sizes and visiting order but
+draws each bucket's members once, independently of length: the negative control on natural data.
 
 Modules: ``core`` (lengths check, token budget, packing passes, steps), ``boundaries`` (the one length -> bucket
 rule, boundary fitting), ``policy`` (sharding and resumable state), ``build`` (registry and key checks),

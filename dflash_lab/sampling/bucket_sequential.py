@@ -15,6 +15,13 @@ buckets (every rank keeps the same step count and each sample is used once).
 Properties: padding as ``bucketed``; composition changes every epoch; bucket run length = steps per bucket
 (the whole bucket), adjacent-length correlation near 1; the bucket sequence has period one epoch.
 
+``bucket_by: random`` (``bucketed``'s key) makes it the NEGATIVE CONTROL for natural data: the same number of
+buckets, the same bucket sizes (samples per bucket) and the same visiting order (group 0 first, each group's
+steps consecutively), but each group is a fixed random draw of samples, independent of length. Whatever the
+sequential visiting itself does to a loop metric shows in both; only what comes from length-homogeneous
+stretches differs. The ``bucket`` metric is then the group id; the adjacent-length correlation falls to ~0 and
+groups take more steps than their length buckets (mixed lengths pad more).
+
 Cost: as ``bucketed``: O(N) per epoch + O(B log B) step grouping and ordering.
 """
 
@@ -40,10 +47,11 @@ class BucketSequential(Bucketed):
         boundaries: Sequence[int] | str | None = None,
         num_buckets: int | None = None,
         fit_method: str = "optimal",
+        bucket_by: str = "length",
     ):
         super().__init__(
             admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
-            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method,
+            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method, bucket_by=bucket_by,
         )
 
     def plan(self, epoch: int) -> StepPlan:

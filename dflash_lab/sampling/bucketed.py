@@ -16,7 +16,21 @@ composition changes every epoch, but each batch is length-homogeneous. With R=1 
 buckets (adjacent-length correlation ~ 0, bucket run length ~ 1 + 1/K); with R > 1 the bucket run length reads
 about R and the adjacent-length correlation rises toward 1.
 
-Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping and ordering.
+``bucket_by`` (``length`` | ``random``, default ``length``) says what decides bucket membership. ``length``: the
+boundaries, as above. ``random``: the negative control of the forgetting ablation on natural data (where no skill
+is planted per length band). The length buckets are computed exactly as above, then membership is reassigned: one
+seeded permutation of all admitted samples is cut into consecutive groups of the length buckets' sizes, so group k
+holds as many samples as length bucket k, but its members are a random draw independent of length. The groups
+are fixed for the whole run (drawn once from the policy seed on their own stream, ``random_groups``), as length
+buckets are; every epoch then shuffles, packs and orders them exactly as it does length buckets (same token and
+block budgets, world-size rules and resumable state). So ``bucket_sequential`` with ``bucket_by: random`` visits
+fixed random groups one after another, in the order and with the sizes of the length version: same curriculum
+structure, no length curriculum. Random groups pack worse (a batch pads to its longest row, as in
+``full_random``), so a group takes more steps than its length bucket. The per-step ``bucket`` metric
+(``Policy.bucket_of``) is then the random group.
+
+Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping and ordering;
+``bucket_by: random`` adds one O(N) permutation at construction.
 """
 
 from __future__ import annotations
@@ -30,6 +44,12 @@ from .boundaries import FIT_METHODS, bucket_ids, fit_boundaries, validate_bounda
 from .core import (
     Admission, StepPlan, Steps, TokenBudget, bucket_run_order, epoch_rng, group_into_steps, pack_in_order,
 )
+
+BUCKET_BY = ("length", "random")
+# The random groups' seed stream: a spawn key, which no ``core.epoch_rng(seed, epoch, stream)`` generator can
+# equal (a plain entropy list [seed, C] would: SeedSequence pads short entropy with zeros, so it is
+# epoch_rng(seed, C, 0)). Drawing the groups there keeps them independent of every epoch's within-bucket shuffle.
+RANDOM_GROUPS_STREAM = 0xB0C4E7
 
 SEED_BOUNDARIES = [0, 770, 1216, 1728, 2432, 3296, 8192]
 CPU_BOUNDARIES = [0, 96, 152, 216, 304, 412, 1024]  # the seed's boundaries / 8, for the CPU-scale workload
@@ -63,6 +83,19 @@ def resolve_boundaries(
     return values
 
 
+def random_groups(kept: np.ndarray, sizes: np.ndarray, seed: int) -> list[np.ndarray]:
+    """``bucket_by: random``: the admitted samples cut, in a seeded random order, into groups of ``sizes``.
+
+    A pure function of (kept samples, sizes, seed): the same groups for the whole run, whatever the epoch.
+
+    Example:
+        >>> [g.size for g in random_groups(np.arange(10), np.array([5, 0, 3, 2]), seed=0)]
+        [5, 0, 3, 2]
+    """
+    rng = np.random.default_rng(np.random.SeedSequence(int(seed) & 0xFFFFFFFF, spawn_key=(RANDOM_GROUPS_STREAM,)))
+    return np.split(kept[rng.permutation(kept.size)], np.cumsum(sizes)[:-1])
+
+
 class Bucketed:
     name = "bucketed"
     packed = False
@@ -79,8 +112,16 @@ class Bucketed:
         num_buckets: int | None = None,
         fit_method: str = "optimal",
         run_length: int = 1,
+        bucket_by: str = "length",
     ):
         self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
+        if bucket_by not in BUCKET_BY:
+            raise ValueError(
+                f"sampler.bucket_by={bucket_by!r}: choose length (buckets by the boundaries) or random (the negative "
+                f"control: groups of the length buckets' sizes with members drawn independently of length), e.g. "
+                f"sampler.bucket_by=random"
+            )
+        self.bucket_by = bucket_by
         self.admission, self.budget = admission, budget
         self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
         kept_lengths = admission.lengths[admission.kept]
@@ -89,7 +130,14 @@ class Bucketed:
         # Members of each bucket in dataset order; the per-epoch shuffle starts from this fixed order.
         by_bucket = np.argsort(bucket_of_kept, kind="stable")
         counts = np.bincount(bucket_of_kept, minlength=len(self.boundaries) - 1)
-        self.members = np.split(admission.kept[by_bucket], np.cumsum(counts)[:-1])
+        if bucket_by == "length":
+            self.members = np.split(admission.kept[by_bucket], np.cumsum(counts)[:-1])
+        else:
+            self.members = random_groups(admission.kept, counts, seed)
+        # The bucket each sample was packed from (-1: not admitted): what Policy.bucket_of reports for a batch.
+        self.sample_bucket = np.full(admission.lengths.size, -1, dtype=np.int64)
+        for bucket, members in enumerate(self.members):
+            self.sample_bucket[members] = bucket
         self._row_cost = budget.row_cost(admission.lengths)
 
     def order_bucket(self, members: np.ndarray, bucket: int, rng: np.random.Generator) -> np.ndarray:

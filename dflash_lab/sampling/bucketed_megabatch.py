@@ -12,7 +12,9 @@ are cut from locally sorted runs, while composition still changes every epoch (c
 because megabatch membership is reshuffled. The cost is diversity *within* a batch: batches are even more
 length-homogeneous than plain ``bucketed`` (lower within-batch spread). Larger megabatches -> less padding but
 more predictable composition; ``megabatch_batches=1`` approaches plain shuffling inside the bucket.
-``run_length`` orders steps in same-bucket runs exactly as in ``bucketed``.
+``run_length`` orders steps in same-bucket runs exactly as in ``bucketed``. ``bucket_by: random`` (as in
+``bucketed``: fixed random groups of the length buckets' sizes) sorts megabatches inside random groups, so batches
+are length-homogeneous again within a group's length mix: a control for the bucket assignment, not for padding.
 
 Cost: O(N log M) per epoch (one shuffle + one lexsort per bucket) + one packing pass + O(B log B) step grouping.
 """
@@ -44,11 +46,13 @@ class BucketedMegabatch(Bucketed):
         fit_method: str = "optimal",
         run_length: int = 1,
         megabatch_batches: int = 16,
+        bucket_by: str = "length",
     ):
         megabatch_batches = as_int("sampler.megabatch_batches", megabatch_batches, minimum=1, example=16)
         super().__init__(
             admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
             boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method, run_length=run_length,
+            bucket_by=bucket_by,
         )
         # Megabatch size in samples per bucket: megabatch_batches x (samples a batch holds at the median length),
         # never more than the bucket holds (one megabatch = a fully sorted bucket).

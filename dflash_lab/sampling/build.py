@@ -62,8 +62,8 @@ def build_policy(
             with ``max_block_tokens`` (a step's second budget), otherwise optional and unused.
         **params: ``max_samples``, ``quadratic_length``, ``max_block_tokens``, ``drop_last``, ``overlong``
             (error|truncate|drop), and the
-            policy's own (``policy_keys(name)``: ``boundaries``/``num_buckets``/``fit_method``/``run_length``,
-            ``megabatch_batches``, ``chunk_rows``, ``real_tokens_per_step``).
+            policy's own (``policy_keys(name)``: ``boundaries``/``num_buckets``/``fit_method``/``run_length``/
+            ``bucket_by``, ``megabatch_batches``, ``chunk_rows``, ``real_tokens_per_step``).
 
     Raises:
         ValueError: unknown policy or key, bad value, lengths, boundaries or budget (the message names the key).
@@ -75,6 +75,12 @@ def build_policy(
         [2, 2]
     """
     valid = policy_keys(name)
+    if "bucket_by" in params and "bucket_by" not in valid:
+        bucketed = [n for n in POLICIES if "bucket_by" in policy_keys(n)]
+        raise ValueError(
+            f"sampler.bucket_by does not apply to {name}: it has no buckets to key (bucket_by chooses the members of "
+            f"the buckets of {', '.join(bucketed)}); remove sampler.bucket_by, or choose one of those policies"
+        )
     refuse_unknown_keys(f"{name} sampler", params, valid)
     seed = as_int("seed", seed, minimum=0, example=0)
     world_size = as_int("world_size", world_size, minimum=1)
@@ -97,6 +103,11 @@ def build_policy(
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()},
         "boundaries": planner.boundaries,
     }
+    if config.get("bucket_by") == "length":
+        # Length keying is what every state written before bucket_by existed used: leaving the default out of the
+        # config keeps their fingerprints, while a random-keyed state is refused by a length-keyed policy (and
+        # the reverse) with bucket_by named among the differing keys.
+        del config["bucket_by"]
     if admission.block_tokens is not None and budget.max_block_tokens is not None:
         # The plan depends on the block budget and tokens too: a resume on data with other anchor counts is refused.
         # (Without a block budget the config stays as before, so older checkpoints keep resuming.)

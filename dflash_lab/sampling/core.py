@@ -457,5 +457,7 @@ class Planner(Protocol):
     name: str
     packed: bool
     boundaries: list[int] | None
+    # Bucketed planners also have ``bucket_by`` ("length" | "random") and ``sample_bucket`` (bucket of every sample);
+    # a planner without them has no buckets to key (``Policy.bucket_by`` reads None).
 
     def plan(self, epoch: int) -> StepPlan: ...

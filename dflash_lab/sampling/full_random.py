@@ -38,6 +38,7 @@ class FullRandom:
     name = "full_random"
     packed = False
     boundaries = None
+    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
     def __init__(
         self,

@@ -125,6 +125,7 @@ class Packed:
     name = "packed"
     packed = True
     boundaries = None
+    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
     def __init__(
         self,

@@ -86,12 +86,24 @@ class Policy:
         """Effective sample lengths (after ``overlong=truncate``); collators truncate samples to these."""
         return self.admission.lengths
 
+    @property
+    def bucket_by(self) -> str | None:
+        """What decides bucket membership (``sampler.bucket_by``: length | random); None without buckets."""
+        return getattr(self.planner, "bucket_by", None)
+
     def bucket_of(self, indices: Any) -> int:
-        """Bucket id of a batch by its longest sample; -1 for policies without buckets."""
+        """Bucket id of a batch: the bucket its longest sample was packed from; -1 for policies without buckets.
+
+        ``bucket_by: length``: the length bucket of the longest sample (the boundaries rule). ``bucket_by: random``:
+        the random group it was packed from, so "which bucket" keeps its meaning for the negative control.
+        """
         if self.boundaries is None:
             return -1
-        longest = self.admission.lengths[np.asarray(indices, dtype=np.int64)].max()
-        return int(bucket_ids(np.array([longest]), self.boundaries)[0])
+        indices = np.asarray(indices, dtype=np.int64)
+        longest = indices[np.argmax(self.admission.lengths[indices])]
+        if self.bucket_by == "random":
+            return int(self.planner.sample_bucket[longest])
+        return int(bucket_ids(self.admission.lengths[[longest]], self.boundaries)[0])
 
     # -- plans -------------------------------------------------------------------------------------------------
     def global_plan(self, epoch: int) -> StepPlan:

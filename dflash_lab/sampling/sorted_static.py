@@ -23,6 +23,7 @@ class SortedStatic:
     name = "sorted_static"
     packed = False
     boundaries = None
+    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
     def __init__(self, admission: Admission, budget: TokenBudget, *, seed: int, world_size: int, drop_last: bool):
         self.seed, self.world_size, self.drop_last = seed, world_size, drop_last

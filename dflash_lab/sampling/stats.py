@@ -40,7 +40,8 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
         policy: the policy.
         epoch: the epoch to describe.
         bands: boundaries used for "bucket run length" when the policy has none (a fixed set makes policies
-            comparable); defaults to the policy's own boundaries, else 6 equal-count bands.
+            comparable); defaults to the policy's own buckets (its boundaries; with ``bucket_by: random`` its
+            random groups, which no length band can see), else 6 equal-count bands.
 
     Returns:
         A flat dict: pad_eff, budget_fill, real/padded tokens, real_tokens_per_step (mean real tokens of one
@@ -54,17 +55,23 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
     batches = plan.batches
     padding = plan_padding(batches, lengths, packed=policy.packed)
     sizes = np.fromiter((b.size for b in batches), dtype=np.int64, count=len(batches))
+    own_groups = bands is None and policy.bucket_by == "random"
     if bands is None:
         bands = policy.boundaries
     if bands is None:
         kept_lengths = lengths[policy.admission.kept]
         qs = np.unique(np.quantile(kept_lengths, np.linspace(0, 1, 7)[1:-1], method="higher").astype(np.int64))
         bands = [0, *[int(q) for q in qs if q < kept_lengths.max()], int(kept_lengths.max())]
-    longest = diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
-    step_bucket = bucket_ids(longest, bands)[:: policy.world_size]  # bucket of each step (its rank-0 batch)
+    if own_groups:  # bucket of each step (its rank-0 batch): the random group it was packed from
+        rank0 = batches[:: policy.world_size]
+        step_bucket = np.fromiter((policy.bucket_of(b) for b in rank0), dtype=np.int64, count=len(rank0))
+    else:
+        longest = diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
+        step_bucket = bucket_ids(longest, bands)[:: policy.world_size]  # bucket of each step (its rank-0 batch)
     next_batches = policy.planner.plan(epoch + 1).batches
     return {
         "policy": policy.name,
+        "bucket_by": policy.bucket_by,  # length | random (the negative control's groups) | None: no buckets
         "pad_eff": padding["pad_eff"],
         # Share of the per-step token budget holding real tokens (packed: the row fill).
         "budget_fill": padding["real_tokens"] / max(1, len(batches) * int(policy.config["max_tokens"])),
