@@ -197,8 +197,14 @@ RESUME_TOLERATED = (
     "resume", "run_dir", "experiment", "logger", "analysis", "trainer.progress", "trainer.log_every",
     "trainer.ckpt_every", "trainer.keep_checkpoints", "trainer.num_workers", "trainer.num_threads",
     "trainer.preempt_signals", "trainer.tau_every", "trainer.measure_tau", "trainer.steady_warmup_steps",
-    "trainer.dist_backend", "model.decode_", "probes.every",
+    "trainer.dist_backend", "model.decode_", "probes.every", "trainer.cpu_step_warn_s", "data.max_truncated_fraction",
 )
+# Keys added to the config after some checkpoints were written, with the value that computes what those runs
+# computed: absent in the checkpoint's config and at this value now is no change.
+NEUTRAL_WHEN_ADDED = {"sampler.bucket_by": "length"}
+# ``probes.bands=auto`` resolves only once the data is loaded: the trainer compares the resolved bands with the
+# checkpoint's (train.resume), so here the switch from a list to auto is let through.
+RESOLVED_LATER = {"probes.bands": "auto"}
 # Keys whose change takes effect on resume: the schedule is rebuilt, optimizer settings are re-applied.
 RESUME_TAKES_EFFECT = (
     "trainer.lr", "trainer.min_lr_ratio", "trainer.warmup_frac", "trainer.max_steps", "trainer.epochs",
@@ -238,16 +244,20 @@ def check_resume_config(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[
         Traceback (most recent call last):
         ...
         ValueError: resume: seed (0 -> 1) changed since the checkpoint; a continuation must compute the same run. ...
+        >>> check_resume_config({"sampler": {"name": "b"}}, {"sampler": {"name": "b", "bucket_by": "length"}})
+        []
     """
-    changed = config_differences(old, new)
+    def value(config: Mapping[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            config = config.get(part) if isinstance(config, Mapping) else None
+        return config
+
+    changed = [k for k in config_differences(old, new)
+               if not (k in NEUTRAL_WHEN_ADDED and value(old, k) is None and value(new, k) == NEUTRAL_WHEN_ADDED[k])
+               and not (k in RESOLVED_LATER and value(new, k) == RESOLVED_LATER[k])]
     effective = [k for k in changed if _matches(k, RESUME_TAKES_EFFECT)]
     refused = [k for k in changed if not _matches(k, RESUME_TAKES_EFFECT) and not _matches(k, RESUME_TOLERATED)]
     if refused:
-        def value(config: Mapping[str, Any], key: str) -> Any:
-            for part in key.split("."):
-                config = config.get(part) if isinstance(config, Mapping) else None
-            return config
-
         detail = ", ".join(f"{k} ({value(old, k)!r} -> {value(new, k)!r})" for k in refused)
         raise ValueError(
             f"resume: {detail} changed since the checkpoint; a continuation must compute the same run. Restore the "

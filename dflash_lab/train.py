@@ -166,6 +166,11 @@ def resume(state: dict[str, Any] | None, parts: Components, settings: RunSetting
     if state is None:
         parts.policy.set_epoch(0)
         return Position(totals=record.RunTotals())
+    checkpoint_bands = (state["config"].get("probes") or {}).get("bands")
+    if checkpoint_bands not in (None, "auto") and list(checkpoint_bands) != list(parts.probes.bands):
+        raise ValueError(f"resume: probes.bands resolves to {parts.probes.bands} but the checkpoint's run probed "
+                         f"{list(checkpoint_bands)}: pass probes.bands={list(checkpoint_bands)} to continue it, or "
+                         f"start a fresh run directory (hydra.run.dir=<new dir>)")
     if state.get("data_digest") not in (None, parts.train_ds.content_digest):
         raise ValueError(f"the data changed since the checkpoint (content digest {state['data_digest']} then, "
                          f"{parts.train_ds.content_digest} now; data.* = {settings.config['data']}): restore the data "

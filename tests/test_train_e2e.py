@@ -608,3 +608,24 @@ def test_tau_is_measured_per_length_band_from_the_same_prompts(tmp_path):
     assert summary["tau_band_min"] == min(measured)
     assert summary["tau_band_mean"] == pytest.approx(sum(measured) / len(measured))
     assert all(t is None or t >= 1.0 for t in baseline)
+
+
+def test_a_checkpoint_from_before_bucket_by_and_auto_bands_resumes(tmp_path):
+    """Keys added since a checkpoint was written, at the value that computes the same run, are no change: a
+    checkpoint whose config lacks sampler.bucket_by and lists its probe bands resumes under today's defaults
+    (bucket_by=length, probes.bands=auto resolving to the same bands); bands that resolve otherwise are refused."""
+    run_dir = tmp_path / "old"
+    train(compose_cfg(run_dir, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.measure_tau=false"))
+    manager = ckpt.CheckpointManager(run_dir / record.CHECKPOINT_DIR)
+    path = manager.latest_path()
+    state = torch.load(path, weights_only=False)
+    del state["config"]["sampler"]["bucket_by"]
+    state["config"]["probes"]["bands"] = [0, 96, 152, 216, 304, 412, 1024]   # as written before bands=auto
+    torch.save(state, path)
+    summary = train(compose_cfg(run_dir, "trainer.max_steps=6", "trainer.measure_tau=false"))
+    assert summary["status"] == "finished" and summary["steps"] == 6
+    state["config"]["probes"]["bands"] = [0, 200, 1024]
+    state["step"] = 6
+    torch.save(state, manager.latest_path())
+    with pytest.raises(ValueError, match=r"probes.bands resolves to \[0, 96, .*checkpoint's run probed \[0, 200, 1024\]"):
+        train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))
