@@ -57,7 +57,7 @@ def main() -> None:
 
     from dflash_lab.checkpoint import load_run_checkpoint
     from dflash_lab.plan import CostModel, load_plan_data, plan_block_tokens, predict_throughput
-    from dflash_lab.sampling import policy_from_config
+    from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
 
     work = Path(tempfile.mkdtemp(prefix="planner_accuracy_"))
     load_before = os.getloadavg()
@@ -73,7 +73,9 @@ def main() -> None:
         for policy in args.policies:
             run_cfg = load_run_checkpoint(work / rule / policy)["config"]  # the resolved config the run used
             lengths, valid = load_plan_data(run_cfg["data"], run_cfg["model"])
-            sampler_cfg = {**run_cfg["sampler"], "max_block_tokens": summaries[policy].get("max_block_tokens")}
+            sampler_cfg = resolve_auto_boundaries({**run_cfg["sampler"],
+                                                   "max_block_tokens": summaries[policy].get("max_block_tokens")},
+                                                  builtin_corpus=run_cfg["data"].get("kind") == "synthetic")
             plan_policy = policy_from_config(sampler_cfg, lengths, seed=run_cfg["seed"],
                                              block_tokens=plan_block_tokens(valid, run_cfg["model"]))
             predicted = predict_throughput(plan_policy, cost, epochs=1)["ktok_s"]

@@ -25,7 +25,7 @@ from dflash_lab import dist, record
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.probes import resolve_bands
-from dflash_lab.sampling import policy_from_config
+from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 from dflash_lab.settings import ProbeSettings, RunSettings
 from dflash_lab.step import LRSchedule
@@ -67,13 +67,15 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
 
 def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.device,
                         world_size: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
-    """The sampler config with ``max_block_tokens`` resolved, the memory plan (``footprint.memory_plan``: ``auto``
+    """The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``) and ``max_block_tokens``
+    resolved, the memory plan (``footprint.memory_plan``: ``auto``
     block budget and checkpointing chosen from the memory model where the GPU's memory is known) and the block
     tokens of every sample under the model's anchor rule (``sampling.anchors``; None without a block budget: the
     pass over the loss mask is skipped when nothing reads it). The model takes the plan's block budget (fair
     thinning of any batch over it) and checkpointing."""
     trainer = settings.trainer
-    sampler_cfg = dict(settings.config["sampler"])
+    sampler_cfg = resolve_auto_boundaries(settings.config["sampler"],
+                                          builtin_corpus=settings.config["data"].get("kind") == "synthetic")
     requested = sampler_cfg.get("max_block_tokens")
     gpu_gb = settings.gpu_memory_gb(device)
     needs_blocks = requested is not None and not (requested == "auto" and gpu_gb is None)

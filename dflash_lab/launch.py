@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 # Boundary presets accepted by ``sampler.boundaries`` (see dflash_lab/sampling/bucketed.py).
-_BOUNDARY_PRESETS = ("seed", "cpu")
+_BOUNDARY_PRESETS = ("auto", "seed", "cpu")   # auto: resolved with the data (sampling.resolve_auto_boundaries)
 
 
 class LaunchConfigError(ValueError):

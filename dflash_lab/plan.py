@@ -40,7 +40,8 @@ from .config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_k
 from .metrics.throughput import format_eta, full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
 from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
 from .sampling import (
-    FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, smallest_k_for_efficiency,
+    FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, resolve_auto_boundaries,
+    smallest_k_for_efficiency,
     validate_boundaries, validate_lengths,
 )
 from .sampling.anchors import anchor_rule_name, block_tokens_per_sample, valid_positions_from_lengths
@@ -915,7 +916,9 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     sweep_method = as_choice("sweep_method", cfg.get("sweep_method", "optimal"), FIT_METHODS)
     target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
     floors = recommend_floors(cfg.get("recommend"))
-    samplers = sampler_configs(cfg["sampler"], cfg.get("policies", "all"))
+    builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
+    samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
+                for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg.get("policies", "all")).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan

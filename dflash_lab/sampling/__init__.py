@@ -25,14 +25,15 @@ rule, boundary fitting), ``policy`` (sharding and resumable state), ``build`` (r
 from __future__ import annotations
 
 from .boundaries import FIT_METHODS, bucket_ids, fit_boundaries, validate_boundaries
-from .bucketed import CPU_BOUNDARIES, SEED_BOUNDARIES
+from .bucketed import CPU_BOUNDARIES, SEED_BOUNDARIES, resolve_auto_boundaries
 from .build import POLICIES, build_policy, policy_from_config, policy_keys
 from .core import StepPlan, TokenBudget, validate_lengths
 from .policy import Policy
 from .stats import smallest_k_for_efficiency
 
 __all__ = [
-    "POLICIES", "FIT_METHODS", "CPU_BOUNDARIES", "SEED_BOUNDARIES", "Policy", "StepPlan", "TokenBudget",
+    "POLICIES", "FIT_METHODS", "CPU_BOUNDARIES", "SEED_BOUNDARIES", "resolve_auto_boundaries", "Policy", "StepPlan",
+    "TokenBudget",
     "build_policy", "policy_from_config", "policy_keys", "fit_boundaries", "smallest_k_for_efficiency",
     "validate_boundaries", "validate_lengths", "bucket_ids",
 ]

@@ -35,7 +35,8 @@ Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Mapping
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -81,6 +82,34 @@ def resolve_boundaries(
             f"set sampler.boundaries=null to fit boundaries, or num_buckets=null to use the list"
         )
     return values
+
+
+AUTO_NUM_BUCKETS = 6
+
+
+def resolve_auto_boundaries(sampler_cfg: Mapping[str, Any], *, builtin_corpus: bool) -> dict[str, Any]:
+    """``sampler.boundaries: auto`` (the default of the bucketed policies), resolved where the data is known: the
+    built-in corpus keeps its preset (``cpu``, so runs compare with the ablation); other data gets boundaries fitted
+    to its own lengths (``sampler.num_buckets``, default 6, by ``sampler.fit_method``). Any other value is returned
+    as given.
+
+    Example:
+        >>> resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=True)["boundaries"]
+        'cpu'
+        >>> fitted = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=False)
+        >>> fitted["boundaries"], fitted["num_buckets"]
+        (None, 6)
+    """
+    cfg = dict(sampler_cfg)
+    if cfg.get("boundaries") != "auto":
+        return cfg
+    if builtin_corpus:
+        cfg["boundaries"] = "cpu"
+        if cfg.get("num_buckets") == len(CPU_BOUNDARIES) - 1:
+            cfg["num_buckets"] = None   # the preset's own count: no conflict to report
+    else:
+        cfg["boundaries"], cfg["num_buckets"] = None, cfg.get("num_buckets") or AUTO_NUM_BUCKETS
+    return cfg
 
 
 def random_groups(kept: np.ndarray, sizes: np.ndarray, seed: int) -> list[np.ndarray]:

@@ -1,6 +1,7 @@
-"""model=hf on a CPU: the run says up front when its steps will be slow (with the CPU-sized preset), and the tau
-measurement announces itself and reports its progress. The target is a real ``transformers`` Qwen3 with random
-weights saved locally; the chat data and template come from the chat-template tests."""
+"""Your data, your target: model=hf on a CPU says up front when its steps will be slow (with the CPU-sized preset)
+and tau reports its progress; mostly-cut data is refused; probe bands and bucket boundaries follow the data's own
+lengths. The target is a real ``transformers`` Qwen3 with random weights saved locally; the chat data and template
+come from the chat-template tests."""
 
 from __future__ import annotations
 
@@ -108,3 +109,23 @@ def test_probe_bands_auto_follow_the_data_and_keep_the_builtin_corpus_bands():
     assert counts.min() > 0.7 * len(lengths) / 6   # about equal counts per band
     probes = ProbeSets(lengths, bands, per_band=6, seed=0, max_tokens=1 << 16)
     assert not probes.empty_bands
+
+
+def test_bucket_boundaries_auto_fit_your_lengths_and_keep_the_builtin_corpus_preset(tmp_path):
+    """sampler.boundaries=auto (the default): a chat file's buckets are fitted to its own lengths (6 buckets,
+    optimal), not the built-in corpus's preset, and the run records them; the built-in corpus keeps its preset."""
+    from dflash_lab.sampling import CPU_BOUNDARIES, resolve_auto_boundaries
+    from dflash_lab.train import train
+
+    turns = [[{"role": "user", "content": "q" * (5 + i % 37)}, {"role": "assistant", "content": "a " * (3 + i % 200)}]
+             for i in range(300)]
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in turns))
+    summary = train(_compose(["data=jsonl", f"data.path={chats}", f"data.cache_dir={tmp_path / 'cache'}",
+                              "probes.every=0", "probes.presentations=false", "trainer.max_steps=2",
+                              "trainer.measure_tau=false", "trainer.progress=false", f"run_dir={tmp_path / 'run'}"]))
+    boundaries = summary["boundaries"]
+    assert boundaries != CPU_BOUNDARIES and boundaries[0] == 0 and 3 <= len(boundaries) - 1 <= 6
+    assert boundaries[-1] > 300   # the chats' own lengths (up to ~430 byte tokens), not the preset's 1024
+    builtin = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=True)
+    assert builtin["boundaries"] == "cpu"
