@@ -572,8 +572,9 @@ def check_digests(records: list[RunRecord], sweep: Sweep, policy: str = "error")
         ...
         ValueError: runs trained against different target weights are not replicates or pairs: all runs: \
 target_digest aaaa in w/r0; bbbb in w/r1. Rerun them against one target (the same model.target_path, or the tiny \
-target of one cache: copy ~/.cache/dflash_lab/targets between machines), compare them apart, or compare them \
-anyway with --mixed-digests=allow (compare_records(mixed_digests='allow'))
+target of one cache: copy its folder targets/tiny-<hash> of the cache root, default ~/.cache/dflash_lab, between \
+machines), compare them apart, or compare them anyway with --mixed-digests=allow \
+(compare_records(mixed_digests='allow'))
         >>> check_digests(runs, sweep_of(runs), "allow")["r0"]
         ['target_digest aaaa differs from other runs of its setting (bbbb in w/r1): compared anyway \
 (--mixed-digests=allow)']
@@ -612,8 +613,8 @@ anyway with --mixed-digests=allow (compare_records(mixed_digests='allow'))
         if "target_digest" in problems:
             parts.append("runs trained against different target weights are not replicates or pairs: "
                          + "; ".join(problems["target_digest"]) + ". Rerun them against one target (the same "
-                         "model.target_path, or the tiny target of one cache: copy ~/.cache/dflash_lab/targets "
-                         "between machines), compare them apart")
+                         "model.target_path, or the tiny target of one cache: copy its folder targets/tiny-<hash> of "
+                         "the cache root, default ~/.cache/dflash_lab, between machines), compare them apart")
         if "data_digest" in problems:
             parts.append("runs trained on different data are not replicates or pairs: "
                          + "; ".join(problems["data_digest"]) + ". Rerun them on the same data (same data.* "
