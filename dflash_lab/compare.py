@@ -29,6 +29,13 @@ given both as its directory and as W&B run) are separate runs, not two seeds. By
 both runs: pass only one, give reruns different seeds, or choose --duplicates=latest (keep the run that wrote its
 files last) or --duplicates=first (keep the first given); the run kept is named in the notes.
 
+Digests. Each run's summary.json records what it trained against: target_digest (the target's weights) and
+data_digest (the training data). The batching policy changes neither, so runs that agree on every swept key outside
+the sampler (`sampler`, `sampler.*`) must agree on both: the same command on another machine that pretrained its
+own tiny target gives another target_digest, and such runs are not replicates or pairs. By default compare refuses
+them, listing which runs hold which digest; --mixed-digests=allow compares them anyway and says so in their notes.
+Runs recorded before digests existed are compared, with a note that their digests are unknown.
+
 Equal compute. probe_loss_at_steps / _at_tokens / _at_time: the mean probe loss over bands, read at the largest
 optimizer-step, real-token and modelled-time budget every finished run reaches (modelled time needs a cost model).
 
@@ -45,8 +52,8 @@ Ctrl-C midway leaves the previous comparison as it was. A folder holding only fi
 whole; one holding anything else (your notes, runs, a folder of the same name) is refused, naming those files,
 unless --force (which deletes them). --out is never the current directory or above it, nor a folder holding a PATH.
 
-Bad paths are reported and skipped. A refusal (invalid option or protocol, duplicate runs, an --out that would not
-be replaced) prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
+Bad paths are reported and skipped. A refusal (invalid option or protocol, duplicate runs, mixed digests, an --out
+that would not be replaced) prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
 code 1 if no run loaded or --out could not be written.
 """
 
@@ -62,7 +69,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
-from dflash_lab.analysis.arms import DUPLICATE_POLICIES
+from dflash_lab.analysis.arms import DUPLICATE_POLICIES, MIXED_DIGEST_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
 from dflash_lab.analysis.protocol import RULE_CHANGES, RULES_VERSION, recorded_protocol, resolve_protocol
 from dflash_lab.analysis.summarize import Comparison
@@ -139,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="error",
                         help="runs of one arm with one seed are separate runs, not seeds: refuse them (error, the "
                              "default), or keep the one that wrote its files last (latest) or was given first (first)")
+    parser.add_argument("--mixed-digests", choices=MIXED_DIGEST_POLICIES, default="error",
+                        help="runs of one setting (every swept key outside the sampler equal) trained against "
+                             "different target weights or data (summary.json target_digest / data_digest) are not "
+                             "replicates or pairs: refuse them (error, the default) or compare them anyway, noting "
+                             "it in their notes (allow)")
     parser.add_argument("--force", action="store_true",
                         help="replace an --out folder that holds files compare never writes (they are deleted)")
     parser.add_argument("--debug", action="store_true",
@@ -315,10 +327,12 @@ def _compare(args: argparse.Namespace) -> int:
         recorded = recorded_protocol(report.runs)
         rules = recorded["rules_version"] if recorded else RULES_VERSION
         protocol = resolve_protocol(report.runs, rules=rules, **options)
-        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates)
+        comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates,
+                                     mixed_digests=args.mixed_digests)
         today = None
         if rules != RULES_VERSION:   # judged as recorded; today's rules too, to show what they would say
             today = compare_records(report.runs, theta=args.theta, duplicates=args.duplicates,
+                                    mixed_digests=args.mixed_digests,
                                     protocol=resolve_protocol(report.runs, rules=RULES_VERSION, **options))
     except ValueError as error:
         raise Refused(str(error)) from error

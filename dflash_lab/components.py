@@ -156,13 +156,16 @@ class Components:
     anchor_generator: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu"))
 
     def identity(self, settings: RunSettings, world_size: int) -> dict[str, Any]:
-        """What this run is, for ``summary.json`` (and so for compare)."""
+        """What this run is, for ``summary.json`` (and so for compare): its settings, and the digests of the data
+        (``data_digest``) and the target weights (``target_digest``) it trained with, which compare checks before
+        it treats two runs as replicates or pairs."""
         return {"sampler": self.policy.name, "seed": settings.seed, "epochs": settings.trainer.epochs,
                 "world_size": world_size, "boundaries": self.policy.boundaries,
                 "anchor_rule": anchor_rule_name(self.model.anchor_density),
                 "max_block_tokens": self.memory.max_block_tokens,
                 "activation_checkpointing": self.memory.activation_checkpointing,
-                "data_digest": self.train_ds.content_digest, "probe_bands": list(self.probes.bands)}
+                "data_digest": self.train_ds.content_digest, "probe_bands": list(self.probes.bands),
+                "target_digest": self.model.target_digest}
 
     def data_counts(self) -> dict[str, Any]:
         """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""

@@ -94,6 +94,8 @@ PRESENTATION_COLUMNS = ("sample_index", "epoch", "step", "length", "band", "acc"
 SUMMARY_FIELDS = (
     "sampler", "seed", "steps", "epochs", "ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "final_loss",
     "final_acc", "tau", "tau_baseline", "overhead_frac", "world_size", "status",
+    "target_digest",  # the target's weights (dflash_lab.model.target: weights_digest, hf: checkpoint_digest)
+    "data_digest",    # the training data's content (dflash_lab.data.datasets.content_digest)
 )
 STATUSES = ("running", "finished", "failed", "preempted")
 
@@ -463,7 +465,7 @@ def build_summary(
         history: metrics.jsonl rows of the whole run, step order.
         plan: exact plan facts (steps per epoch, end step, sample counts).
         totals: cumulative times and counts over all segments.
-        identity: sampler, seed, epochs, world_size.
+        identity: sampler, seed, epochs, world_size, target_digest, data_digest (``Components.identity``).
         status: one of STATUSES.
         steps: optimizer steps completed (default: the last row's; ranks > 0 keep no history but know it).
         steady_warmup_steps: steps left out of the steady-state Ktok/s and step time.

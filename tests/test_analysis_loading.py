@@ -359,7 +359,8 @@ def _real_run_with_offline_wandb(run_dir: Path, steps: int = 40) -> Path:
             logger.log_probes([{"step": step, "band": b, "band_lo": BANDS[b], "band_hi": BANDS[b + 1],
                                 "loss": 3.0 - 0.02 * step, "acc": 0.01 * step, "tokens": 8} for b in range(2)])
     logger.write_summary({"sampler": "bucketed", "seed": 5, "steps": steps, "ktok_s": 11.0, "pad_eff": 0.8,
-                          "final_loss": 2.05, "final_acc": 0.4, "tau": 1.9, "status": "finished"})
+                          "final_loss": 2.05, "final_acc": 0.4, "tau": 1.9, "status": "finished",
+                          "target_digest": "0123456789abcdef", "data_digest": "f" * 32})
     logger.close()
     return run_dir
 
@@ -382,6 +383,8 @@ def test_offline_wandb_run_reads_back_to_the_same_schema_as_the_local_files(tmp_
     assert from_wandb.sampler == local.sampler == "bucketed" and from_wandb.seed == local.seed == 5
     assert from_wandb.status == "finished", (from_wandb.messages, offline.summary)
     assert from_wandb.summary["tau"] == local.summary["tau"]
+    for digest in ("target_digest", "data_digest"):   # compare checks W&B runs' digests as it does local ones'
+        assert from_wandb.summary[digest] == local.summary[digest]
     pd.testing.assert_series_equal(from_wandb.steps["loss"], local.steps["loss"], check_names=False)
     assert from_wandb.steps["step"].tolist() == local.steps["step"].tolist()
     merged = local.probes.merge(from_wandb.probes, on=["step", "band"], suffixes=("_local", "_wandb"))

@@ -44,6 +44,8 @@ def test_hf_model_and_chat_template_data(hf_dir, tmp_path):
     model, tok = build_model("hf", target_path=str(hf_dir), device="cpu", block_size=4, draft_layers=2,
                              cache_dir=str(tmp_path))
     assert model.target_layer_ids == [1, 3]          # evenly spaced in [1, L-3] for 6 layers
+    from dflash_lab.model.target import checkpoint_digest   # the files' digest: 16 GB are never hashed at start
+    assert len(model.target_digest) == 16 and model.target_digest == checkpoint_digest(hf_dir)
     assert model.mask_token_id == tok.vocab_size and tok.eos_token_id in model.stop_token_ids  # added past the vocab
     file = tmp_path / "chat.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"ok {i}!"}]}

@@ -123,3 +123,64 @@ def test_stale_temporary_dirs_of_a_killed_builder_are_removed(tmp_path):
     (tmp_path / "entry.tmp-dead" / "half").write_text("x")
     build_once(tmp_path / "entry", lambda directory: (directory / "done").write_text("ok"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "entry.lock"]
+
+
+def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tmp_path):
+    """The reviewer's case on one machine: the same config in two empty caches gives the same target, even when the
+    callers run different thread counts; the digest is recorded in the cache and on the model, and pretraining
+    leaves the caller's threads and RNG as they were (a run goes on the same whether it built the cache or not)."""
+    config = {**SMALL, "pretrain_steps": 5}
+    torch.manual_seed(123)
+    first, _ = build_model("tiny", cache_dir=str(tmp_path / "a"), **config)   # pretrains
+    draw_after_pretraining = torch.rand(3)
+    torch.manual_seed(123)
+    build_model("tiny", cache_dir=str(tmp_path / "a"), **config)   # loads
+    assert torch.equal(torch.rand(3), draw_after_pretraining)
+    torch.set_num_threads(2)
+    try:
+        second, _ = build_model("tiny", cache_dir=str(tmp_path / "b"), **config)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert first.target.dflash_meta["path"] != second.target.dflash_meta["path"]
+    assert len(first.target_digest) == 16 and first.target_digest == second.target_digest
+    assert first.target.dflash_meta["target_digest"] == first.target_digest
+    assert target_module.weights_digest(first.target) == first.target_digest
+    other_seed, _ = build_model("tiny", cache_dir=str(tmp_path / "a"), **{**config, "pretrain_seed": 1})
+    assert other_seed.target_digest != first.target_digest
+
+
+def test_a_tampered_cached_target_is_refused_naming_the_directory_to_delete(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    directory = Path(model.target.dflash_meta["path"])
+    weights = load_file(directory / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1e-3
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=rf"cached tiny target {directory} has weights digest \w+, but its "
+                                           rf"meta.json records {model.target_digest}.*rm -rf"):
+        build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(RuntimeError, match="lacks model.safetensors.*run again to pretrain"):
+        build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+
+
+def test_checkpoint_digest_reads_names_sizes_ends_and_config(tmp_path):
+    """The hf target's digest: a change of config.json, of a weight file's end, or a file added changes it; a bad
+    directory is refused naming model.target_path."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    (tmp_path / "model-00001.safetensors").write_bytes(bytes(range(256)) * 20000)   # ~5 MiB: start, middle, end
+    digest = target_module.checkpoint_digest(tmp_path)
+    assert len(digest) == 16 and target_module.checkpoint_digest(tmp_path) == digest
+    data = bytearray((tmp_path / "model-00001.safetensors").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "model-00001.safetensors").write_bytes(bytes(data))
+    changed_end = target_module.checkpoint_digest(tmp_path)
+    assert changed_end != digest
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 8}')
+    assert target_module.checkpoint_digest(tmp_path) not in (digest, changed_end)
+    with pytest.raises(ValueError, match="model.target_path=.*no config.json or no"):
+        target_module.checkpoint_digest(tmp_path / "missing")

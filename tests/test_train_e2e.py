@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from dflash_lab import checkpoint as ckpt
 from dflash_lab import record
@@ -502,6 +503,22 @@ def test_a_fresh_start_over_an_earlier_runs_records_is_refused_unless_overwrite(
     assert {name: (run_dir / name).read_bytes() for name in before} == before
     summary = train(compose_cfg(run_dir, "trainer.max_steps=4", "trainer.measure_tau=false", "overwrite=true"))
     assert summary["status"] == "finished" and summary["steps"] == 4 and len(losses(run_dir)) == 4
+
+
+def test_summary_records_the_target_and_data_digests_the_run_trained_with(tmp_path):
+    """What compare checks before it pairs runs: the digest of the very target weights the run loaded (the tiny
+    target's weights_digest, as build_model computes it from the cache) and of its training data."""
+    from dflash_lab.components import pretrain_corpus_follows_data
+    from dflash_lab.model import build_model
+
+    cfg = compose_cfg(tmp_path / "run", "trainer.max_steps=2", "trainer.measure_tau=false", "probes.every=0",
+                      "probes.presentations=false")
+    summary = train(cfg)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    model, _ = build_model(**pretrain_corpus_follows_data(plain["model"], plain["data"]))
+    assert saved["target_digest"] == summary["target_digest"] == model.target_digest
+    assert len(saved["target_digest"]) == 16 and len(saved["data_digest"]) == 32
 
 
 def test_a_resume_on_changed_data_content_is_refused(tmp_path):

@@ -26,6 +26,16 @@ an error asking for a more specific selector. A stratum with no matching arm has
 Duplicates. Two runs of one arm with one seed are two separate runs (the same sweep launched twice, a rerun in
 another folder, a run read both from its directory and from W&B), not two seeds: `drop_duplicate_runs` refuses them
 by default, naming both runs, or keeps one (`--duplicates=latest|first`) and notes which.
+
+Digests. Every run records what it trained against: `target_digest` (the target's weights) and `data_digest` (the
+training data's content) in summary.json (W&B: `final/target_digest`, `final/data_digest`). A batching policy
+changes neither, so runs that agree on every swept key outside the sampler (`sampler`, `sampler.*`) must agree on
+both digests: they are the replicates an arm averages and the pairs a paired test matches by seed. Runs trained
+against another target (a tiny target pretrained on another machine) or other data are not, and
+`check_digests` refuses them by default, listing which runs hold which digest, or compares them anyway
+(`--mixed-digests=allow`) and says so in their notes. A run without the fields (recorded before they existed, or
+without a summary) is compared with a note that its digest is unknown. A swept `data.*` or `model.*` key changes
+the digests legitimately: runs that differ in it are never checked against each other.
 """
 
 from __future__ import annotations
@@ -511,3 +521,104 @@ launched twice, or a rerun), not two seeds: pass only one of them, give reruns d
                      f"({', '.join(records[i].location for i in indices)}); kept {records[keep].location}, "
                      f"left out {', '.join(left_out)} (--duplicates={policy})")
     return [record for index, record in enumerate(records) if index not in dropped], notes
+
+
+# --------------------------------------------------------------------------------------------------- digests
+MIXED_DIGEST_POLICIES = ("error", "allow")
+DIGEST_FIELDS = ("target_digest", "data_digest")
+_DIGEST_WHAT = {"target_digest": "target weights", "data_digest": "training data"}
+
+
+def recorded_digest(record: RunRecord, name: str) -> str | None:
+    """The run's summary value of digest `name` (`DIGEST_FIELDS`), None when it recorded none.
+
+    Example:
+        >>> recorded_digest(RunRecord("r", "local", "/r", summary={"target_digest": "ab12"}), "target_digest")
+        'ab12'
+        >>> recorded_digest(RunRecord("r", "local", "/r"), "data_digest") is None
+        True
+    """
+    value = record.summary.get(name)
+    return str(value) if isinstance(value, str) and value else None
+
+
+def _non_sampler_setting(values: pd.Series) -> str:
+    keys = [k for k in values.index if k != "sampler" and not k.startswith("sampler.")]
+    return " ".join(f"{k}={values[k]}" for k in keys) or "all runs"
+
+
+def check_digests(records: list[RunRecord], sweep: Sweep, policy: str = "error") -> dict[str, list[str]]:
+    """Refuse (or note) runs of one setting that trained against different targets or data (module docstring).
+
+    Args:
+        records: the runs to compare (duplicates already left out).
+        sweep: `sweep_of(records)`: runs agreeing on every non-sampler swept key are checked against each other.
+        policy: "error" (default): refuse a setting whose runs hold several values of a digest; "allow": compare
+            them anyway, noting the difference in each such run's notes.
+
+    Returns:
+        run_id -> notes for that run's `notes` column (an unknown digest; with "allow", a digest that differs).
+
+    Raises:
+        ValueError: policy "error" and some setting's runs hold different target or data digests (every run is
+            named with its digest, and the fixes), or an unknown policy.
+
+    Example:
+        >>> runs = [RunRecord(f"r{i}", "wandb", f"w/r{i}", config={"sampler": {"name": s}, "seed": 0},
+        ...                   summary={"status": "finished", "target_digest": t, "data_digest": "d0"})
+        ...         for i, (s, t) in enumerate([("bucketed", "aaaa"), ("full_random", "bbbb")])]
+        >>> check_digests(runs, sweep_of(runs))
+        Traceback (most recent call last):
+        ...
+        ValueError: runs trained against different target weights are not replicates or pairs: all runs: \
+target_digest aaaa in w/r0; bbbb in w/r1. Rerun them against one target (the same model.target_path, or the tiny \
+target of one cache: copy its folder targets/tiny-<hash> of the cache root, default ~/.cache/dflash_lab, between \
+machines), compare them apart, or compare them anyway with --mixed-digests=allow \
+(compare_records(mixed_digests='allow'))
+        >>> check_digests(runs, sweep_of(runs), "allow")["r0"]
+        ['target_digest aaaa differs from other runs of its setting (bbbb in w/r1): compared anyway \
+(--mixed-digests=allow)']
+    """
+    if policy not in MIXED_DIGEST_POLICIES:
+        raise ValueError(f"--mixed-digests={policy!r}: choose one of {', '.join(MIXED_DIGEST_POLICIES)}")
+    notes: dict[str, list[str]] = {record.run_id: [] for record in records}
+    by_id = {record.run_id: record for record in records}
+    settings = sweep.values.apply(_non_sampler_setting, axis=1)
+    problems: dict[str, list[str]] = {}
+    for name in DIGEST_FIELDS:
+        for record in records:
+            if recorded_digest(record, name) is None:
+                notes[record.run_id].append(f"{name} unknown (not in the run's summary: recorded before digests "
+                                            f"were, or no summary.json); its {_DIGEST_WHAT[name]} were not "
+                                            "checked against the other runs'")
+        for setting, run_ids in settings.groupby(settings, sort=False).groups.items():
+            holders: dict[str, list[str]] = {}
+            for run_id in run_ids:
+                digest = recorded_digest(by_id[run_id], name)
+                if digest is not None:
+                    holders.setdefault(digest, []).append(run_id)
+            if len(holders) < 2:
+                continue
+            listing = "; ".join(f"{digest} in {', '.join(by_id[r].location for r in held)}"
+                                for digest, held in holders.items())
+            problems.setdefault(name, []).append(f"{setting}: {name} {listing}")
+            for digest, held in holders.items():
+                others = "; ".join(f"{other} in {', '.join(by_id[r].location for r in runs)}"
+                                   for other, runs in holders.items() if other != digest)
+                for run_id in held:
+                    notes[run_id].append(f"{name} {digest} differs from other runs of its setting ({others}): "
+                                         "compared anyway (--mixed-digests=allow)")
+    if problems and policy == "error":
+        parts = []
+        if "target_digest" in problems:
+            parts.append("runs trained against different target weights are not replicates or pairs: "
+                         + "; ".join(problems["target_digest"]) + ". Rerun them against one target (the same "
+                         "model.target_path, or the tiny target of one cache: copy its folder targets/tiny-<hash> of "
+                         "the cache root, default ~/.cache/dflash_lab, between machines), compare them apart")
+        if "data_digest" in problems:
+            parts.append("runs trained on different data are not replicates or pairs: "
+                         + "; ".join(problems["data_digest"]) + ". Rerun them on the same data (same data.* "
+                         "settings and files), compare them apart")
+        raise ValueError(". ".join(parts) + ", or compare them anyway with --mixed-digests=allow "
+                         "(compare_records(mixed_digests='allow'))")
+    return notes

@@ -365,7 +365,8 @@ class Comparison:
 
 
 def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
-                    protocol: Protocol | None = None, duplicates: str = "error") -> Comparison:
+                    protocol: Protocol | None = None, duplicates: str = "error",
+                    mixed_digests: str = "error") -> Comparison:
     """Analyse every run, place it in its arm, read the equal-compute endpoints, and pair arms with the baseline.
 
     Args:
@@ -375,10 +376,14 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
             (`protocol.resolve_protocol`).
         duplicates: runs sharing an arm and a seed (separate runs, not replicates: `arms.drop_duplicate_runs`):
             "error" refuses them, "latest" / "first" keep one and note it.
+        mixed_digests: runs of one setting (all swept keys outside the sampler equal) trained against different
+            target weights or data (summary `target_digest` / `data_digest`; `arms.check_digests`): "error"
+            refuses them, "allow" compares them and says so in their notes. A run without digests is noted.
 
     Raises:
-        ValueError: runs that declare different protocols, a baseline selector that is unknown or ambiguous, or
-            (duplicates="error") two runs of one arm with one seed.
+        ValueError: runs that declare different protocols, a baseline selector that is unknown or ambiguous,
+            (duplicates="error") two runs of one arm with one seed, or (mixed_digests="error") runs of one setting
+            with different target or data digests.
 
     Example:
         >>> comparison = compare_records([])
@@ -387,7 +392,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     """
     unique_run_ids(records)
     protocol = protocol if protocol is not None else resolve_protocol(records)
-    pairing, swept, notes = None, [], []
+    pairing, swept, notes, digest_notes = None, [], [], {}
     if records:  # settle arms and the baseline first: a bad selector fails before any run is analysed
         sweep = arms_module.sweep_of(records)
         labels = sweep.values.apply(arms_module.arm_label, axis=1)
@@ -396,6 +401,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
             records = kept
             sweep = arms_module.sweep_of(records)
             labels = sweep.values.apply(arms_module.arm_label, axis=1)
+        digest_notes = arms_module.check_digests(records, sweep, mixed_digests)
         settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
         swept = ["sampler", *settings.columns]
         if protocol.baseline:
@@ -405,6 +411,12 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     if records:
         runs["arm"] = runs["run_id"].map(labels)
         runs = runs.join(settings, on="run_id")
+        runs["notes"] = [_joined(text, digest_notes.get(run_id, [])) for run_id, text in zip(runs["run_id"],
+                                                                                               runs["notes"])]
+        mixed = sum(any("compared anyway" in note for note in run_notes) for run_notes in digest_notes.values())
+        if mixed:
+            notes.append(f"{mixed} run(s) were compared with runs of their setting trained against other target "
+                         "weights or data (--mixed-digests=allow): see their notes")
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
     paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
@@ -431,6 +443,12 @@ def _window_start_index(window: float | str, step: np.ndarray | None, summary: d
     end = summary.get("end_step")
     end = float(end) if isinstance(end, (int, float)) and end > 0 else float(np.nanmax(step))
     return min(int(np.searchsorted(step, float(window) * end, side="right")), len(step) - 1)
+
+
+def _joined(text, more: list[str]) -> str:
+    """A run's notes with `more` appended (each once), "; "-separated."""
+    parts = [text] if isinstance(text, str) and text else []
+    return "; ".join(dict.fromkeys(parts + list(more)))
 
 
 def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.DataFrame:

@@ -4,7 +4,8 @@ Mapping (what `dflash_lab.run_logger` sends to W&B):
     run.config                         -> RunRecord.config (nested dict; W&B's {"value": ...} wrappers removed);
                                           its `overrides` list (the Hydra task overrides), if logged -> overrides
     run.summary                        -> RunRecord.summary (contract summary keys; "_"-prefixed keys dropped;
-                                          `final/<key>` read as <key> and preferred over a per-step <key>)
+                                          `final/<key>` read as <key> and preferred over a per-step <key>: so
+                                          final/target_digest and final/data_digest, which compare checks)
     history rows with "loss" or "train/loss" -> steps (metrics.jsonl field names, a `train/` prefix removed;
                                           "step" else "_step")
     history keys probe/<band>/<loss|acc> or probe/<lo>-<hi>/<loss|acc> -> probes (one row per eval and band; a

@@ -5,6 +5,8 @@
 Then a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers`` layers) reading the
 target layers ``target_layer_ids`` (default spacing rule: dflash_lab.model.draft.default_target_layer_ids).
 ``target_config_only`` and ``draft_config_for_target`` give the same shapes without weights (planner, export).
+``model.target_digest`` names the target's weights (tiny: ``weights_digest`` of the weights themselves, checked
+against the cache's record; hf: ``checkpoint_digest`` of the checkpoint files); runs record it in summary.json.
 MASK id (hf): the tokenizer's mask token, else an id added past its vocabulary, as the DFlash reference does.
 
 Cost: tiny: the first call pretrains (~1 min on 2 cores), later calls load in < 1 s; hf: the weights' load time.
@@ -21,7 +23,7 @@ from dflash_lab.config_check import as_bool, as_int, refuse_unknown_keys
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, check_compile_layers, default_target_layer_ids
-from dflash_lab.model.target import load_hf_target, load_or_build_tiny_target
+from dflash_lab.model.target import checkpoint_digest, load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
 KINDS = ("tiny", "hf")
@@ -75,7 +77,8 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         **other: the model config's ``decode_*`` keys (read by the trainer); any other key is refused.
 
     Returns:
-        (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter.
+        (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter; ``model.target_digest``
+        names the target's weights (module docstring).
 
     Raises:
         ValueError: an unknown key (the message lists the valid ones) or a bad value.
@@ -98,8 +101,10 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         corpus = dict(pretrain_data) if pretrain_data else dict(_TINY_PRETRAIN_CORPUS)
         target, meta = load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain, corpus=corpus,
                                                  cache_dir=cache_dir)
-        log.info("tiny target: %s (pretrain loss %.3f)", meta["path"], meta["pretrain_stats"]["loss"])
+        log.info("tiny target: %s (pretrain loss %.3f, weights digest %s)", meta["path"],
+                 meta["pretrain_stats"]["loss"], meta["target_digest"])
         target.dflash_meta = meta
+        target_digest = meta["target_digest"]
         mask_id = tokenizer.mask_token_id
     elif kind == "hf":
         if not target_path and target_config:
@@ -107,6 +112,7 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
                              "weights: set model.target_path=/path/to/hf/model")
         target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
                                               attn_implementation=attn_implementation)
+        target_digest = checkpoint_digest(target_path)   # the files, not 16 GB of weights: see target.py
         rows = target.get_input_embeddings().weight.shape[0]
         mask_id = resolve_mask_token_id(hf_tokenizer, mask_token_id, rows)
         tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_id)
@@ -119,6 +125,7 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
                         draft_init_seed=draft_init_seed, draft_init_std=draft_init_std, fixed_anchors=fixed_anchors,
                         activation_checkpointing=activation_checkpointing, compile_layers=compile_layers)
     model.stop_token_ids = list(tokenizer.stop_token_ids)
+    model.target_digest = target_digest
     return model, tokenizer
 
 

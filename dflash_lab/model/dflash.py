@@ -207,6 +207,9 @@ class DFlashModel(nn.Module):
         register_with_transformers()
         self.target_layer_ids = list(draft.cfg.target_layer_ids)
         self.stop_token_ids: list[int] = []   # set by build_model from the tokenizer; ends decoding
+        # which target weights this model wraps (set by build_model: target.weights_digest / checkpoint_digest);
+        # recorded in summary.json so compare never pairs runs trained against different targets
+        self.target_digest: str | None = None
         num_target_layers = target.config.num_hidden_layers
         if max(self.target_layer_ids) >= num_target_layers or min(self.target_layer_ids) < 0:
             raise ValueError(f"model.target_layer_ids={self.target_layer_ids} outside the target's "

@@ -8,6 +8,17 @@ shape, the pretraining settings, the corpus config, the tokenizer and the source
 change to any of them trains a new target. The cache is built under a file lock and renamed into place
 (dflash_lab.data.cache.build_once): DDP ranks starting together train it once.
 
+Pretraining is deterministic on one machine and torch version: a seeded initialisation and document order, one
+thread and deterministic algorithms while it runs (restored afterwards), and the caller's RNG state left as it
+was. Another CPU or torch version may still round differently, so the cache names its weights by a digest
+(``weights_digest``: sha256 over every parameter and buffer) recorded in meta.json and checked on every load;
+runs record it as ``target_digest`` and compare refuses to pair runs trained against different targets.
+
+Target digests. ``kind=tiny``: ``weights_digest`` of the loaded weights (cheap at this size). ``kind=hf``:
+``checkpoint_digest`` of the checkpoint files (names, sizes and the first and last MiB of each ``*.safetensors`` /
+``*.bin`` file, plus config.json's text): hashing 16 GB of an 8B model at every start would take minutes, and a
+checkpoint whose files agree in name, size, both ends and config is taken to be the same checkpoint.
+
 HF target: ``AutoModelForCausalLM.from_pretrained(target_path)`` (bf16 on GPU, float32 on CPU) and its tokenizer.
 
 Cost: tiny pretraining (default shape, 400 steps x 2048 tokens) measured 76 s on one thread of a shared 2-core
@@ -16,11 +27,14 @@ machine, 106 s when the machine was busier (meta.json records each build's time 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +48,100 @@ from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
 
 log = logging.getLogger(__name__)
+
+
+DIGEST_CHARS = 16            # hex digits kept of a sha256: collisions are no concern among a lab's targets
+PRETRAIN_THREADS = 1         # matmul reductions split differently with more threads: one thread, one result
+_EDGE_BYTES = 1 << 20        # checkpoint_digest hashes this much of each weight file's start and end
+
+
+def weights_digest(module_or_state_dict) -> str:
+    """Digest of a model's weights: sha256 over every tensor's name, shape, dtype and bytes, in sorted name order.
+
+    Args:
+        module_or_state_dict: a ``torch.nn.Module`` (its parameters and buffers, persistent or not, tied ones under
+            each of their names) or a mapping name -> tensor.
+
+    Returns:
+        16 hex digits. Equal weights give equal digests on any machine and device; one changed bit changes it.
+
+    Cost: one pass over the weights (the tiny target: milliseconds; not meant for multi-GB models, see
+    ``checkpoint_digest``).
+
+    Example:
+        >>> a = {"w": torch.ones(2, 2), "b": torch.zeros(2)}
+        >>> weights_digest(a) == weights_digest({"b": torch.zeros(2), "w": torch.ones(2, 2)})
+        True
+        >>> weights_digest(a) == weights_digest({**a, "b": torch.tensor([0.0, 1e-9])})
+        False
+    """
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        module = module_or_state_dict
+        tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+                   **dict(module.named_buffers(remove_duplicate=False))}
+    elif isinstance(module_or_state_dict, Mapping):
+        tensors = dict(module_or_state_dict)
+    else:
+        raise TypeError(f"weights_digest needs a torch.nn.Module or a name -> tensor mapping, got "
+                        f"{type(module_or_state_dict).__name__}")
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+def checkpoint_digest(directory: str | Path) -> str:
+    """Digest of a Hugging Face checkpoint directory without reading all its weights.
+
+    Covers config.json's full text and, for every ``*.safetensors`` and ``*.bin`` file (sorted by name), its name,
+    its size and a sha256 of its first and last MiB. Cheap for an 8B model (a few MiB read), and different for any
+    re-saved, re-sharded, converted or fine-tuned checkpoint in practice; an edit in the middle of a shard that
+    keeps its size is not seen (``weights_digest`` hashes everything, for small models).
+
+    Raises:
+        ValueError: the directory has no config.json or no weight file (names the path and the fix).
+
+    Returns:
+        16 hex digits.
+    """
+    path = Path(directory).expanduser()
+    config = path / "config.json"
+    weights = sorted(p for pattern in ("*.safetensors", "*.bin") for p in path.glob(pattern) if p.is_file())
+    if not config.is_file() or not weights:
+        raise ValueError(f"model.target_path={str(directory)!r} has no config.json or no *.safetensors / *.bin "
+                         "weights: point it at a local HF model directory")
+    digest = hashlib.sha256()
+    digest.update(b"config.json|" + config.read_bytes())
+    for weight in weights:
+        size = weight.stat().st_size
+        digest.update(f"|{weight.name}|{size}|".encode())
+        with open(weight, "rb") as handle:
+            digest.update(handle.read(_EDGE_BYTES))
+            handle.seek(max(0, size - _EDGE_BYTES))
+            digest.update(handle.read(_EDGE_BYTES))
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+@contextlib.contextmanager
+def deterministic_cpu_training(threads: int = PRETRAIN_THREADS):
+    """Within the block: ``threads`` intra-op threads and deterministic algorithms; the caller's settings and its
+    torch and numpy global RNG states come back afterwards (pretraining a missing cache must not change the
+    rest of the run)."""
+    previous_threads = torch.get_num_threads()
+    previous_deterministic = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    numpy_state = np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(previous_deterministic, warn_only=previous_warn_only)
+            torch.set_num_threads(previous_threads)
+            np.random.set_state(numpy_state)
 
 
 def tiny_qwen3_config(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -110,7 +218,18 @@ def pretrain_tiny_target(model, dataset, *, steps: int, tokens_per_step: int, lr
         window: row length of the packed stream (per-document attention inside a row).
         max_seconds: optional wall-clock cap (stops early; the recorded steps say so). Off by default: a
             time cap would make the cached target depend on the machine's speed.
+
+    Deterministic: the same model, dataset and arguments give bitwise the same weights on one machine and torch
+    version, whatever the caller's thread count (one thread and deterministic algorithms while it runs,
+    ``deterministic_cpu_training``) and without touching the caller's RNG state.
     """
+    with deterministic_cpu_training():
+        return _pretrain(model, dataset, steps=steps, tokens_per_step=tokens_per_step, lr=lr, seed=seed,
+                         window=window, max_seconds=max_seconds)
+
+
+def _pretrain(model, dataset, *, steps: int, tokens_per_step: int, lr: float, seed: int, window: int,
+              max_seconds: float | None) -> dict:
     from dflash_lab.model.dflash import document_attention_mask
 
     rng = np.random.default_rng(seed)
@@ -181,7 +300,12 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
         cache_dir: cache root.
 
     Returns:
-        (Qwen3ForCausalLM in eval mode, meta dict with the pretraining loss and time).
+        (Qwen3ForCausalLM in eval mode, meta dict with the pretraining loss and time and ``target_digest``, the
+        ``weights_digest`` of the weights loaded).
+
+    Raises:
+        RuntimeError: a damaged cache entry (files missing, or weights whose digest is not the one recorded when
+            it was built): the message names the directory to delete.
     """
     from transformers import Qwen3ForCausalLM
 
@@ -195,26 +319,62 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
     directory = default_cache_dir(cache_dir) / "targets" / f"tiny-{config_hash(key)}"
 
     def build(tmp: Path) -> None:
+        # the run's RNG state must not depend on whether this process built the cache: nothing here draws from it
+        with torch.random.fork_rng(devices=[]):
+            build_and_record(tmp)
+
+    def build_and_record(tmp: Path) -> None:
         config = tiny_qwen3_config(tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
-        torch.manual_seed(int(pretrain["seed"]))
-        model = Qwen3ForCausalLM(config)
         corpus_args = dict(corpus)
         dataset = datasets_module.build_dataset(tokenizer=tokenizer, cache_dir=cache_dir, **corpus_args)
         train_split, _ = dataset.split()
+        torch.manual_seed(int(pretrain["seed"]))
+        model = Qwen3ForCausalLM(config)
         log.info("pretraining the tiny target (%s) on %d documents; cached in %s", arch, len(train_split), directory)
         stats = pretrain_tiny_target(model, train_split, steps=int(pretrain["steps"]),
                                      tokens_per_step=int(pretrain["tokens_per_step"]), lr=float(pretrain["lr"]),
                                      seed=int(pretrain["seed"]), window=int(pretrain["window"]),
                                      max_seconds=pretrain.get("max_seconds"))
         save_target(model, tmp)
-        (tmp / "meta.json").write_text(json.dumps({"key": key, "pretrain_stats": stats}, indent=1, default=str))
-        log.info("tiny target pretrained: loss %.3f in %.1f s", stats["loss"], stats["seconds"])
+        # the digest of the weights as saved and loaded back: what every later load must find
+        saved = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
+        meta = {"key": key, "pretrain_stats": stats, "target_digest": weights_digest(saved),
+                "torch": torch.__version__, "pretrain_threads": PRETRAIN_THREADS}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        log.info("tiny target pretrained: loss %.3f in %.1f s, weights digest %s", stats["loss"], stats["seconds"],
+                 meta["target_digest"])
 
     build_once(directory, build)
-    model = Qwen3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    return load_cached_tiny_target(directory)
+
+
+def load_cached_tiny_target(directory: Path):
+    """(model in eval mode, meta with ``path`` and ``target_digest``) of a built cache entry, its weights checked
+    against the digest recorded when it was built.
+
+    Raises:
+        RuntimeError: files missing or unreadable, or weights whose digest differs from meta.json's (a damaged or
+            edited cache): the message names the directory to delete so the next run pretrains it again.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    fix = f"delete {directory} (rm -rf '{directory}') and run again to pretrain the tiny target afresh"
+    missing = [name for name in ("config.json", "model.safetensors", "meta.json") if not (directory / name).is_file()]
+    if missing:
+        raise RuntimeError(f"the cached tiny target {directory} lacks {', '.join(missing)}: {fix}")
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        model = Qwen3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    except Exception as error:   # a torn or foreign file: say which cache to rebuild, not only what failed inside
+        raise RuntimeError(f"the cached tiny target {directory} cannot be read ({type(error).__name__}: {error}): "
+                           f"{fix}") from error
     model.eval()
-    meta = json.loads((directory / "meta.json").read_text())
+    digest = weights_digest(model)
+    recorded = meta.get("target_digest")
+    if recorded != digest:
+        raise RuntimeError(f"the cached tiny target {directory} has weights digest {digest}, but its meta.json "
+                           f"records {recorded} (the weights were changed or damaged after it was built): {fix}")
     meta["path"] = str(directory)
     return model, meta
 

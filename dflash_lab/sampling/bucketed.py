@@ -60,12 +60,17 @@ PRESETS = {"seed": SEED_BOUNDARIES, "cpu": CPU_BOUNDARIES}
 def resolve_boundaries(
     lengths: np.ndarray, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str
 ) -> list[int]:
-    """Boundaries from an explicit list, a preset name (``seed``, ``cpu``) or a fit; validated against lengths."""
+    """Boundaries from an explicit list, a preset name (``seed``, ``cpu``) or a fit; validated against lengths.
+    ``auto`` is a fit of ``num_buckets`` (default 6) to these lengths: the trainer and the planner first turn it into
+    the ``cpu`` preset for the built-in corpus (:func:`resolve_auto_boundaries`)."""
     num_buckets = as_int("sampler.num_buckets", num_buckets, minimum=1, allow_none=True, example=6)
     as_choice("sampler.fit_method", fit_method, FIT_METHODS)
+    if boundaries == "auto":
+        boundaries, num_buckets = None, num_buckets or AUTO_NUM_BUCKETS
     if isinstance(boundaries, str):
         if boundaries not in PRESETS:
-            raise ValueError(f"sampler.boundaries={boundaries!r}: unknown preset; use a list or one of {list(PRESETS)}")
+            raise ValueError(f"sampler.boundaries={boundaries!r}: unknown preset; use a list, auto or one of "
+                             f"{list(PRESETS)}")
         boundaries = PRESETS[boundaries]
     if boundaries is None:
         if num_buckets is None:
