@@ -240,13 +240,13 @@ def test_unknown_data_keys_are_refused_and_every_config_key_is_valid(tmp_path):
         assert keys <= set(DATA_KEYS), (file.name, keys - set(DATA_KEYS))
 
 
-def local_qwen3(directory: Path) -> Path:
-    """A real transformers Qwen3 (random weights, 4 tiny layers) saved with :func:`tiny_chat_tokenizer`: a local
-    ``model=hf`` target for tests (nothing is downloaded)."""
+def local_qwen3(directory: Path, tokenizer=None) -> Path:
+    """A real transformers Qwen3 (random weights, 4 tiny layers) saved with ``tokenizer`` (default
+    :func:`tiny_chat_tokenizer`): a local ``model=hf`` target for tests (nothing is downloaded)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = tiny_chat_tokenizer()
+    tokenizer = tokenizer or tiny_chat_tokenizer()
     tokenizer.save_pretrained(directory)
     config = Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,

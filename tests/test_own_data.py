@@ -13,7 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_data_chat_templates import CONVERSATIONS, QWEN3, local_qwen3  # noqa: E402
+from test_data_chat_templates import (  # noqa: E402
+    CONVERSATIONS, QWEN3, QWEN3_TOOLS, TOOL_RECORDS, local_qwen3, tiny_tool_tokenizer,
+)
 
 
 def _compose(overrides: list[str]):
@@ -129,3 +131,51 @@ def test_bucket_boundaries_auto_fit_your_lengths_and_keep_the_builtin_corpus_pre
     assert boundaries[-1] > 300   # the chats' own lengths (up to ~430 byte tokens), not the preset's 1024
     builtin = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=True)
     assert builtin["boundaries"] == "cpu"
+
+
+@pytest.mark.slow
+def test_a_tool_calling_chat_file_trains_on_a_qwen3_template_with_tools_and_nothing_skipped(tmp_path):
+    """OpenAI-schema tool calls (a tools list, null content beside calls, tool turns) on a local Qwen3 whose
+    template renders tools: the run trains with no line skipped and no sample cut."""
+    from dflash_lab.data.jsonl import SKIP_REASONS
+    from dflash_lab.train import train
+
+    target = local_qwen3(tmp_path / "target", tiny_tool_tokenizer())
+    chats = tmp_path / "tools.jsonl"
+    records = [record for record, _, _ in TOOL_RECORDS] * 12 + [{"messages": m} for m in CONVERSATIONS]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = train(_compose([
+        "model=hf_cpu", f"model.target_path={target}", "model.device=cpu", "model.decode_num_prompts=2",
+        "model.decode_max_new_tokens=4", f"model.cache_dir={tmp_path / 'cache'}", "data=jsonl", f"data.path={chats}",
+        f"data.chat_template={QWEN3_TOOLS}", "data.max_bad_fraction=0.0", f"data.cache_dir={tmp_path / 'cache'}",
+        "probes.every=0", "trainer.max_steps=3", "trainer.num_threads=1", "trainer.progress=false",
+        f"run_dir={tmp_path / 'run'}",
+    ]))
+    assert summary["status"] == "finished" and summary["steps"] == 3
+    assert summary["data_skipped"] == dict.fromkeys(SKIP_REASONS, 0) and summary["data_truncated"] == 0
+
+
+def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(caplog):
+    """The recipe's anchors (anchor_density null: up to 512 per document) on a CPU warn with the prediction and the
+    preset whatever the threshold; a CPU-sized objective below the threshold gets one info line."""
+    import logging
+
+    import numpy as np
+
+    from dflash_lab.components import plan_facts, warn_if_slow_on_cpu
+    from dflash_lab.model import build_model
+    from dflash_lab.sampling import policy_from_config
+
+    lengths = np.random.default_rng(0).integers(64, 1024, size=200)
+    policy = policy_from_config({"name": "bucketed", "max_tokens": 4096, "boundaries": [0, 256, 1024]}, lengths, seed=0)
+    plan = plan_facts(policy, epochs=1, grad_accum=1, max_steps=None)
+    log = logging.getLogger("dflash_lab.test_own_data")
+    recipe, _ = build_model("tiny", block_size=16, anchors_per_doc=512, anchor_density=None)
+    cpu_sized, _ = build_model("tiny", block_size=8, anchors_per_doc=64, anchor_density=0.0625)
+    with caplog.at_level(logging.INFO, logger="dflash_lab.test_own_data"):
+        warn_if_slow_on_cpu(recipe, policy, plan, 1, threshold_s=1e9, log=log)
+        warn_if_slow_on_cpu(cpu_sized, policy, plan, 1, threshold_s=1e9, log=log)
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "predicted >=" in warning.getMessage() and "model=hf_cpu" in warning.getMessage()
+    (info,) = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert "predicted >=" in info.getMessage() and "hf_cpu" not in info.getMessage()
