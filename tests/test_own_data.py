@@ -179,3 +179,44 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
     assert "predicted >=" in warning.getMessage() and "model=hf_cpu" in warning.getMessage()
     (info,) = [r for r in caplog.records if r.levelno == logging.INFO]
     assert "predicted >=" in info.getMessage() and "hf_cpu" not in info.getMessage()
+
+
+@pytest.mark.slow
+def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_command(tmp_path):
+    """sweeps/forgetting_protocol.yaml on a chat JSONL and a local Qwen3 (tiny: 2 seeds, a few steps): one multirun
+    command trains the four arms (the random-key negative control among them), records the protocol at launch,
+    and compare writes the paired table with the tau endpoints and verdict.json."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[1]
+    target = local_qwen3(tmp_path / "target")
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 20))
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "dflash_lab.train", "-m", "--config-name", "forgetting_protocol",
+               "model=hf_cpu", f"model.target_path={target}", "model.device=cpu", "model.decode_num_prompts=2",
+               "model.decode_max_new_tokens=4", f"model.cache_dir={tmp_path / 'cache'}", "data=jsonl",
+               f"data.path={chats}", f"data.chat_template={QWEN3}", f"data.cache_dir={tmp_path / 'cache'}",
+               "data.probe_fraction=0.1", "trainer.max_steps=4", "trainer.progress=false", "probes.every=2",
+               "probes.per_band=2", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    protocol = json.loads((sweep / "protocol.json").read_text())
+    assert protocol["resolved"]["verdict"]["negative_control"] == "sampler=bucket_sequential,sampler.bucket_by=random"
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(runs) == 8
+    summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
+    assert all(s["status"] == "finished" and s["steps"] == 4 for s in summaries)
+    assert {s["sampler"] for s in summaries} == {"full_random", "bucketed", "bucket_sequential"}
+    assert all(s["boundaries"] != [0, 96, 152, 216, 304, 412, 1024] for s in summaries if s["boundaries"])
+    report = tmp_path / "report"
+    out = subprocess.run([sys.executable, "-m", "dflash_lab.compare", str(sweep), "--out", str(report),
+                          "--no-plots"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    paired = pd.read_csv(report / "paired.csv")
+    assert {"tau_band_min", "tau", "ktok_s"} <= set(paired["endpoint"])   # 4 steps: too few probes for A
+    verdict = json.loads((report / "verdict.json").read_text())
+    assert verdict["arms"]["negative_control"].startswith("bucket_sequential") and verdict["answer"]
