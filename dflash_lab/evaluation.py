@@ -31,7 +31,7 @@ from dflash_lab.model.decoding import banded_prompts
 from dflash_lab.probes import ProbeSets, heldout_evaluator
 from dflash_lab.settings import ProbeSettings
 
-PROGRESS_EVERY_S = 30.0   # tau progress lines at most this often
+PROGRESS_EVERY_S = 30.0   # tau progress lines at least this often (and one per tenth of the prompts)
 
 
 class Evaluation:
@@ -93,8 +93,8 @@ class Evaluation:
         """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_baseline``, ``tau_by_band``,
         ``tau_baseline_by_band``, ``tau_band_min``, ``tau_band_mean`` and ``complete``; a ``should_stop`` request
         ends it early (partial tau, NaN baseline, complete False). Its cost is ``model.decode_num_prompts`` x
-        ``model.decode_max_new_tokens`` tokens per draft; the log tells its start, its progress (at most every
-        30 s) and its end."""
+        ``model.decode_max_new_tokens`` tokens per draft; the log tells its start, its progress (a line per tenth of
+        the prompts, and every 30 s) and its end."""
         nothing = [None] * self.num_bands
         result = {"tau": math.nan, "tau_baseline": math.nan, "tau_by_band": nothing,
                   "tau_baseline_by_band": nothing, "tau_band_min": math.nan, "tau_band_mean": math.nan,
@@ -129,10 +129,12 @@ class Evaluation:
         self.log.info(f"tau ({name}): {total} held-out prompts x up to {self.new_tokens} new tokens "
                       f"(model.decode_num_prompts, model.decode_max_new_tokens)")
 
+        every = max(1, -(-total // 10))   # a line per tenth of the prompts, or per PROGRESS_EVERY_S if sooner
+
         def report(done: int, of: int, tau_so_far: float) -> None:
             nonlocal last_report
             now = time.perf_counter()
-            if done < of and now - last_report >= PROGRESS_EVERY_S:
+            if done < of and (done % every == 0 or now - last_report >= PROGRESS_EVERY_S):
                 last_report = now
                 self.log.info(f"tau ({name}): {done}/{of} prompts, tau so far {tau_so_far:.3f}, "
                               f"{now - started:.0f} s")

@@ -26,14 +26,12 @@ def _compose(overrides: list[str]):
 
 
 @pytest.mark.slow
-def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path, monkeypatch):
-    from dflash_lab import evaluation
+def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path):
     from dflash_lab.train import train
 
     target = local_qwen3(tmp_path / "target")
     chats = tmp_path / "chat.jsonl"
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 10))
-    monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)   # a progress line after every prompt
     run_dir = tmp_path / "run"
     summary = train(_compose([
         "model=hf_cpu", f"model.target_path={target}", "model.device=cpu", "model.decode_num_prompts=3",
