@@ -153,7 +153,7 @@ def test_a_tool_calling_chat_file_trains_on_a_qwen3_template_with_tools_and_noth
     assert summary["data_skipped"] == dict.fromkeys(SKIP_REASONS, 0) and summary["data_truncated"] == 0
 
 
-def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(caplog):
+def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small():
     """The recipe's anchors (anchor_density null: up to 512 per document) on a CPU warn with the prediction and the
     preset whatever the threshold; a CPU-sized objective below the threshold gets one info line."""
     import logging
@@ -167,15 +167,23 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
     lengths = np.random.default_rng(0).integers(64, 1024, size=200)
     policy = policy_from_config({"name": "bucketed", "max_tokens": 4096, "boundaries": [0, 256, 1024]}, lengths, seed=0)
     plan = plan_facts(policy, epochs=1, grad_accum=1, max_steps=None)
-    log = logging.getLogger("dflash_lab.test_own_data")
+    log = logging.getLogger("test_own_data.cpu_warning")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = records.append   # the logger's own handler: whatever other tests did to the logging tree
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     recipe, _ = build_model("tiny", block_size=16, anchors_per_doc=512, anchor_density=None)
     cpu_sized, _ = build_model("tiny", block_size=8, anchors_per_doc=64, anchor_density=0.0625)
-    with caplog.at_level(logging.INFO, logger="dflash_lab.test_own_data"):
+    try:
         warn_if_slow_on_cpu(recipe, policy, plan, 1, threshold_s=1e9, log=log)
         warn_if_slow_on_cpu(cpu_sized, policy, plan, 1, threshold_s=1e9, log=log)
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    finally:
+        log.removeHandler(handler)
+    mine = records
+    (warning,) = [r for r in mine if r.levelno == logging.WARNING]
     assert "predicted >=" in warning.getMessage() and "model=hf_cpu" in warning.getMessage()
-    (info,) = [r for r in caplog.records if r.levelno == logging.INFO]
+    (info,) = [r for r in mine if r.levelno == logging.INFO]
     assert "predicted >=" in info.getMessage() and "hf_cpu" not in info.getMessage()
 
 
