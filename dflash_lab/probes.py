@@ -68,18 +68,20 @@ def validate_bands(bands: list[int] | tuple[int, ...]) -> list[int]:
 
 
 def fitted_bands(lengths: np.ndarray, num_bands: int = 6, multiple: int = 16) -> list[int]:
-    """Probe bands at the data's length quantiles: ``num_bands`` bands of about equal sample counts, inner
-    boundaries rounded up to a multiple of ``multiple`` tokens, the last at the longest sample (band b = (lo, hi]).
+    """Probe bands at the data's length quantiles (the buckets' own ``quantile`` fit, ``sampling.fit_boundaries``):
+    ``num_bands`` bands of about equal sample counts, inner boundaries rounded up to a multiple of ``multiple``
+    tokens, the last at the longest sample (band b = (lo, hi]).
 
     Example:
         >>> fitted_bands(np.arange(1, 601), num_bands=3)
-        [0, 208, 416, 600]
+        [0, 208, 400, 600]
     """
-    lengths = np.asarray(lengths)
-    longest = int(lengths.max())
-    inner = np.quantile(lengths, np.arange(1, num_bands) / num_bands)
-    bands = [0, *sorted({int(np.ceil(q / multiple) * multiple) for q in inner if 0 < q < longest}), longest]
-    return [b for i, b in enumerate(bands) if i == 0 or b > bands[i - 1]]
+    from dflash_lab.sampling.boundaries import fit_boundaries
+
+    fitted = fit_boundaries(np.asarray(lengths), num_bands, "quantile")
+    longest = fitted[-1]
+    inner = sorted({min(longest, -(-b // multiple) * multiple) for b in fitted[1:-1]} - {longest})
+    return [0, *inner, longest]
 
 
 def resolve_bands(bands: list[int] | str, lengths: np.ndarray, *, builtin_corpus: bool) -> list[int]:
