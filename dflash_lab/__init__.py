@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
-# Registers the ${dflash_sweep_tag:} resolver that conf/train.yaml's hydra.sweep.subdir uses: importing any
-# dflash_lab module (every entry point, every Slurm job unpickling the task) registers it first.
+# Registers the config resolvers: ${dflash_sweep_tag:} (conf/train.yaml's hydra.sweep.subdir) and
+# ${dflash_target_seed:...} (conf/model/tiny.yaml's pretrain_seed). Importing any dflash_lab module (every entry
+# point, every Slurm job unpickling the task) registers them first.
+from dflash_lab import replicates as _replicates  # noqa: E402,F401
 from dflash_lab import run_names as _run_names  # noqa: E402,F401

@@ -169,12 +169,19 @@ class Components:
                 "max_block_tokens": self.memory.max_block_tokens,
                 "activation_checkpointing": self.memory.activation_checkpointing,
                 "data_digest": self.train_ds.content_digest, "probe_bands": list(self.probes.bands),
-                "target_digest": self.model.target_digest}
+                "target_digest": self.model.target_digest, "target_seed": target_seed_of(settings.config)}
 
     def data_counts(self) -> dict[str, Any]:
         """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""
         stats = self.train_ds.stats
         return {"data_skipped": dict(stats.get("skipped", {})), "data_truncated": int(stats.get("truncated", 0) or 0)}
+
+
+def target_seed_of(config: Mapping) -> int | None:
+    """The tiny target's pretraining seed (``model.pretrain_seed``, nested in the run seed by ``target_seeds``:
+    dflash_lab/replicates.py); None for a given target (model=hf)."""
+    model = config.get("model") or {}
+    return int(model["pretrain_seed"]) if model.get("kind") == "tiny" and "pretrain_seed" in model else None
 
 
 def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.device,

@@ -96,6 +96,7 @@ SUMMARY_FIELDS = (
     "final_acc", "tau", "tau_baseline", "overhead_frac", "world_size", "status",
     "target_digest",  # the target's weights (dflash_lab.model.target: weights_digest, hf: checkpoint_digest)
     "data_digest",    # the training data's content (dflash_lab.data.datasets.content_digest)
+    "target_seed",    # the tiny target's pretraining seed (seed mod target_seeds: dflash_lab.replicates); hf: null
 )
 STATUSES = ("running", "finished", "failed", "preempted")
 

@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
 from dflash_lab.probes import validate_bands
 
-CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed", "resume",
-                   "overwrite", "run_dir", "experiment")
+CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed",
+                   "target_seeds", "resume", "overwrite", "run_dir", "experiment")
 
 
 def _checked(section: str, values: Mapping[str, Any], spec: dict[str, Callable[[str, Any], Any]]) -> dict[str, Any]:
@@ -168,6 +168,7 @@ class RunSettings:
         path)."""
         config = plain_config(cfg)
         refuse_unknown_keys("top-level config", config, CONFIG_SECTIONS)
+        as_int("target_seeds", config.get("target_seeds", 1), minimum=1)
         return cls(config=config,
                    trainer=TrainerSettings.from_dict(config.get("trainer") or {}),
                    probes=ProbeSettings.from_dict(config.get("probes") or {}),

@@ -263,7 +263,7 @@ def test_a_sweep_is_judged_by_the_protocol_it_recorded_at_launch(tmp_path, capsy
     assert paired.loc[0, "verdict"] == "inconclusive"
     notes = (out / "comparison.md").read_text()
     assert "protocol: as recorded at launch" in notes and "rules version 2" in notes
-    assert "today's rules (version 3)" in notes
+    assert f"today's rules (version {protocol_module.RULES_VERSION})" in notes
 
     (root / "protocol.json").write_text(json.dumps(recorded))   # recorded under today's rules
     out = tmp_path / "today"
@@ -271,7 +271,7 @@ def test_a_sweep_is_judged_by_the_protocol_it_recorded_at_launch(tmp_path, capsy
     paired = pd.read_csv(out / "paired.csv")
     assert (paired["test"] == "t").all() and paired.loc[0, "verdict"] == "better"
     notes = (out / "comparison.md").read_text()
-    assert "rules version 3" in notes and "answer differently" not in notes
+    assert f"rules version {protocol_module.RULES_VERSION}" in notes and "answer differently" not in notes
 
     (root / "protocol.json").unlink()
     out = tmp_path / "none"

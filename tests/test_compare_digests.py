@@ -95,6 +95,40 @@ def test_a_swept_data_setting_may_change_the_data_and_the_target(tmp_path):
         compare_records(load_runs([root]).runs)
 
 
+def test_seeds_nested_within_target_seeds_compare_and_a_pair_across_targets_is_refused(sweep, tmp_path):
+    """target_seeds=2 (dflash_lab/replicates.py): seed 1 trained against target seed 1, a target of its own. Runs of
+    one target seed must share its digest; runs of different target seeds may differ, and still pair by seed."""
+    for run in ("0_full_random_s0", "2_bucketed_s0"):
+        set_digests(sweep / run, target_seed=0)
+    for run in ("1_full_random_s1", "3_bucketed_s1"):
+        set_digests(sweep / run, target_seed=1, target_digest=OTHER_TARGET)
+    from dflash_lab.analysis.protocol import protocol_from_section
+
+    comparison = compare_records(load_runs([sweep]).runs, protocol=protocol_from_section({"baseline": "full_random"}))
+    assert not comparison.runs["notes"].fillna("").str.contains("digest").any()
+    assert set(comparison.paired["n_pairs"]) == {2}
+    set_digests(sweep / "3_bucketed_s1", target_digest=TARGET)   # one target seed, two different targets
+    with pytest.raises(ValueError, match=f"target_seed=1: target_digest {OTHER_TARGET} in .*1_full_random_s1; "
+                                         f"{TARGET} in .*3_bucketed_s1"):
+        compare_records(load_runs([sweep]).runs)
+
+
+def test_the_tiny_targets_pretraining_seed_nests_in_the_run_seed():
+    """conf/model/tiny.yaml: pretrain_seed = seed mod target_seeds; target_seeds=1 keeps the one target of seed 0."""
+    from hydra import compose, initialize_config_dir
+    from pathlib import Path
+
+    from dflash_lab.settings import plain_config
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        seeds = {(seed, k): plain_config(compose("train", [f"seed={seed}", f"target_seeds={k}", "run_dir=x"]))
+                 ["model"]["pretrain_seed"] for seed in (0, 4, 5) for k in (1, 3)}
+        assert seeds == {(0, 1): 0, (4, 1): 0, (5, 1): 0, (0, 3): 0, (4, 3): 1, (5, 3): 2}
+        with pytest.raises(Exception, match="target_seeds=0: give a whole number >= 1"):
+            plain_config(compose("train", ["target_seeds=0", "run_dir=x"]))
+
+
 def test_help_documents_mixed_digests(capsys):
     with pytest.raises(SystemExit):
         compare.parse_args(["--help"])

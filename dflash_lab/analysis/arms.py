@@ -30,7 +30,10 @@ by default, naming both runs, or keeps one (`--duplicates=latest|first`) and not
 Digests. Every run records what it trained against: `target_digest` (the target's weights) and `data_digest` (the
 training data's content) in summary.json (W&B: `final/target_digest`, `final/data_digest`). A batching policy
 changes neither, so runs that agree on every swept key outside the sampler (`sampler`, `sampler.*`) must agree on
-both digests: they are the replicates an arm averages and the pairs a paired test matches by seed. Runs trained
+both digests: they are the replicates an arm averages and the pairs a paired test matches by seed. A sweep that nests
+its seeds within target-pretraining seeds (`target_seeds`, dflash_lab/replicates.py) trains one target per
+`target_seed` (summary.json): target digests are checked among runs of one target seed, and runs of one seed share
+it, so pairs stay pairs. Runs trained
 against another target (a tiny target pretrained on another machine) or other data are not, and
 `check_digests` refuses them by default, listing which runs hold which digest, or compares them anyway
 (`--mixed-digests=allow`) and says so in their notes. A run without the fields (recorded before they existed, or
@@ -547,6 +550,11 @@ def _non_sampler_setting(values: pd.Series) -> str:
     return " ".join(f"{k}={values[k]}" for k in keys) or "all runs"
 
 
+def _target_seed_label(record: RunRecord) -> str:
+    seed = record.summary.get("target_seed")
+    return "" if seed is None else f" target_seed={seed}"
+
+
 def check_digests(records: list[RunRecord], sweep: Sweep, policy: str = "error") -> dict[str, list[str]]:
     """Refuse (or note) runs of one setting that trained against different targets or data (module docstring).
 
@@ -591,7 +599,10 @@ machines), compare them apart, or compare them anyway with --mixed-digests=allow
                 notes[record.run_id].append(f"{name} unknown (not in the run's summary: recorded before digests "
                                             f"were, or no summary.json); its {_DIGEST_WHAT[name]} were not "
                                             "checked against the other runs'")
-        for setting, run_ids in settings.groupby(settings, sort=False).groups.items():
+        groups = settings
+        if name == "target_digest":   # nested targets: one target per target_seed (dflash_lab/replicates.py)
+            groups = settings + [_target_seed_label(by_id[run_id]) for run_id in settings.index]
+        for setting, run_ids in groups.groupby(groups, sort=False).groups.items():
             holders: dict[str, list[str]] = {}
             for run_id in run_ids:
                 digest = recorded_digest(by_id[run_id], name)

@@ -28,7 +28,8 @@ Frozen at launch: a multirun writes `protocol.json` into its sweep folder before
 as it resolves, the rules version (:data:`RULES_VERSION`) and a digest of the analysis code. `compare` judges the
 sweep by the recorded rules; when today's rules answer differently it prints both and names the rules that changed
 (:data:`RULE_CHANGES`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
-the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration).
+the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration), and
+whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict).
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ PROTOCOL_FILE = "protocol.json"
 
 # The verdict rules, by version: what code decides beyond the declared keys. A version is added whenever a rule
 # changes, so a sweep recorded under an older version is still judged as it was declared.
-RULES_VERSION = 3
+RULES_VERSION = 4
 RULES: dict[int, dict[str, Any]] = {
-    1: {"small": False, "test": "sign_flip", "window": "steady"},
-    2: {"small": True, "test": "sign_flip", "window": "steady"},
-    3: {"small": True, "test": "t", "window": 0.25},
+    1: {"small": False, "test": "sign_flip", "window": "steady", "costs": False},
+    2: {"small": True, "test": "sign_flip", "window": "steady", "costs": False},
+    3: {"small": True, "test": "t", "window": 0.25, "costs": False},
+    4: {"small": True, "test": "t", "window": 0.25, "costs": True},
 }
 RULE_CHANGES: dict[int, str] = {
     2: "the verdict gained the 'small' answer (detected, yet inside the declared margin); before, that was 'yes'",
     3: "paired verdicts use the paired t test (was the exact sign-flip test, which cannot conclude at 5 seeds), and "
        "the analysis window starts at 25% of each run's end step (was each run's own loss steady state)",
+    4: "the answer also states the co-primary endpoints the question arm declared (tau of the worst band, mean "
+       "tau, probe loss at equal steps, equal epochs and equal modelled GPU time); the yes/small/no rule is "
+       "unchanged",
 }
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 COST_KEYS = ("c0", "c1", "c2")

@@ -429,7 +429,8 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     verdict = None
     if protocol.verdict and pairing is not None and not paired.empty:
         try:
-            verdict = build_verdict(runs, paired, protocol.verdict, small_answer=RULES[protocol.rules]["small"])
+            verdict = build_verdict(runs, paired, protocol.verdict, small_answer=RULES[protocol.rules]["small"],
+                                    state_costs=RULES[protocol.rules]["costs"])
         except ValueError as error:  # e.g. a sweep still running: its controls have no runs yet
             notes.append(f"verdict.json not written: {error}")
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,

@@ -29,6 +29,19 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
     share_of_positive_control     question effect / positive control effect on the primary endpoint (both against
                                   their baselines), with a percentile bootstrap interval that resamples the seeds
                                   the four arms share (10,000 resamples; NaN interval below 5 seeds)
+    co_primary                    what the user pays or gains, question arm minus its baseline, for each of
+                                  CO_PRIMARY the sweep declared as an endpoint: tau of the worst length band and mean
+                                  tau (acceptance length, the real verify loop), probe loss at equal optimizer steps,
+                                  at equal epochs (real tokens) and at equal modelled GPU time. Rules version >= 4:
+                                  the answer states each of them with its interval and verdict
+    instruments                   per forgetting endpoint (FORGETTING_ENDPOINTS declared): whether the positive
+                                  control shows it on the worse side and whether the negative control reacts;
+                                  `failed_positive_control` lists the endpoints the positive control did not move,
+                                  instruments that cannot see planted forgetting
+    amplitude_in_tau              what residual amplitude costs in tau: the least-squares slope of tau_band_min on
+                                  residual_amplitude over every run (all arms, seeds), its correlation r, and the
+                                  residual-amplitude margin the declared tau_band_min margin implies
+                                  (margin_tau / |slope|), to set against the declared amplitude margin
 
 Cost: a few table lookups.
 """
@@ -46,6 +59,11 @@ from dflash_lab.analysis.paired import MIN_BOOTSTRAP_PAIRS, per_seed_values
 from dflash_lab.analysis.schema import BETTER
 
 ROLES = ("positive_control", "negative_control", "question")
+CO_PRIMARY = (("tau_band_min", "tau of the worst band"), ("tau", "mean tau"),
+              ("probe_loss_at_steps", "probe loss at equal steps"),
+              ("probe_loss_at_tokens", "probe loss at equal epochs (real tokens)"),
+              ("probe_loss_at_time", "probe loss at equal modelled GPU time"))
+FORGETTING_ENDPOINTS = ("residual_amplitude", "band_forgetting", "own_share_slope", "jumpiness")
 
 
 def _matching_arm(runs: pd.DataFrame, role: str, selector_text: str) -> str:
@@ -98,7 +116,8 @@ def _fmt(value: float | None) -> str:
     return "nan" if value is None else f"{value:+.3g}"
 
 
-def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str], small_answer: bool = True) -> dict:
+def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str], small_answer: bool = True,
+                  state_costs: bool = True) -> dict:
     """verdict.json's content from the comparison's runs and paired tables (rules in the module docstring).
 
     Args:
@@ -106,6 +125,7 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         paired: Comparison.paired.
         roles: analysis.verdict: endpoint plus a selector per role (ROLES).
         small_answer: the rules have the "small" answer (protocol rules version >= 2; before, "yes").
+        state_costs: the answer states the co-primary endpoints (rules version >= 4).
 
     Raises:
         ValueError: a role selector that matches no arm or several arms (naming analysis.verdict.<role>).
@@ -136,7 +156,9 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
     question = paired[paired["policy"] == arms["question"]]
     rows = [{"endpoint": r["endpoint"], "diff": _number(r["diff"]), "ci_low": _number(r["ci_low"]),
              "ci_high": _number(r["ci_high"]), "p_holm": _number(r["p_holm"]), "verdict": r["verdict"],
-             "baseline": r["baseline"], "n_pairs": int(r["n_pairs"])} for _, r in question.iterrows()]
+             "baseline": r["baseline"], "n_pairs": int(r["n_pairs"]),
+             "arm_mean": _number(r["arm_mean"]), "baseline_mean": _number(r["baseline_mean"]),
+             "margin": _number(r["margin"]) if "margin" in r else None} for _, r in question.iterrows()]
     ktok = question[question["endpoint"] == "ktok_s"]
     ratio = (_number(ktok.iloc[0]["arm_mean"] / ktok.iloc[0]["baseline_mean"]) if not ktok.empty
              and float(ktok.iloc[0]["baseline_mean"]) > 0 else None)
@@ -147,9 +169,69 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
     verdict["share_of_positive_control"] = share_of_positive_control(
         runs, endpoint, arms["question"], question_baseline=rows_baseline(rows, endpoint),
         positive=arms["positive_control"], positive_baseline=positive.get("baseline"))
+    verdict["co_primary"] = {name: row for name, _ in CO_PRIMARY for row in rows if row["endpoint"] == name}
+    verdict["instruments"] = instruments(paired, arms["positive_control"], arms["negative_control"])
+    verdict["failed_positive_control"] = [name for name, seen in verdict["instruments"].items()
+                                          if not seen["positive_control_detected"]]
+    verdict["amplitude_in_tau"] = amplitude_in_tau(runs, paired)
     verdict["valid"] = bool(positive["detected"] and not negative["detected"])
     verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
+    if state_costs and verdict["co_primary"]:
+        verdict["answer"] += "; at equal compute, " + "; ".join(
+            _cost_phrase(label, verdict["co_primary"][name]) for name, label in CO_PRIMARY
+            if name in verdict["co_primary"])
     return verdict
+
+
+def _cost_phrase(label: str, row: dict) -> str:
+    return (f"{label} {_fmt(row['diff'])} [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] ({row['verdict']}, "
+            f"{_plain(row['baseline_mean'])} -> {_plain(row['arm_mean'])})")
+
+
+def _plain(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3g}"
+
+
+def instruments(paired: pd.DataFrame, positive: str, negative: str) -> dict[str, dict[str, bool]]:
+    """Per declared forgetting endpoint: does the positive control move it on the worse side, and does the negative
+    control move it at all (the rules of the primary endpoint, applied to each)."""
+    seen: dict[str, dict[str, bool]] = {}
+    for name in FORGETTING_ENDPOINTS:
+        rows = {arm: paired[(paired["policy"] == arm) & (paired["endpoint"] == name)] for arm in (positive, negative)}
+        if rows[positive].empty:
+            continue
+        seen[name] = {"positive_control_detected": _excludes_zero(rows[positive].iloc[0], "worse"),
+                      "negative_control_detected": (not rows[negative].empty
+                                                    and _excludes_zero(rows[negative].iloc[0], "either"))}
+    return seen
+
+
+def amplitude_in_tau(runs: pd.DataFrame, paired: pd.DataFrame) -> dict:
+    """What residual amplitude costs in tau (module docstring): slope of tau_band_min on residual_amplitude over
+    every run, r, n, and the amplitude margin implied by the declared tau_band_min margin (None where either
+    endpoint is missing, fewer than 3 runs, or no tau margin was declared).
+
+    Example:
+        >>> runs = pd.DataFrame({"residual_amplitude": [0.01, 0.02, 0.03, 0.04],
+        ...                      "tau_band_min": [1.50, 1.45, 1.40, 1.35]})
+        >>> paired = pd.DataFrame({"endpoint": ["tau_band_min"], "margin": [0.05]})
+        >>> a = amplitude_in_tau(runs, paired)
+        >>> round(a["slope"], 2), round(a["r"], 2), a["runs"], round(a["implied_margin"], 3)
+        (-5.0, -1.0, 4, 0.01)
+    """
+    empty = {"slope": None, "r": None, "runs": 0, "tau_margin": None, "implied_margin": None}
+    if not {"residual_amplitude", "tau_band_min"} <= set(runs.columns):
+        return empty
+    pairs = runs[["residual_amplitude", "tau_band_min"]].apply(pd.to_numeric, errors="coerce").dropna()
+    x, y = pairs["residual_amplitude"].to_numpy(float), pairs["tau_band_min"].to_numpy(float)
+    if len(x) < 3 or np.ptp(x) == 0:
+        return {**empty, "runs": int(len(x))}
+    slope = float(np.polyfit(x, y, 1)[0])
+    r = float(np.corrcoef(x, y)[0, 1]) if np.ptp(y) > 0 else 0.0
+    margins = paired.loc[paired["endpoint"] == "tau_band_min", "margin"] if "margin" in paired else pd.Series()
+    tau_margin = _number(margins.iloc[0]) if len(margins) else None
+    implied = tau_margin / abs(slope) if tau_margin is not None and slope != 0 else None
+    return {"slope": slope, "r": r, "runs": int(len(x)), "tau_margin": tau_margin, "implied_margin": implied}
 
 
 def rows_baseline(rows: list[dict], endpoint: str) -> str | None:
