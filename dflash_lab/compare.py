@@ -43,7 +43,8 @@ Writes to --out (default ./comparison): comparison.csv (one row per run: every c
 dflash_lab.analysis.schema.RUN_COLUMNS, then the swept keys), comparison_groups.csv (one row per setting, mean/std
 over seeds), paired.csv (with a baseline), comparison.md (all tables, printed too), bands.csv, cross_effects.csv,
 curves.csv (probe loss on the compute axes), verdict.json (when the runs declare analysis.verdict: controls, the
-question arm against its baseline, throughput ratio and the answer; dflash_lab/analysis/verdict.py) and PNG plots.
+question arm against its baseline, throughput ratio, co-primary endpoints and the answer, dflash_lab/analysis/verdict.py;
+its `protocol` names the rules version that judged it and the protocol recorded at launch) and PNG plots.
 
 --out holds exactly one complete comparison: the files are written to a temporary folder beside --out (same file
 system) and swapped in by renames (old folder renamed away, new one renamed in, old one deleted), so an earlier
@@ -71,7 +72,8 @@ from pathlib import Path
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.arms import DUPLICATE_POLICIES, MIXED_DIGEST_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
-from dflash_lab.analysis.protocol import RULE_CHANGES, RULES_VERSION, recorded_protocol, resolve_protocol
+from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_code_digest, recorded_protocol,
+                                         resolve_protocol)
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
@@ -313,6 +315,18 @@ def protocol_note(recorded: dict | None, comparison, today) -> str:
     return note
 
 
+def verdict_protocol(recorded: dict | None, rules: int, today) -> dict:
+    """verdict.json's ``protocol``: the rules version that judged it, whether it was recorded at launch (when, and
+    the analysis code's digest then and now), and today's answer where today's rules differ."""
+    entry = {"rules_version": rules, "recorded_at_launch": recorded is not None,
+             "recorded_at": (recorded or {}).get("recorded_at"),
+             "analysis_code_at_launch": (recorded or {}).get("analysis_code"),
+             "analysis_code_now": analysis_code_digest(), "declared": (recorded or {}).get("declared")}
+    if today is not None:
+        entry["today"] = {"rules_version": RULES_VERSION, "answer": (today.verdict or {}).get("answer")}
+    return entry
+
+
 def _compare(args: argparse.Namespace) -> int:
     target = check_out(args.out, force=args.force, inputs=args.paths)
     report = load_runs(args.paths, wandb=args.wandb, group=args.group)
@@ -337,6 +351,8 @@ def _compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise Refused(str(error)) from error
     comparison.notes.insert(0, protocol_note(recorded, comparison, today))
+    if comparison.verdict is not None:
+        comparison.verdict["protocol"] = verdict_protocol(recorded, protocol.rules, today)
     compared = set(comparison.runs["run_id"])
     records = [record for record in report.runs if record.run_id in compared]  # less duplicates left out
 

@@ -197,6 +197,8 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
 
     import pandas as pd
 
+    from dflash_lab.analysis.protocol import RULES_VERSION
+
     root = Path(__file__).resolve().parents[1]
     target = local_qwen3(tmp_path / "target")
     chats = tmp_path / "chat.jsonl"
@@ -226,3 +228,6 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
     assert {"tau_band_min", "tau", "ktok_s"} <= set(paired["endpoint"])   # 4 steps: too few probes for A
     verdict = json.loads((report / "verdict.json").read_text())
     assert verdict["arms"]["negative_control"].startswith("bucket_sequential") and verdict["answer"]
+    assert verdict["protocol"]["recorded_at_launch"] and verdict["protocol"]["rules_version"] == RULES_VERSION
+    assert {"tau_band_min", "tau"} <= set(verdict["co_primary"]) and "mean tau" in verdict["answer"]
+    assert all(s["target_seed"] is None for s in summaries)   # model=hf: the one given target
