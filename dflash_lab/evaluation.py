@@ -43,16 +43,18 @@ class Evaluation:
         pad_id, device, autocast: as the training step uses them, so probes see the same numerics.
         probes: the ``probes`` settings; tau_every: ``trainer.tau_every``; model_cfg: the ``model`` section (its
             ``decode_*`` keys size the tau measurement).
-        log_probes: ``(rows) -> None`` writes probe rows (``RunLogger.log_probes``).
+        log_probes: ``(rows) -> None`` writes probe rows (``RunLogger.log_probes``); log_tau: ``(row) -> None``
+            writes a tau.jsonl row (``RunLogger.log_tau``) for each measurement of the trained draft.
         ledger: the run's time ledger; is_main: rank 0 evaluates, other ranks skip.
         last_probe_step: the step last probed (from the checkpoint on resume).
     """
 
     def __init__(self, *, model, heldout_ds, pad_id: int, device: torch.device, autocast, probes: ProbeSettings,
                  tau_every: int, model_cfg: Mapping[str, Any], log_probes: Callable[[list[dict]], None],
-                 ledger: record.TimeLedger, is_main: bool, log: logging.Logger, last_probe_step: int | None = None):
+                 log_tau: Callable[[dict], None], ledger: record.TimeLedger, is_main: bool, log: logging.Logger,
+                 last_probe_step: int | None = None):
         self.model, self.settings, self.tau_every = model, probes, tau_every
-        self.log_probes, self.ledger, self.is_main, self.log = log_probes, ledger, is_main, log
+        self.log_probes, self.log_tau, self.ledger, self.is_main, self.log = log_probes, log_tau, ledger, is_main, log
         self.last_probe_step = last_probe_step
         self.probe_sets = None
         if probes.every > 0:
@@ -76,9 +78,17 @@ class Evaluation:
         if self.tau_every and step % self.tau_every == 0 and step < end_step and self.is_main:
             with self._evaluating("tau"):
                 measured = measure_acceptance(self.model, self.prompts, self.new_tokens)
-            by_band = self.by_band(measured)
-            self.log.info(f"step {step}: tau {measured['tau']:.3f}, by band "
-                          f"{[round(t, 3) if t is not None else None for t in by_band]}")
+            row = self.tau_row(step, measured)
+            self.log_tau(row)
+            self.log.info(f"step {step}: tau {row['tau']:.3f}, by band "
+                          f"{[round(t, 3) if t is not None else None for t in row['tau_by_band']]}")
+
+    def tau_row(self, step: int, measured: dict[str, Any]) -> dict[str, Any]:
+        """A tau.jsonl row (record.TAU_FIELDS) from one measurement of the trained draft."""
+        by_band = self.by_band(measured)
+        bands = [t for t in by_band if t is not None]
+        return {"step": step, "tau": float(measured["tau"]), "tau_band_min": min(bands, default=math.nan),
+                "tau_band_mean": float(np.mean(bands)) if bands else math.nan, "tau_by_band": by_band}
 
     def probe(self, step: int) -> None:
         """Evaluate every probe band once for this step number (rank 0)."""
@@ -89,12 +99,12 @@ class Evaluation:
             with self._evaluating("probe"):
                 self.log_probes(self.probe_sets.evaluate(self.evaluate_batch, step, seed=self.settings.seed))
 
-    def final_tau(self, should_stop: Callable[[], bool]) -> dict[str, Any]:
+    def final_tau(self, step: int, should_stop: Callable[[], bool]) -> dict[str, Any]:
         """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_baseline``, ``tau_by_band``,
         ``tau_baseline_by_band``, ``tau_band_min``, ``tau_band_mean`` and ``complete``; a ``should_stop`` request
         ends it early (partial tau, NaN baseline, complete False). Its cost is ``model.decode_num_prompts`` x
         ``model.decode_max_new_tokens`` tokens per draft; the log tells its start, its progress (a line per tenth of
-        the prompts, and every 30 s) and its end."""
+        the prompts, and every 30 s) and its end. A complete measurement is also a tau.jsonl row of ``step``."""
         nothing = [None] * self.num_bands
         result = {"tau": math.nan, "tau_baseline": math.nan, "tau_by_band": nothing,
                   "tau_baseline_by_band": nothing, "tau_band_min": math.nan, "tau_band_mean": math.nan,
@@ -103,12 +113,11 @@ class Evaluation:
             return result
         with self._evaluating("tau"):
             measured = self._measure("trained draft", self.model, should_stop)
-            by_band = self.by_band(measured)
-            measured_bands = [t for t in by_band if t is not None]
-            result.update(tau=float(measured["tau"]), tau_by_band=by_band, complete=bool(measured["complete"]),
-                          tau_band_min=min(measured_bands, default=math.nan),
-                          tau_band_mean=float(np.mean(measured_bands)) if measured_bands else math.nan)
-            if measured["complete"]:  # the untrained draft (same initial weights), rebuilt and measured here
+            row = self.tau_row(step, measured)
+            result.update({key: row[key] for key in ("tau", "tau_by_band", "tau_band_min", "tau_band_mean")},
+                          complete=bool(measured["complete"]))
+            if measured["complete"]:
+                self.log_tau(row)  # the untrained draft (same initial weights), rebuilt and measured here
                 untrained = self._measure("untrained draft", self.model.baseline_model(), should_stop)
                 if untrained["complete"]:
                     result.update(tau_baseline=float(untrained["tau"]), tau_baseline_by_band=self.by_band(untrained))

@@ -7,6 +7,8 @@ Run directory (names below are the only spelling of each file):
 
     metrics.jsonl           one row per optimizer step: STEP_FIELDS
     probes.jsonl            one row per (probe evaluation, length band): PROBE_FIELDS
+    tau.jsonl               one row per acceptance-length measurement (trainer.tau_every steps, and the end):
+                            TAU_FIELDS
     presentations.parquet   one row per presentation of a training example: PRESENTATION_COLUMNS
     summary.json            final (or current) figures: SUMMARY_FIELDS first, then details
     .hydra/config.yaml      the resolved config (written by Hydra)
@@ -49,6 +51,7 @@ from dflash_lab.metrics import throughput
 # ------------------------------------------------------------------------------------------------ file names
 METRICS_FILE = "metrics.jsonl"
 PROBES_FILE = "probes.jsonl"
+TAU_FILE = "tau.jsonl"
 PRESENTATIONS_FILE = "presentations.parquet"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = ".hydra/config.yaml"
@@ -56,7 +59,7 @@ OVERRIDES_FILE = ".hydra/overrides.yaml"
 CHECKPOINT_DIR = "checkpoints"
 WANDB_ID_FILE = "wandb_run_id.txt"
 WANDB_DIR = "wandb"
-RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE)
+RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE, TAU_FILE)
 """The files analysis reads (and that are attached to the W&B run at the end)."""
 
 
@@ -90,6 +93,13 @@ STEP_FIELDS = (
     "eta_s",          # remaining steps x EMA(step time)
 )
 PROBE_FIELDS = ("step", "band", "band_lo", "band_hi", "loss", "acc", "tokens")
+TAU_FIELDS = (
+    "step",           # optimizer updates done when tau was measured (the last one: the run's end)
+    "tau",            # acceptance length over every tau prompt (dflash_lab.metrics.draft_quality)
+    "tau_band_min",   # the worst probe band's tau
+    "tau_band_mean",  # mean of the bands' tau
+    "tau_by_band",    # tau per probe band (null: a band without a tau prompt)
+)
 PRESENTATION_COLUMNS = ("sample_index", "epoch", "step", "length", "band", "acc")
 SUMMARY_FIELDS = (
     "sampler", "seed", "steps", "epochs", "ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "final_loss",

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.record import (
-    METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, WANDB_ID_FILE,
+    METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, TAU_FIELDS, TAU_FILE,
+    WANDB_ID_FILE,
     json_safe, rank_log_name, read_jsonl, rows_through,
 )
 
@@ -190,7 +191,7 @@ def load_or_create_run_id(run_dir: Path, from_checkpoint: str | None = None) -> 
 
 
 class RunLogger:
-    """Rank 0's writer of metrics.jsonl, probes.jsonl and summary.json, with its W&B sink.
+    """Rank 0's writer of metrics.jsonl, probes.jsonl, tau.jsonl and summary.json, with its W&B sink.
 
     Args:
         run_dir: the run directory.
@@ -221,6 +222,8 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
         probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
+        if self.tau_path.is_file():
+            trim_jsonl(self.tau_path, resume_step)
         self.probed_steps = {int(row["step"]) for row in probes}
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
         if removed + removed_probes:
@@ -239,6 +242,10 @@ class RunLogger:
     @property
     def probes_path(self) -> Path:
         return self.run_dir / PROBES_FILE
+
+    @property
+    def tau_path(self) -> Path:
+        return self.run_dir / TAU_FILE
 
     @property
     def summary_path(self) -> Path:
@@ -278,6 +285,18 @@ class RunLogger:
                 flat[f"probe/{row['band_lo']}-{row['band_hi']}/loss"] = row["loss"]
                 flat[f"probe/{row['band_lo']}-{row['band_hi']}/acc"] = row["acc"]
             self.wandb.log_row(flat)
+
+    def log_tau(self, row: dict[str, Any]) -> None:
+        """Append one tau.jsonl row (exactly TAU_FIELDS); W&B gets ``tau/mean``, ``tau/band_min`` and
+        ``tau/band<i>``."""
+        if not self.is_main:
+            return
+        clean = {name: json_safe(row[name]) for name in TAU_FIELDS}
+        self._append(self.tau_path, [clean])
+        if self.wandb is not None:
+            self.wandb.log_row({"step": clean["step"], "tokens_seen": self.tokens_seen, "tau/mean": clean["tau"],
+                                "tau/band_min": clean["tau_band_min"],
+                                **{f"tau/band{i}": t for i, t in enumerate(clean["tau_by_band"] or [])}})
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json atomically and mirror it to the W&B run summary as ``final/<key>``."""

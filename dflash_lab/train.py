@@ -228,8 +228,8 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     evaluation = Evaluation(model=parts.model, heldout_ds=parts.heldout_ds, pad_id=parts.tokenizer.pad_token_id,
                             device=device, autocast=parts.autocast, probes=parts.probes,
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
-                            log_probes=records.logger.log_probes, ledger=ledger, is_main=env.is_main, log=log,
-                            last_probe_step=last_probe_step)
+                            log_probes=records.logger.log_probes, log_tau=records.logger.log_tau, ledger=ledger,
+                            is_main=env.is_main, log=log, last_probe_step=last_probe_step)
     trainer, plan = settings.trainer, parts.plan
     run = Run(
         settings=settings, env=env, log=log, parts=parts, position=position, ledger=ledger, records=records,
@@ -314,7 +314,7 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
             run.checkpointer.save(position)
     taus = {"tau": math.nan, "tau_baseline": math.nan}
     if status != "failed" and trainer.measure_tau and run.env.is_main:
-        taus = run.evaluation.final_tau(should_stop=ckpt.checkpoint_requested)
+        taus = run.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested)
         taus.pop("complete")
         if ckpt.checkpoint_requested():
             status = "preempted"

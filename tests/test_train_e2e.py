@@ -614,9 +614,15 @@ def test_a_fresh_start_refused_after_the_model_loads_leaves_a_summary_and_a_fixe
 def test_tau_is_measured_per_length_band_from_the_same_prompts(tmp_path):
     """The tau prompts are spread over the probe bands, one band after another, so one measurement gives tau per
     band: every band with a prompt has a tau >= 1, the overall tau lies between the bands' (it pools their verify
-    steps), and tau_band_min / tau_band_mean summarise the measured bands, for the untrained draft too."""
-    summary = train(compose_cfg(tmp_path / "tau", "trainer.max_steps=3", "probes.every=0",
+    steps), and tau_band_min / tau_band_mean summarise the measured bands, for the untrained draft too. Each
+    measurement of the trained draft (trainer.tau_every steps, and the end) is a tau.jsonl row; the last is the
+    summary's."""
+    summary = train(compose_cfg(tmp_path / "tau", "trainer.max_steps=3", "probes.every=0", "trainer.tau_every=2",
                                 "model.decode_num_prompts=6", "model.decode_max_new_tokens=16"))
+    rows = [json.loads(line) for line in (tmp_path / "tau" / record.TAU_FILE).read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 3] and all(set(row) == set(record.TAU_FIELDS) for row in rows)
+    assert {key: rows[-1][key] for key in ("tau", "tau_band_min", "tau_by_band")} == {
+        key: summary[key] for key in ("tau", "tau_band_min", "tau_by_band")}
     by_band, baseline = summary["tau_by_band"], summary["tau_baseline_by_band"]
     assert len(by_band) == len(summary["probe_bands"]) - 1 == len(baseline)
     measured = [t for t in by_band if t is not None]
