@@ -279,7 +279,7 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
 'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
-test='t', window=0.25, rules=3)
+test='t', window=0.25, rules=4)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     if rules is None:
