@@ -38,6 +38,7 @@ def test_functions_and_classes_with_prompt_header(tmp_path):
     assert prompt == "# module: mod\ndef add(a, b):\n" and body.startswith('    """Add."""')
     assert "class Box" in tok.decode(ds[1]["input_ids"])
     assert ds.lengths[2] == 300 and ds[2]["input_ids"][-1] == tok.eos_token_id
+    assert ds.stats["kept"] == 3 and ds.stats["truncated"] == 1   # long_one was cut: summary data_truncated
     assert torch.equal(torch.as_tensor(ds.lengths), torch.tensor([len(ds[i]["input_ids"]) for i in range(3)]))
 
 

@@ -31,7 +31,7 @@ def stdlib_files(stdlib_dir: str | None = None) -> list[Path]:
 
 
 def iter_code(tokenizer, *, num_samples: int | None, max_length: int, min_length: int,
-              stdlib_dir: str | None = None) -> Iterator[tuple[list[int], list[bool]]]:
+              stdlib_dir: str | None = None, report=None) -> Iterator[tuple[list[int], list[bool]]]:
     """Yield (ids, loss_mask) per top-level function or class of the stdlib.
 
     Args:
@@ -40,6 +40,8 @@ def iter_code(tokenizer, *, num_samples: int | None, max_length: int, min_length
         max_length: cap on tokens per sample (longer sources are truncated, their last token set to EOS).
         min_length: skip shorter samples.
         stdlib_dir: override the standard-library directory (tests).
+        report: optional counter with ``kept`` and ``truncated`` attributes (data.jsonl.JsonlReport): the samples
+            yielded, and those among them cut to ``max_length`` (summary.json ``data_truncated``).
     """
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     produced = 0
@@ -67,12 +69,16 @@ def iter_code(tokenizer, *, num_samples: int | None, max_length: int, min_length
             body_ids = tokenizer.encode(body) + eos
             ids = prompt_ids + body_ids
             mask = [False] * len(prompt_ids) + [True] * len(body_ids)
-            if len(ids) > max_length:
+            cut = len(ids) > max_length
+            if cut:
                 ids, mask = ids[:max_length], mask[:max_length]
                 if eos:
                     ids[-1] = eos[0]
             if len(ids) < min_length or sum(mask) < 2:
                 continue
+            if report is not None:
+                report.kept += 1
+                report.truncated += int(cut)
             yield ids, mask
             produced += 1
             if num_samples is not None and produced >= num_samples:

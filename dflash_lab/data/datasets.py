@@ -321,7 +321,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         module = code_module
 
         def produce(report):
-            return code_module.iter_code(tokenizer, **config)
+            return code_module.iter_code(tokenizer, **config, report=report)
     elif kind == "jsonl":
         if not path:
             raise ValueError("data.path is not set: data=jsonl needs data.path=/path/to/chat.jsonl")
@@ -353,7 +353,9 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         meta = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint}
         # iter_jsonl raises after its pass when too many lines are bad: the cache is then never written.
         _write_arrays(tmp, produce(report), kind)
-        meta["stats"] = report.as_dict() if kind == "jsonl" else {}
+        # jsonl: every count; code: samples kept and cut to max_length (summary.json data_truncated)
+        meta["stats"] = (report.as_dict() if kind == "jsonl" else
+                         {"kept": report.kept, "truncated": report.truncated} if kind == "code" else {})
         meta["content_digest"] = content_digest(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
