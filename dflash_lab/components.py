@@ -65,7 +65,7 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
     )
 
 
-def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.device,
+def resolve_memory_plan(settings: RunSettings, model, step_model: footprint.StepModel, dataset, device: torch.device,
                         world_size: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
     """The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``) and ``max_block_tokens``
     resolved, the memory plan (``footprint.memory_plan``: ``auto``
@@ -85,7 +85,7 @@ def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.dev
                                                anchors_per_doc=model.anchors_per_doc,
                                                anchor_density=model.anchor_density)
     memory = footprint.memory_plan(
-        footprint.StepModel.from_model(model), dataset.lengths, sampler_cfg,
+        step_model, dataset.lengths, sampler_cfg,
         footprint.Settings(precision=trainer.precision, world_size=world_size,
                            attention=footprint.attention_path(device.type, model.attention_backend)),
         activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=settings.seed,
@@ -107,11 +107,10 @@ def cpu_matmul_flops(size: int = 512, seconds: float = 0.2) -> float:
     return done * 2.0 * size**3 / (time.perf_counter() - started)
 
 
-def predicted_cpu_step_s(model, policy, grad_accum: int, flops_per_s: float) -> float:
+def predicted_cpu_step_s(step_model: footprint.StepModel, policy, grad_accum: int, flops_per_s: float) -> float:
     """A floor on the median step time on this CPU: the step's executed FLOPs (``footprint.step_flops``, with
     each document's anchors) at the measured matmul rate. Real steps are slower (attention, softmax, the
     optimizer), so the warning it feeds understates, never overstates."""
-    step_model = footprint.StepModel.from_model(model)
     batches = policy.global_plan(0).batches[:256]   # a sample is enough for the median
     shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model,
                                     anchors=footprint.policy_anchors(policy, step_model))
@@ -119,13 +118,13 @@ def predicted_cpu_step_s(model, policy, grad_accum: int, flops_per_s: float) -> 
     return float(np.median(executed)) * grad_accum / flops_per_s
 
 
-def warn_if_slow_on_cpu(model, policy, plan: record.PlanFacts, grad_accum: int, threshold_s: float,
-                        log: logging.Logger) -> None:
+def warn_if_slow_on_cpu(model, step_model: footprint.StepModel, policy, plan: record.PlanFacts, grad_accum: int,
+                        threshold_s: float, log: logging.Logger) -> None:
     """A large target on the CPU with the GPU recipe looks hung (minutes per step): say so before step 1, with the
     predicted step time and the CPU-sized preset. Warns when the predicted step exceeds ``trainer.cpu_step_warn_s``
     or the objective is the GPU recipe's (its anchors); otherwise one info line with the prediction."""
     rate = cpu_matmul_flops()
-    step_s = predicted_cpu_step_s(model, policy, grad_accum, rate)
+    step_s = predicted_cpu_step_s(step_model, policy, grad_accum, rate)
     recipe = model.anchor_density is None   # the GPU recipe's anchors (up to 512 per document), not a CPU preset
     if step_s < threshold_s and not recipe:
         log.info(f"CPU run of a large target: predicted >= {step_s:.3g} s per step (the step's FLOPs at this CPU's "
@@ -198,7 +197,9 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     probes = dataclasses.replace(probes, bands=bands)
     # probes need probes.per_band held-out samples in every band: the split tops up short bands
     train_ds, heldout_ds = dataset.split(bands=bands if probes.every > 0 else None, per_band=probes.per_band)
-    sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, train_ds, device, env.world_size)
+    step_model = footprint.StepModel.from_model(model)   # the one memory/FLOP model of this run's step
+    sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, step_model, train_ds, device,
+                                                            env.world_size)
     log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
     policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
                                 rank=env.rank, block_tokens=block_tokens)
@@ -213,7 +214,7 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
     if device.type == "cuda":  # a config that cannot fit stops here, naming the fix, not at step 1 with an OOM
         fit = footprint.preflight(
-            footprint.StepModel.from_model(model), train_ds.lengths, sampler_cfg,
+            step_model, train_ds.lengths, sampler_cfg,
             footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
                                world_size=env.world_size), gpu_mem_gb=settings.gpu_memory_gb(device),
             seed=settings.seed, block_tokens=block_tokens)
@@ -222,7 +223,7 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
                     f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
     if device.type == "cpu" and config["model"].get("kind", "tiny") != "tiny":
-        warn_if_slow_on_cpu(model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
+        warn_if_slow_on_cpu(model, step_model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
     optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
                                   weight_decay=trainer.weight_decay)
     components = Components(

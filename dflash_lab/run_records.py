@@ -4,7 +4,9 @@
   seen, ``presentations.parquet``) and ``summary.json``, built from all of them by ``record.build_summary``;
 - :class:`Checkpointer`: the full state a restart needs (draft weights, optimizer, LR schedule, sampler position,
   anchor RNG, position and totals, the resolved config and its ``.hydra`` files, the data digest, the W&B run id);
-- :class:`StepClock`: a step's time, the ETA, and the progress bar or log lines.
+- :class:`StepClock`: a step's time, the ETA, and the progress bar or log lines;
+- :class:`Bookkeeping`: the one call the training loop makes after each step (records, clock, scheduled evaluation,
+  checkpoints, preemption).
 
 The files, their columns and the step numbering are defined in :mod:`dflash_lab.record`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +75,8 @@ class RunRecords:
                    data_counts=parts.data_counts(), ledger=ledger,
                    steady_warmup_steps=settings.trainer.steady_warmup_steps)
 
-    def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]],
-             parts: Components, timing: StepClock) -> dict[str, Any]:
+    def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]], policy,
+             timing: StepClock) -> dict[str, Any]:
         """Record one step: its presentations and its metrics row (returned)."""
         if self.presentations is not None:
             self.presentations.record(
@@ -82,7 +85,7 @@ class RunRecords:
                 epoch=epoch, step=step)
         step_time, eta = timing.step_done(step)
         row = record.step_row(step=step, epoch=epoch, stats=result.stats, lr=result.lr,
-                              bucket=parts.policy.bucket_of(micro_batches[0]["sample_index"].numpy()),
+                              bucket=policy.bucket_of(micro_batches[0]["sample_index"].numpy()),
                               step_time_s=step_time, compute_time_s=result.compute_s, eta_s=eta)
         self.logger.log_step(row)
         return row
@@ -194,3 +197,44 @@ class StepClock:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class Bookkeeping:
+    """Everything the training loop does after an optimizer step that is not training, behind one call
+    (:meth:`after_step`): the step's records and what the user sees, the scheduled evaluation, a requested
+    checkpoint-and-exit (preemption) and the scheduled checkpoints."""
+
+    def __init__(self, *, records: RunRecords, evaluation: Evaluation, checkpointer: Checkpointer, clock: StepClock,
+                 policy, end_step: int, is_main: bool, log: logging.Logger,
+                 after_step: Callable[[dict[str, Any]], None] | None = None):
+        self.records, self.evaluation, self.checkpointer, self.clock = records, evaluation, checkpointer, clock
+        self.policy, self.end_step, self.is_main, self.log, self.after_step_hook = (policy, end_step, is_main, log,
+                                                                                     after_step)
+
+    def after_step(self, position: Position, epoch: int, result: StepResult,
+                   micro_batches: list[dict[str, Any]]) -> None:
+        """Record the step that brought the run to ``position.step``, then evaluate, checkpoint or exit for a
+        requeue as scheduled (raises ``checkpoint.Preempted`` after a requested checkpoint)."""
+        step = position.step
+        row = self.records.step(step, epoch, result, micro_batches, self.policy, self.clock)
+        if self.is_main:
+            self.clock.show(row, result.stats)
+        if self.after_step_hook is not None:
+            self.after_step_hook(row)
+        self.evaluation.after_step(step, self.end_step)
+        if result.stats.stop_requested:
+            self.preempt(position)
+        if self.checkpointer.due(step):
+            self.checkpointer.save(position)
+        self.clock.restart()   # the next step's time starts after this one's evaluation and saves
+
+    def preempt(self, position: Position) -> None:
+        """A checkpoint was requested (SIGUSR2/SIGTERM on some rank): save, record, and exit for a requeue."""
+        path = self.checkpointer.save(position)
+        self.log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step "
+                         f"{position.step} to {path}; exiting with code {ckpt.PREEMPTED_EXIT_CODE} for a requeue")
+        self.records.summary("running", steps=position.step)
+        self.records.logger.close(exit_code=ckpt.PREEMPTED_EXIT_CODE)
+        self.clock.close()
+        ckpt.run_previous_handler()  # e.g. submitit's requeue (it may exit here on rank 0)
+        raise ckpt.Preempted(position.step, path)

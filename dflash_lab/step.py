@@ -1,23 +1,22 @@
-"""One optimizer step of the draft: where the run stands (:class:`Position`), the step's micro-batches
-(:class:`StepBatches`), the update itself (:class:`OptimizerStep`) and its rules (the learning rate, the anchors'
-seed, skipped updates).
+"""The pieces of one optimizer step that the training loop (:func:`dflash_lab.train.run_loop`) spells out: where
+the run stands (:class:`Position`), the step's micro-batches (:class:`StepBatches`), the learning rate
+(:class:`LRSchedule`), the anchors' seed, the device-side sums and their one host sync (:class:`StepSums`), the
+global loss normalisation and the update rule (:class:`UpdateGuard`).
 
-A step (:class:`OptimizerStep`): ``grad_accum`` micro-batches, each moved to the device and run forward (anchors
-drawn from a generator seeded by (seed, step, slot), so a resumed run redraws them) and backward, DDP
-all-reducing gradients on the last one only. With ``trainer.global_loss_norm`` the gradients of the raw weighted
-CE sums are divided by the global supervision weight (every supervised block counts the same, whatever batch it
-is in); then clipping, ONE host sync that gathers every statistic of every rank (``record.gather_step_stats``),
-and the update: taken when loss and gradient norm are finite, skipped when the batch supervises nothing or (with
-``trainer.skip_nonfinite``) when they are not finite, otherwise the run fails. ``trainer.max_consecutive_skips``
-skips in a row also fail it: a diverged run never reports success.
+The step itself reads in the loop: ``grad_accum`` micro-batches, each moved to the device and run forward (anchors
+drawn from a generator seeded by (seed, step, slot), so a resumed run redraws them) and backward, DDP all-reducing
+gradients on the last one only. With ``trainer.global_loss_norm`` the gradients of the raw weighted CE sums are
+divided by the global supervision weight (every supervised block counts the same, whatever batch it is in); then
+clipping, ONE host sync that gathers every statistic of every rank, and the update: taken when loss and gradient
+norm are finite, skipped when the batch supervises nothing or (with ``trainer.skip_nonfinite``) when they are not
+finite, otherwise the run fails. ``trainer.max_consecutive_skips`` skips in a row also fail it: a diverged run never
+reports success.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -69,10 +68,65 @@ def anchor_seed(seed: int, step: int, slot: int = 0) -> int:
     return int(np.random.SeedSequence([int(seed), int(step), int(slot)]).generate_state(1)[0])
 
 
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The micro-batch's tensors on the training device (other values as they are)."""
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def gradient_sync(train_model, env: dist.DistEnv, last_micro: bool):
+    """DDP all-reduces gradients on a step's last micro-batch only: the others run (forward and backward) under
+    ``no_sync``."""
+    return train_model.no_sync() if env.distributed and not last_micro else contextlib.nullcontext()
+
+
+def scale_to_global_mean(params: list[torch.nn.Parameter], local_weight: torch.Tensor, env: dist.DistEnv) -> None:
+    """Turn the gradients of each rank's raw weighted CE sum into the gradient of (global CE sum / global weight).
+
+    DDP averaged the ranks' gradients (a factor 1/W on their sum), so the factor is W / global weight: every
+    supervised block of the global batch counts the same, whatever rank or micro-batch it is in.
+    """
+    global_weight = dist.all_reduce_sum(local_weight.clone())
+    scale = (env.world_size / global_weight.clamp_min(1e-12)).float()
+    torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+
+
+class StepSums:
+    """One step's device-side sums over its micro-batches (no host sync until :meth:`gather`): the weighted CE, its
+    weight, correct and supervised slots, training blocks and block slots, and each document's block scores."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.device, self.block_size = device, block_size
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)  # ce, weight, correct, count, blocks
+        self.block_slots = 0
+        self.doc_correct: list[torch.Tensor] = []
+        self.doc_count: list[torch.Tensor] = []
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.sums[1]
+
+    def add(self, out) -> None:
+        """Add one micro-batch's forward output (a ``StepOutput``)."""
+        self.sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double(),
+                                  out.correct.double(), out.count.double(), out.num_blocks.double()])
+        self.block_slots += out.num_slots * self.block_size
+        self.doc_correct.append(out.doc_correct)
+        self.doc_count.append(out.doc_count)
+
+    def gather(self, grad_norm: torch.Tensor, doc_lengths: list[np.ndarray], *, packed: bool) -> record.StepStats:
+        """Every rank's statistics of the step, reduced: the step's one host sync (``record.gather_step_stats``)."""
+        return record.gather_step_stats({
+            "ce_sum": self.sums[0], "weight_sum": self.sums[1], "correct": self.sums[2], "count": self.sums[3],
+            "block_tokens": self.sums[4] * self.block_size, "block_slots": float(self.block_slots),
+            "grad_norm": grad_norm, "stop_requested": float(ckpt.checkpoint_requested()),
+            **record.local_batch_stats(doc_lengths, packed=packed),
+        }, dist.all_gather_rows, self.device)
+
+
 @dataclass
 class StepResult:
-    """What one step did: its statistics (every rank's, reduced), the learning rate it used, its compute time, the
-    per-document lengths and scores (presentations), and whether the update was taken, skipped or failed."""
+    """What one step did, for the records: its statistics (every rank's, reduced), the learning rate it used, its
+    compute time, the per-document lengths and scores (presentations), and why its update was skipped (None: taken)."""
 
     stats: record.StepStats
     lr: float
@@ -80,94 +134,33 @@ class StepResult:
     doc_lengths: list[np.ndarray]
     doc_correct: torch.Tensor
     doc_count: torch.Tensor
-    skipped: str | None   # why the update was skipped; None: it was taken (or the run failed)
-    failure: str = ""     # non-empty: the run stops here (the message says why and the fix)
+    skipped: str | None = None
 
 
-class OptimizerStep:
-    """Runs one step of the draft over its micro-batches (see the module docstring). Holds the pieces a step uses;
-    its only state is the count of skipped updates in a row."""
+class UpdateGuard:
+    """Decides whether a step's update is taken, skipped or ends the run (the module docstring's rules). Its only
+    state is the count of skipped updates in a row."""
 
-    def __init__(self, *, model, train_model, optimizer: torch.optim.Optimizer, schedule: LRSchedule,
-                 trainer: TrainerSettings, env: dist.DistEnv, device: torch.device, seed: int, lengths: np.ndarray,
-                 packed: bool, score_fixed: bool, anchor_generator: torch.Generator, autocast,
-                 after_forward: Callable[[int, int, Any], Any] | None = None):
-        self.model, self.train_model, self.optimizer, self.schedule = model, train_model, optimizer, schedule
-        self.trainer, self.env, self.device, self.seed = trainer, env, device, seed
-        self.lengths, self.packed, self.score_fixed = lengths, packed, score_fixed
-        self.anchor_generator, self.after_forward = anchor_generator, after_forward
-        self.params = list(model.trainable_parameters())
-        self.autocast = autocast   # bf16 autocast on GPU, else a null context
+    def __init__(self, trainer: TrainerSettings):
+        self.skip_nonfinite, self.max_consecutive_skips = trainer.skip_nonfinite, trainer.max_consecutive_skips
         self.consecutive_skips = 0
 
-    def __call__(self, step: int, micro_batches: list[dict[str, Any]], totals: record.RunTotals) -> StepResult:
-        """The update that follows ``step`` completed ones; counts a skipped update in ``totals.skipped_steps``."""
-        t_compute = time.perf_counter()
-        trainer, env = self.trainer, self.env
-        device_sums = torch.zeros(5, dtype=torch.float64, device=self.device)  # ce, weight, correct, count, blocks
-        doc_correct, doc_count, block_slots = [], [], 0
-        for micro, batch in enumerate(micro_batches):
-            batch = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-            self.anchor_generator.manual_seed(anchor_seed(self.seed, step, micro * env.world_size + env.rank))
-            last_micro = micro == len(micro_batches) - 1
-            # DDP all-reduces gradients on the last micro-batch only
-            sync = self.train_model.no_sync() if env.distributed and not last_micro else contextlib.nullcontext()
-            with sync:
-                with self.autocast:
-                    # the fixed-anchor pass scores each example where it is scored every time (presentations)
-                    out = self.train_model(batch, self.anchor_generator, score_fixed=self.score_fixed)
-                if self.after_forward is not None:
-                    out = self.after_forward(step + 1, micro, out)
-                # global norm: backward the raw weighted CE sum and divide the gradients by the global weight
-                # below; local norm: the mean over this rank's micro-batches (DDP then averages the ranks)
-                objective = out.weighted_ce_sum if trainer.global_loss_norm else out.loss / len(micro_batches)
-                objective.backward()
-            device_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double(),
-                                        out.correct.double(), out.count.double(), out.num_blocks.double()])
-            block_slots += out.num_slots * self.model.block_size
-            doc_correct.append(out.doc_correct)
-            doc_count.append(out.doc_count)
-        if trainer.global_loss_norm:
-            # DDP averaged (1/W) x sum over ranks of d(CE sum): rescale to d(global CE sum / global weight)
-            global_weight = dist.all_reduce_sum(device_sums[1].clone())
-            scale = (env.world_size / global_weight.clamp_min(1e-12)).float()
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params,
-                                                   trainer.grad_clip if trainer.grad_clip > 0 else math.inf)
-        doc_lengths = [self.lengths[b["sample_index"].cpu().numpy()] for b in micro_batches]
-        stats = record.gather_step_stats({
-            "ce_sum": device_sums[0], "weight_sum": device_sums[1], "correct": device_sums[2],
-            "count": device_sums[3], "block_tokens": device_sums[4] * self.model.block_size,
-            "block_slots": float(block_slots), "grad_norm": grad_norm,
-            "stop_requested": float(ckpt.checkpoint_requested()),
-            **record.local_batch_stats(doc_lengths, packed=self.packed),
-        }, dist.all_gather_rows, self.device)
-        lr = self.schedule.lr(step)
-        skipped, failure = self._update(step, stats, lr, totals)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(stats=stats, lr=lr, compute_s=time.perf_counter() - t_compute, doc_lengths=doc_lengths,
-                          doc_correct=torch.cat(doc_correct), doc_count=torch.cat(doc_count), skipped=skipped,
-                          failure=failure)
-
-    def _update(self, step: int, stats: record.StepStats, lr: float,
-                totals: record.RunTotals) -> tuple[str | None, str]:
-        """Take the update, or skip it, or fail: returns (why it was skipped, why the run fails)."""
+    def check(self, step: int, stats: record.StepStats, totals: record.RunTotals) -> tuple[str | None, str]:
+        """For the update that follows ``step``: (why it is skipped or None to take it, why the run fails or "").
+        A skip is counted in ``totals.skipped_steps``."""
         if stats.finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
             self.consecutive_skips = 0
             return None, ""
         if stats.weight_sum <= 0 and math.isfinite(stats.ce_sum):
             skip = "no supervised block in the batch (weight sum 0)"
-        elif self.trainer.skip_nonfinite:
+        elif self.skip_nonfinite:
             skip = f"non-finite loss/grad norm ({stats.loss}, {stats.grad_norm}) (trainer.skip_nonfinite=true)"
         else:
             return None, (f"non-finite loss at step {step + 1} (loss={stats.loss}, grad_norm={stats.grad_norm}); "
                           f"lower trainer.lr or set trainer.skip_nonfinite=true")
         totals.skipped_steps += 1
         self.consecutive_skips += 1
-        if self.consecutive_skips < self.trainer.max_consecutive_skips:
+        if self.consecutive_skips < self.max_consecutive_skips:
             return skip, ""
         return skip, (f"{self.consecutive_skips} updates in a row skipped (steps {step + 2 - self.consecutive_skips}"
                       f"..{step + 1}; {totals.skipped_steps} in all): the run has diverged or its batches supervise "

@@ -50,9 +50,10 @@ from dflash_lab.run_dir import RunDirectory
 from dflash_lab.run_lock import RunDirBusy
 from dflash_lab.run_logger import close_text_log, load_or_create_run_id, setup_text_log
 from dflash_lab.run_names import name_wandb_run
-from dflash_lab.run_records import Checkpointer, RunRecords, StepClock
+from dflash_lab.run_records import Bookkeeping, Checkpointer, RunRecords, StepClock
 from dflash_lab.settings import RunSettings
-from dflash_lab.step import OptimizerStep, Position, StepBatches
+from dflash_lab.step import (Position, StepBatches, StepResult, StepSums, UpdateGuard, anchor_seed, gradient_sync,
+                             scale_to_global_mean, to_device)
 
 FAILED_EXIT_CODE = 1
 REFUSED_EXIT_CODE = 2  # a refused config, resume or dataset (the one-line message says why and the fix)
@@ -198,27 +199,25 @@ def resume(state: dict[str, Any] | None, parts: Components, settings: RunSetting
 
 @dataclass
 class Run:
-    """A run ready to step: its settings, parts and position, and the objects the loop calls."""
+    """A run ready to step: its settings, parts and position, where its micro-batches come from, and the
+    bookkeeping the loop calls once per step."""
 
     settings: RunSettings
     env: dist.DistEnv
+    device: torch.device
     log: logging.Logger
     parts: Components
     position: Position
     ledger: record.TimeLedger
-    records: RunRecords
-    evaluation: Evaluation
-    checkpointer: Checkpointer
-    optimizer_step: OptimizerStep
     batches: StepBatches
-    clock: StepClock
+    books: Bookkeeping
     hooks: TrainHooks
 
 
 def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, directory: RunDirectory,
           log: logging.Logger, checkpoints: ckpt.CheckpointManager, state: dict[str, Any] | None, parts: Components,
           position: Position, hooks: TrainHooks, started: float) -> Run:
-    """Open the records (checked against the checkpoint), the evaluation, the checkpointer and the step; write the
+    """Open the records (checked against the checkpoint), the evaluation and the checkpointer; write the
     ``running`` summary; probe step 0 of a fresh run. From here on this launch's ``.hydra`` files are the run's."""
     position.totals.segments += 1
     ledger = record.TimeLedger(position.totals, start=started)   # this segment's wall time counts from its start
@@ -231,19 +230,15 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
                             log_probes=records.logger.log_probes, log_tau=records.logger.log_tau, ledger=ledger,
                             is_main=env.is_main, log=log, last_probe_step=last_probe_step)
     trainer, plan = settings.trainer, parts.plan
-    run = Run(
-        settings=settings, env=env, log=log, parts=parts, position=position, ledger=ledger, records=records,
-        evaluation=evaluation,
-        checkpointer=Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, run_id, log),
-        optimizer_step=OptimizerStep(
-            model=parts.model, train_model=parts.train_model, optimizer=parts.optimizer, schedule=parts.schedule,
-            trainer=trainer, env=env, device=device, seed=settings.seed, lengths=parts.policy.lengths,
-            packed=parts.policy.packed, score_fixed=settings.probes.presentations,
-            anchor_generator=parts.anchor_generator, autocast=parts.autocast, after_forward=hooks.after_forward),
-        batches=StepBatches(parts.loader, parts.policy, plan, trainer.grad_accum, trainer.epochs, position),
-        clock=StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and
-                        sys.stderr.isatty(), log_every=trainer.log_every, name=parts.policy.name, log=log),
-        hooks=hooks)
+    clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
+                      log_every=trainer.log_every, name=parts.policy.name, log=log)
+    checkpointer = Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, run_id, log)
+    books = Bookkeeping(records=records, evaluation=evaluation, checkpointer=checkpointer, clock=clock,
+                        policy=parts.policy, end_step=plan.end_step, is_main=env.is_main, log=log,
+                        after_step=hooks.after_step)
+    run = Run(settings=settings, env=env, device=device, log=log, parts=parts, position=position, ledger=ledger,
+              batches=StepBatches(parts.loader, parts.policy, plan, trainer.grad_accum, trainer.epochs, position),
+              books=books, hooks=hooks)
     log.info(f"{parts.policy.name}: {len(parts.train_ds)} train / {len(parts.heldout_ds)} held-out samples; steps "
              f"per epoch {list(plan.steps_per_epoch)}; running steps {position.step}..{plan.end_step} of "
              f"{plan.total_steps}")
@@ -253,49 +248,63 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     parts.model.train()
     if position.step == 0:
         evaluation.probe(0)  # the start of every band's curve
-    run.clock.restart()
+    clock.restart()
     return run
 
 
 # ------------------------------------------------------------------------------------------------- the loop
 def run_loop(run: Run) -> str:
-    """Train from the run's position to its end step. Returns why the run failed ("" when it reached the end);
-    raises ``checkpoint.Preempted`` after a requested checkpoint."""
-    position, plan, ledger = run.position, run.parts.plan, run.ledger
-    while position.step < plan.end_step:
-        with ledger.part("data_wait"):
+    """Train from the run's position to its end step: the DFlash recipe, one optimizer step per iteration. Returns
+    why the run failed ("" when it reached the end); raises ``checkpoint.Preempted`` after a requested checkpoint."""
+    settings, env, device, parts, position = run.settings, run.env, run.device, run.parts, run.position
+    trainer, model, train_model, optimizer = settings.trainer, parts.model, parts.train_model, parts.optimizer
+    params = list(model.trainable_parameters())
+    max_norm = trainer.grad_clip if trainer.grad_clip > 0 else math.inf
+    anchors, guard = parts.anchor_generator, UpdateGuard(trainer)
+    while position.step < parts.plan.end_step:
+        with run.ledger.part("data_wait"):
             micro_batches, epoch = run.batches.next_step()
-        result = run.optimizer_step(position.step, micro_batches, position.totals)
-        if result.skipped:
-            run.log.warning(f"step {position.step + 1}: {result.skipped}; update skipped")
-        if result.failure:
-            return result.failure
+        compute_started = time.perf_counter()
+        lr = parts.schedule.lr(position.step)
+        sums = StepSums(device, model.block_size)
+        for micro, batch in enumerate(micro_batches):
+            batch = to_device(batch, device)
+            # anchors are drawn from (seed, step, slot): a resumed run and any world size redraw the same ones
+            anchors.manual_seed(anchor_seed(settings.seed, position.step, micro * env.world_size + env.rank))
+            with gradient_sync(train_model, env, last_micro=micro == len(micro_batches) - 1):
+                with parts.autocast:
+                    # forward: the target's hidden states condition the draft's blocks; the fixed-anchor pass scores
+                    # each example where it is scored every time (presentations)
+                    out = train_model(batch, anchors, score_fixed=settings.probes.presentations)
+                if run.hooks.after_forward is not None:
+                    out = run.hooks.after_forward(position.step + 1, micro, out)
+                # global norm: backward the raw weighted CE sum, divided by the global weight below; local norm: the
+                # mean over this rank's micro-batches (DDP then averages the ranks)
+                loss = out.weighted_ce_sum if trainer.global_loss_norm else out.loss / len(micro_batches)
+                loss.backward()
+            sums.add(out)
+        if trainer.global_loss_norm:
+            scale_to_global_mean(params, sums.weight, env)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        doc_lengths = [parts.policy.lengths[b["sample_index"].cpu().numpy()] for b in micro_batches]
+        stats = sums.gather(grad_norm, doc_lengths, packed=parts.policy.packed)   # the step's one host sync
+        skipped, failure = guard.check(position.step, stats, position.totals)
+        if stats.finite:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            run.log.warning(f"step {position.step + 1}: {skipped}; update skipped")
+        if failure:
+            return failure
+        compute_s = time.perf_counter() - compute_started
+        run.ledger.add("compute", compute_s)
         position.step += 1
-        ledger.add("compute", result.compute_s)
-        row = run.records.step(position.step, epoch, result, micro_batches, run.parts, run.clock)
-        if run.env.is_main:
-            run.clock.show(row, result.stats)
-        if run.hooks.after_step is not None:
-            run.hooks.after_step(row)
-        run.evaluation.after_step(position.step, plan.end_step)
-        if result.stats.stop_requested:
-            preempt(run)
-        if run.checkpointer.due(position.step):
-            run.checkpointer.save(position)
-        run.clock.restart()   # the next step's time starts after this one's evaluation and saves
+        run.books.after_step(position, epoch, StepResult(
+            stats=stats, lr=lr, compute_s=compute_s, doc_lengths=doc_lengths, doc_correct=torch.cat(sums.doc_correct),
+            doc_count=torch.cat(sums.doc_count), skipped=skipped), micro_batches)
     return ""
-
-
-def preempt(run: Run) -> None:
-    """A checkpoint was requested (SIGUSR2/SIGTERM on some rank): save, record, and exit for a requeue."""
-    path = run.checkpointer.save(run.position)
-    run.log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step "
-                    f"{run.position.step} to {path}; exiting with code {ckpt.PREEMPTED_EXIT_CODE} for a requeue")
-    run.records.summary("running", steps=run.position.step)
-    run.records.logger.close(exit_code=ckpt.PREEMPTED_EXIT_CODE)
-    run.clock.close()
-    ckpt.run_previous_handler()  # e.g. submitit's requeue (it may exit here on rank 0)
-    raise ckpt.Preempted(run.position.step, path)
 
 
 # ------------------------------------------------------------------------------------------------------ finish
@@ -303,24 +312,24 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
     """End the run: final probes and checkpoint, tau of the trained and untrained draft, ``summary.json``, the exit
     line. A failed run keeps its last good checkpoint; a preemption during tau exits for a requeue."""
     position, trainer, log = run.position, run.settings.trainer, run.log
-    run.clock.close()
+    run.books.clock.close()
     status = "finished"   # what was asked (all epochs, or up to trainer.max_steps) is done
     if failure:
-        status, failure = "failed", f"{failure}. The last good checkpoint is {run.checkpointer.latest()}"
+        status, failure = "failed", f"{failure}. The last good checkpoint is {run.books.checkpointer.latest()}"
         log.error(failure)
     else:
-        run.evaluation.probe(position.step)
+        run.books.evaluation.probe(position.step)
         if position.step != position.loaded_step:
-            run.checkpointer.save(position)
+            run.books.checkpointer.save(position)
     taus = {"tau": math.nan, "tau_baseline": math.nan}
     if status != "failed" and trainer.measure_tau and run.env.is_main:
-        taus = run.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested)
+        taus = run.books.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested)
         taus.pop("complete")
         if ckpt.checkpoint_requested():
             status = "preempted"
     tau, tau_baseline = taus["tau"], taus["tau_baseline"]
-    summary = run.records.summary(status, steps=position.step, **taus, error=failure or None)
-    run.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
+    summary = run.books.records.summary(status, steps=position.step, **taus, error=failure or None)
+    run.books.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
     log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
              f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
@@ -330,7 +339,7 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         log.warning(f"tau measurement interrupted ({ckpt.request_reason()}); exiting with code "
                     f"{ckpt.PREEMPTED_EXIT_CODE}: the requeued job measures it again")
         ckpt.run_previous_handler()
-        raise ckpt.Preempted(position.step, run.checkpointer.latest())
+        raise ckpt.Preempted(position.step, run.books.checkpointer.latest())
     return summary
 
 

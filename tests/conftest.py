@@ -1,17 +1,43 @@
+"""Shared test setup: caches kept out of the checkout and the user's cache, and the tiers.
+
+Tiers (``pyproject.toml`` markers): plain ``pytest`` runs the unit tier (no model training, no tiny-target
+pretraining, no subprocess, no cluster; about 2 minutes on 2 cores). ``integration`` tests train, pretrain or start
+processes, ``slurm`` tests need the local cluster; ``bash scripts/test.sh`` runs every tier.
+
+Caches: every test process (and the training subprocesses it starts, which inherit the environment) uses one test
+cache, ``$DFLASH_LAB_TEST_CACHE`` or ``<temp dir>/dflash_lab-test-cache``: the tiny target is pretrained there once
+per machine, flex_attention's compiled kernels are kept there, and Hypothesis keeps its examples there. Nothing is
+written into the checkout or into the user's ``~/.cache/dflash_lab``.
+"""
+
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.dont_write_bytecode = True   # the checkout keeps no test-made __pycache__ (scripts/setup.sh compiles once)
+
+TEST_CACHE = Path(os.environ.get("DFLASH_LAB_TEST_CACHE") or Path(tempfile.gettempdir()) / "dflash_lab-test-cache")
+TEST_CACHE.mkdir(parents=True, exist_ok=True)
+os.environ["DFLASH_LAB_CACHE"] = str(TEST_CACHE)   # never the user's cache, whatever the shell says
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-# One compile cache for every test process and the training subprocesses they start (inherited environment):
-# flex_attention is compiled once per machine, later processes load the kernels (a few seconds instead of ~30).
-_CACHE = Path(os.environ.get("DFLASH_LAB_CACHE", Path.home() / ".cache" / "dflash_lab")).expanduser()
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "torchinductor"))
+os.environ.setdefault("WANDB_DIR", str(TEST_CACHE / "wandb"))
+os.environ.setdefault("MPLBACKEND", "Agg")
+# flex_attention is compiled once per machine; later processes load the kernels (a few seconds instead of ~30)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "torchinductor"))
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+
+try:   # Hypothesis writes its example database and unicode tables into ./.hypothesis unless told otherwise
+    from hypothesis import configuration as _hypothesis_configuration
+
+    _hypothesis_configuration.set_hypothesis_home_dir(TEST_CACHE / "hypothesis")
+except ImportError:   # the GPU image's minimal environment has no Hypothesis: its property tests skip themselves
+    pass
 
 
 @pytest.fixture

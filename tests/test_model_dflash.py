@@ -228,7 +228,7 @@ def test_fused_lm_head_gives_the_reference_loss_and_draft_gradients(chunk_slots)
     torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-6, atol=0)
     assert fused.correct == ref.correct and torch.equal(fused.per_pos_correct, ref.per_pos_correct)
     for x, y in zip(fused_grads, ref_grads):
-        assert float((x - y).norm() / y.norm()) < 1e-6
+        assert float((x - y).norm() / y.norm()) < 1e-5   # fp32 summation order differs between the paths
 
 
 @pytest.mark.parametrize("packed", [False, True])

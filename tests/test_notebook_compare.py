@@ -2,12 +2,11 @@
 through sweeps/ablation_policies.yaml, then `python -m dflash_lab.compare` on it, then the notebook executed with
 nbmake against it.
 
-The multirun is written to multirun/notebook_ci (git-ignored), the notebook's default DFLASH_RUNS, so
-`pytest --nbmake notebooks/` also works by hand after this test has run once.
+The multirun is written to a temporary folder (never into the checkout) and handed to the notebook through
+DFLASH_RUNS. By hand: `DFLASH_RUNS=<multirun> pytest --nbmake notebooks/`.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ from dflash_lab.analysis.schema import COMPARISON_COLUMNS
 from dflash_lab.analysis.summarize import explains
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = REPO / "multirun" / "notebook_ci"
 POLICIES = ("bucketed", "full_random", "packed")
 SEEDS = (0, 1)
 # Small enough for CI on 2 cores, with margin for every comparison column of a shuffled order wherever the steady
@@ -56,16 +54,16 @@ def _env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained_multirun() -> Path:
-    shutil.rmtree(RUNS, ignore_errors=True)  # never compare stale runs from older code
+def trained_multirun(tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("notebook") / "multirun"
     command = [
         sys.executable, "-m", "dflash_lab.train", "-m", "--config-dir", "sweeps", "--config-name", "ablation_policies",
         f"sampler={','.join(POLICIES)}", f"seed={','.join(map(str, SEEDS))}", *TRAIN_OVERRIDES,
-        f"hydra.sweep.dir={RUNS}",
+        f"hydra.sweep.dir={runs}",
     ]
     result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=3000)
     assert result.returncode == 0, f"multirun failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    return RUNS
+    return runs
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
 
     from dflash_lab.components import predicted_cpu_step_s
     from dflash_lab.model import build_model
+    from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config
 
     lengths = np.random.default_rng(0).integers(64, 1024, size=400)
@@ -69,7 +70,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
         model, _ = build_model("tiny", **objective)
         policy = policy_from_config({"name": "bucketed", "max_tokens": 4096, "boundaries": [0, 256, 1024]},
                                     lengths, seed=0)
-        times[name] = predicted_cpu_step_s(model, policy, grad_accum=1, flops_per_s=1e10)
+        times[name] = predicted_cpu_step_s(StepModel.from_model(model), policy, grad_accum=1, flops_per_s=1e10)
     assert times["recipe"] > 3 * times["cpu"] > 0
 
 
@@ -162,6 +163,7 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
 
     from dflash_lab.components import plan_facts, warn_if_slow_on_cpu
     from dflash_lab.model import build_model
+    from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config
 
     lengths = np.random.default_rng(0).integers(64, 1024, size=200)
@@ -176,8 +178,8 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
     recipe, _ = build_model("tiny", block_size=16, anchors_per_doc=512, anchor_density=None)
     cpu_sized, _ = build_model("tiny", block_size=8, anchors_per_doc=64, anchor_density=0.0625)
     try:
-        warn_if_slow_on_cpu(recipe, policy, plan, 1, threshold_s=1e9, log=log)
-        warn_if_slow_on_cpu(cpu_sized, policy, plan, 1, threshold_s=1e9, log=log)
+        for model in (recipe, cpu_sized):
+            warn_if_slow_on_cpu(model, StepModel.from_model(model), policy, plan, 1, threshold_s=1e9, log=log)
     finally:
         log.removeHandler(handler)
     mine = records

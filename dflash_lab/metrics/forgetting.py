@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_lab.metrics.jumpiness import autocorrelation
-from dflash_lab.sampling.boundaries import bucket_ids
+from dflash_lab.metrics.bands import bucket_ids
 
 LEARNED_THRESHOLD = 0.5
 MIN_PRESENTATIONS = 3

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..config_check import as_choice, as_int, refuse_unknown_keys
+from ..metrics.bands import bucket_ids  # noqa: F401  (re-exported: sampling.bucket_ids)
 from .core import MAX_LENGTH, validate_lengths
 
 FIT_METHODS = ("quantile", "equal_tokens", "optimal")
@@ -68,23 +69,6 @@ def validate_boundaries(
             f"raise it to at least {longest}"
         )
     return as_ints
-
-
-def bucket_ids(lengths: np.ndarray | Sequence[int], boundaries: Sequence[int]) -> np.ndarray:
-    """The one length -> bucket (or probe band) mapping: k with ``b_k < l <= b_(k+1)``; -1 outside ``(b_0, b_K]``.
-
-    Policies validate that their boundaries cover every sample, so -1 never occurs there; probe bands are checked
-    against the data at start-up, so a length outside every band is an error reported there, never clipped.
-
-    Example:
-        >>> bucket_ids(np.array([1, 96, 97, 1024, 2000, np.nan]), [0, 96, 152, 1024]).tolist()
-        [0, 0, 1, 2, -1, -1]
-    """
-    edges = np.asarray(boundaries)
-    values = np.asarray(lengths)
-    ids = np.searchsorted(edges, values, side="left").astype(np.int64) - 1
-    ids[~((values > edges[0]) & (values <= edges[-1]))] = -1  # written so that NaN lands outside too
-    return ids
 
 
 def fit_boundaries(
