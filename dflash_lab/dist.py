@@ -108,9 +108,6 @@ def detect_env() -> DistEnv:
     return _job_env() or DistEnv()
 
 
-_ENV: DistEnv = DistEnv()
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
     """Detect the environment and, when world_size > 1, join the process group.
 
@@ -124,9 +121,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     Raises:
         RuntimeError: if ``nccl`` is asked for without CUDA.
     """
-    global _ENV
     env = detect_env()
-    _ENV = env
     if env.world_size <= 1 or (torch_dist.is_available() and torch_dist.is_initialized()):
         return env
     if backend is None:
@@ -153,7 +148,6 @@ def setup(device: str = "cpu", num_threads: int | None = None, backend: str | No
         num_threads: torch threads per rank; None: the Slurm task's CPUs, else this process's CPUs / ranks on it.
         backend: process-group backend (None: nccl on GPU, gloo on CPU).
     """
-    global _ENV
     env = init_distributed(backend)
     if device.startswith("cuda"):
         device = f"cuda:{env.local_rank}"
@@ -161,8 +155,7 @@ def setup(device: str = "cpu", num_threads: int | None = None, backend: str | No
     slurm_cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     default = int(slurm_cpus) if slurm_cpus else len(os.sched_getaffinity(0)) // max(1, env.world_size)
     torch.set_num_threads(num_threads or max(1, default))
-    _ENV = replace(env, device=device)
-    return _ENV
+    return replace(env, device=device)
 
 
 def wrap_ddp(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
@@ -178,11 +171,6 @@ def wrap_ddp(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.startswith("cuda") else None)
-
-
-def current_env() -> DistEnv:
-    """The environment found by the last :func:`init_distributed` (a single process before that)."""
-    return _ENV
 
 
 def is_initialized() -> bool:
@@ -221,18 +209,7 @@ def all_gather_objects(obj):
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank (identity for one process). Collective: all ranks call it."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    torch_dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def cleanup() -> None:
     """Leave the process group (if any); safe to call more than once."""
-    global _ENV
     if is_initialized():
         torch_dist.destroy_process_group()
-    _ENV = DistEnv()

@@ -365,7 +365,7 @@ def _real_run_with_offline_wandb(run_dir: Path, steps: int = 40) -> Path:
     return run_dir
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_offline_wandb_run_reads_back_to_the_same_schema_as_the_local_files(tmp_path):
     run_dir = _real_run_with_offline_wandb(tmp_path / "run")
     offline_dirs = OfflineRun.find(run_dir / "wandb")

@@ -69,7 +69,7 @@ def wandb_folder(grid, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_wandb_sweep_reads_back_with_names_group_axes_and_final_figures(grid):
     report = load_offline_runs(grid)
     assert report.problems == [] and len(report.runs) == len(GRID)
@@ -103,7 +103,7 @@ def test_a_wandb_sweep_reads_back_with_names_group_axes_and_final_figures(grid):
             [lo, hi] for lo, hi in zip(BANDS, BANDS[1:])]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_compare_on_a_boundaries_grid_gives_one_row_per_boundary_list(grid, wandb_folder, tmp_path):
     for source, extra in ((grid, []), (wandb_folder, ["--no-plots"])):  # run directories, then W&B runs
         out = tmp_path / source.name
@@ -115,7 +115,7 @@ def test_compare_on_a_boundaries_grid_gives_one_row_per_boundary_list(grid, wand
     assert (tmp_path / grid.name / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_notebook_reads_a_wandb_sweep_as_a_sweep(wandb_folder, tmp_path, monkeypatch):
     """The notebook executed (nbclient, as nbmake runs it) on the W&B runs: one settings row per boundary list."""
     import nbformat
@@ -156,7 +156,7 @@ class CountingApi:
         return list(self.runs_given)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_notebook_fetches_each_wandb_run_once(wandb_folder):
     """The notebook's one `load_runs(wandb=...)` call fetches each run's history and files once; everything after
     works on the loaded records."""
@@ -197,7 +197,7 @@ def test_fitted_boundaries_of_a_wandb_run_come_from_its_resolved_config():
         {"boundaries": "[0, 200, 1024]", "K": 2}, {"boundaries": "[0, 90, 300, 1024]", "K": 3}]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sigkill_mid_run_keeps_every_logged_row_and_the_next_launch_resumes(tmp_path):
     """metrics.jsonl is appended and flushed every step: after kill -9 it holds rows 1..N with N at least the last
     step the log reported, including the rows after the last checkpoint; the next launch trims to the checkpoint
@@ -229,6 +229,7 @@ def test_sigkill_mid_run_keeps_every_logged_row_and_the_next_launch_resumes(tmp_
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.integration
 def test_train_help_lists_the_own_data_path_and_every_key_of_data_jsonl_and_model_hf():
     """`python -m dflash_lab.train --help` (the code behind `dflash-train --help`): the config groups with their
     options, the own-data command, and every key of conf/data/jsonl.yaml and conf/model/hf.yaml by name."""
@@ -249,6 +250,7 @@ def test_train_help_lists_the_own_data_path_and_every_key_of_data_jsonl_and_mode
         assert not missing, f"--help lists no {missing} for {group}={name}: update conf/hydra/help/train.yaml"
 
 
+@pytest.mark.integration
 def test_sweep_run_folders_are_named_by_the_boundary_list(grid):
     names = sorted((p.name for p in grid.iterdir() if p.is_dir() and p.name[0].isdigit()), key=lambda n: int(n[0]))
     assert names == [f"{i}_bucketed_b{'-'.join(map(str, b))}_s0" for i, b in enumerate(GRID)]

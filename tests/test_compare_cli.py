@@ -69,6 +69,7 @@ def test_plots_survive_runs_without_probes_or_steps(tmp_path):
     assert (tmp_path / "o" / "band_accuracy.png").is_file()
 
 
+@pytest.mark.integration
 def test_module_entry_point_runs(multirun, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "dflash_lab.compare", str(multirun), "--out", str(tmp_path / "o"), "--no-plots"],
@@ -192,6 +193,7 @@ def test_a_boundaries_sweep_gives_one_row_per_boundary_list(tmp_path):
     assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.integration
 def test_help_documents_the_baseline_selector_and_strata():
     result = subprocess.run([sys.executable, "-m", "dflash_lab.compare", "--help"], capture_output=True, text=True,
                             timeout=300)

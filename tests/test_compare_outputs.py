@@ -169,6 +169,7 @@ def test_refusals_show_the_traceback_with_debug_or_hydra_full_error(sweep, rerun
         compare.main(args)
 
 
+@pytest.mark.integration
 def test_the_module_prints_a_refusal_as_one_line(sweep, rerun, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     result = subprocess.run(

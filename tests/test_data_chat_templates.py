@@ -256,6 +256,7 @@ def local_qwen3(directory: Path, tokenizer=None) -> Path:
     return directory
 
 
+@pytest.mark.integration
 def test_mixed_chat_file_trains_with_nothing_skipped(tmp_path):
     """model=hf (a random tiny Qwen3 saved with the tokenizer above) + data=jsonl + data.chat_template: trains."""
     from hydra import compose, initialize_config_module

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 # Small and fast: a handful of steps on the tiny model, no probes/tau, one thread per rank.

@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, port: int, results):
     dist.cleanup()
 
 
+@pytest.mark.integration
 def test_two_process_gloo_group():
     port = _free_port()
     manager = mp.Manager()

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,6 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, results):
     results[rank] = (summary, captured["state"])
 
 
-@pytest.mark.slow
 def test_two_rank_gloo_training(tmp_path):
     import sys
 

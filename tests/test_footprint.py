@@ -53,6 +53,7 @@ def test_parameter_counts_match_the_modules(tied):
     assert step.draft.params == sum(p.numel() for p in model.draft.parameters())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("packed", [True, False])
 def test_batch_shapes_match_the_objective(packed):
     model, batch = tiny_model(), make_batch(packed)
@@ -69,6 +70,7 @@ def test_batch_shapes_match_the_objective(packed):
 @pytest.mark.parametrize("precision,packed,layers,fused", [("fp32", True, 1, True), ("fp32", False, 3, True),
                                                            ("bf16", True, 2, True), ("bf16", False, 2, True),
                                                            ("fp32", True, 1, False), ("bf16", False, 2, False)])
+@pytest.mark.integration
 def test_saved_activations_match_autograd(precision, packed, layers, fused):
     """The draft-phase activation terms = the bytes autograd saves for backward (distinct storages, no weights);
     with the fused LM head (no saved logits) and the reference one (saved log-probabilities)."""

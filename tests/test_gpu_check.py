@@ -84,7 +84,7 @@ def test_gpu_preset_gives_memory_and_peak(gpu_check):
     assert preset["memory_gb"] == 80 and preset["bf16_dense_tflops"] == 989
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_gpu_check_cpu_tiny():
     """Checkpointing off (--activation-checkpointing false): with it on, the tiny shape over-predicts by ~25%
     (docs/gpu.md, "One GPU script"); the checkpointed path runs in the two-rank test."""
@@ -102,7 +102,7 @@ def test_gpu_check_cpu_tiny():
         assert 0.8 <= row["pred_peak_mem_gb"] / row["peak_mem_gb"] <= 1.2, row
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_gpu_check_cpu_two_ranks_and_checkpointing_override():
     """--nproc 2 on CPU: two gloo ranks under DDP; trainer.activation_checkpointing=true is honoured."""
     setup, rows = _run(["--shape", "tiny", "--policies", "packed", "--warmup", "0", "--steps", "1", "--nproc", "2",
@@ -113,7 +113,7 @@ def test_gpu_check_cpu_two_ranks_and_checkpointing_override():
     assert row["activation_checkpointing"] is True and row["finite"] and FIELDS <= set(row)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_gpu_check_cpu_medium_memory_within_15_percent():
     """The medium shape (hidden 512, 2 draft layers, 32K vocabulary, 4,096-token steps, recipe anchors under the
     memory plan's block budget): predicted / measured peak within 0.85-1.15 for bucketed and packed."""
@@ -125,7 +125,7 @@ def test_gpu_check_cpu_medium_memory_within_15_percent():
         assert 0.85 <= row["mem_ratio"] <= 1.15, row
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_gpu_check_sh_cpu(tmp_path):
     """bash scripts/gpu_check.sh --cpu: every stage passes and every JSON line has its "check"."""
     out = tmp_path / "out.jsonl"

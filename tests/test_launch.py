@@ -347,6 +347,7 @@ def _cli(*args, cwd: Path, timeout=180):
     )
 
 
+@pytest.mark.integration
 def test_cli_rejects_a_bad_boundary_sweep_before_any_job_runs(tmp_path):
     sweep_dir = tmp_path / "multirun"
     out = _cli(
@@ -360,6 +361,7 @@ def test_cli_rejects_a_bad_boundary_sweep_before_any_job_runs(tmp_path):
     assert not sweep_dir.exists()  # the sweeper never started: no job, not even the good one
 
 
+@pytest.mark.integration
 def test_cli_rejects_more_tasks_than_gpus_before_submission(tmp_path):
     sweep_dir = tmp_path / "multirun"
     out = _cli(
@@ -372,6 +374,7 @@ def test_cli_rejects_more_tasks_than_gpus_before_submission(tmp_path):
     assert not sweep_dir.exists()
 
 
+@pytest.mark.integration
 def test_cli_sweep_file_with_a_bad_override_is_rejected(tmp_path):
     sweep_dir = tmp_path / "multirun"
     out = _cli(

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_local_launcher_runs_a_two_rank_job(tmp_path):
     sweep_dir = tmp_path / "multirun"
     steps = 3

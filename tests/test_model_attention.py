@@ -118,6 +118,7 @@ def test_block_mask_tiles_are_exact(layout):
         assert torch.equal(full, every)
 
 
+@pytest.mark.integration
 @SETTINGS
 @given(layouts())
 def test_flex_attention_equals_the_dense_oracle(layout):
@@ -170,6 +171,7 @@ def test_flex_runs_on_cpu_only_without_gradients():
         assert flex_supported(x)
 
 
+@pytest.mark.integration
 def test_varying_shapes_compile_at_most_two_graphs():
     # batch 1 and whole tiles: one static graph, then one with dynamic lengths, then no recompilation
     before = None
@@ -189,6 +191,7 @@ def _largest_allocation(step) -> int:
     return max(e.cpu_memory_usage for e in prof.events())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("backend", ["auto", "dense"])
 def test_a_packed_training_step_allocates_nothing_of_size_t_by_t(backend):
     # the dense oracle does allocate T x T (the control); the default path allocates far less

@@ -35,7 +35,7 @@ def test_compile_layers_setting():
         DFlashDraft(DraftConfig(**CFG), compile_layers="yes")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_compiled_layers_match_eager_and_do_not_recompile_per_length():
     eager = DFlashDraft(DraftConfig(**CFG), init_seed=1, compile_layers=False)
     compiled = DFlashDraft(DraftConfig(**CFG), init_seed=1, compile_layers=True)

@@ -65,6 +65,7 @@ def test_only_the_draft_trains():
     assert not model.target.training and model.draft.training
 
 
+@pytest.mark.integration
 def test_packed_row_gives_the_same_target_states_as_separate_documents():
     model = _model()
     samples = _samples([17, 9, 25])
@@ -82,6 +83,7 @@ def test_packed_row_gives_the_same_target_states_as_separate_documents():
     torch.testing.assert_close(rows[1, :9], together[17:26], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.integration
 def test_packed_and_padded_give_the_same_loss_with_every_anchor():
     # Density 1 makes every valid position an anchor: no randomness, so both layouts must agree exactly.
     model = _model(anchors_per_doc=1000, anchor_density=1.0)
@@ -94,6 +96,7 @@ def test_packed_and_padded_give_the_same_loss_with_every_anchor():
     assert torch.equal(a.doc_count, b.doc_count) and torch.equal(a.per_pos_count, b.per_pos_count)
 
 
+@pytest.mark.integration
 def test_training_path_and_decoding_path_give_the_same_block_logits():
     model = _model(block_size=5, anchors_per_doc=1000, anchor_density=1.0)
     samples = _samples([19, 26], seed=4)
@@ -119,6 +122,7 @@ def test_training_path_and_decoding_path_give_the_same_block_logits():
     assert checked >= 10
 
 
+@pytest.mark.integration
 def test_no_nan_when_blocks_or_rows_have_nothing_to_learn():
     model = _model()
     samples = _samples([20, 6, 14])
@@ -134,6 +138,7 @@ def test_no_nan_when_blocks_or_rows_have_nothing_to_learn():
     assert all(torch.isfinite(p.grad).all() for p in model.draft.parameters() if p.grad is not None)
 
 
+@pytest.mark.integration
 def test_step_output_counts():
     model = _model(block_size=4)   # fixed_anchors=0: doc counts come from the training anchors
     batch = collate_packed(_samples([30, 40]), [7, 3], [30, 40], 0)
@@ -193,6 +198,7 @@ def test_draft_quality_formulas():
     assert acceptance_length_tau([0, 0]) == 1.0 and math.isnan(acceptance_length_tau([]))
 
 
+@pytest.mark.integration
 def test_chunked_lm_head_gives_the_same_loss_and_gradients():
     batch = collate_packed(_samples([40, 30]), [0, 1], [40, 30], 0)
     whole, chunked = _model(), _model()
@@ -211,6 +217,7 @@ def _grads(model):
     return [p.grad.clone() for p in model.draft.parameters()]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("chunk_slots", [None, 7])
 def test_fused_lm_head_gives_the_reference_loss_and_draft_gradients(chunk_slots):
     # None: the reference keeps the whole logits; 7: both paths chunk (7 slots per chunk)
@@ -231,6 +238,7 @@ def test_fused_lm_head_gives_the_reference_loss_and_draft_gradients(chunk_slots)
         assert float((x - y).norm() / y.norm()) < 1e-5   # fp32 summation order differs between the paths
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("packed", [False, True])
 def test_fast_attention_matches_the_dense_mask_oracle_forward_and_gradients(packed):
     # auto: the target runs flex_attention (packed) or its own causal attention (padded); the draft runs exact
@@ -251,6 +259,7 @@ def test_fast_attention_matches_the_dense_mask_oracle_forward_and_gradients(pack
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_fixed_anchor_blocks_leave_the_loss_and_gradients_bit_identical():
     batch = collate_packed(_samples([40, 25, 33], seed=8), [11, 4, 9], [40, 25, 33], 0)
     outs = []
@@ -266,6 +275,7 @@ def test_fixed_anchor_blocks_leave_the_loss_and_gradients_bit_identical():
     assert not torch.equal(plain.doc_count, fixed.doc_count)     # doc counts now come from the fixed anchors
 
 
+@pytest.mark.integration
 def test_fixed_anchors_score_each_example_the_same_way_in_any_batch():
     model = _model(fixed_anchors=5)
     samples = _samples([40, 25, 33, 18], seed=9)
@@ -309,6 +319,7 @@ def test_documents_must_be_contiguous():
         _model()(batch, torch.Generator())
 
 
+@pytest.mark.integration
 def test_the_fixed_anchor_pass_can_be_skipped():
     model = _model(fixed_anchors=4)
     batch = collate_packed(_samples([40, 25]), [0, 1], [40, 25], 0)
@@ -317,6 +328,7 @@ def test_the_fixed_anchor_pass_can_be_skipped():
     assert torch.equal(skipped.doc_count, plain.doc_count) and torch.equal(skipped.loss, plain.loss)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_flex_draft_path_of_the_gpu_matches_the_oracle(packed):
     # on CUDA the draft runs flex_attention; on CPU it can run it without gradients: same scores as the oracle

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ SMALL = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermed
              pretrain_data={"kind": "synthetic", "num_samples": 80, "seed": 0}, block_size=4)
 
 
+@pytest.mark.integration
 def test_tiny_target_is_pretrained_once_then_loaded_from_cache(tmp_path, monkeypatch):
     model, tok = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
     meta = model.target.dflash_meta
@@ -65,6 +66,7 @@ def test_failed_build_leaves_no_cache(tmp_path):
     assert not (tmp_path / "entry").exists() and [p.name for p in tmp_path.iterdir()] == ["entry.lock"]
 
 
+@pytest.mark.integration
 def test_bad_model_config_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="model.kind"):
         build_model("big", cache_dir=str(tmp_path))
@@ -90,7 +92,7 @@ def test_every_model_config_key_is_a_valid_key():
         assert set(cfg.model) <= set(valid_model_keys()), set(cfg.model) - set(valid_model_keys())
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_few_hundred_draft_steps_lower_the_loss_and_beat_the_baseline_tau(tmp_path):
     from dflash_lab.model import heldout_prompts, measure_acceptance
 
@@ -125,6 +127,7 @@ def test_stale_temporary_dirs_of_a_killed_builder_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "entry.lock"]
 
 
+@pytest.mark.integration
 def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tmp_path):
     """The reviewer's case on one machine: the same config in two empty caches gives the same target, even when the
     callers run different thread counts; the digest is recorded in the cache and on the model, and pretraining
@@ -150,6 +153,7 @@ def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tm
     assert other_seed.target_digest != first.target_digest
 
 
+@pytest.mark.integration
 def test_a_tampered_cached_target_is_refused_naming_the_directory_to_delete(tmp_path):
     from safetensors.torch import load_file, save_file
 

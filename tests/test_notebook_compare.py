@@ -66,7 +66,7 @@ def trained_multirun(tmp_path_factory) -> Path:
     return runs
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_multirun_holds_one_finished_run_per_policy_and_seed(trained_multirun):
     runs = find_run_dirs(trained_multirun)
     assert len(runs) == len(POLICIES) * len(SEEDS)
@@ -75,7 +75,7 @@ def test_multirun_holds_one_finished_run_per_policy_and_seed(trained_multirun):
             assert (run / name).is_file(), f"{run.name} lacks {name}"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
     out = tmp_path / "comparison"
     result = subprocess.run(
@@ -113,7 +113,7 @@ def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
     assert "## Per setting" in result.stdout and "## Paired differences" in result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_notebook_executes_under_nbmake_against_the_multirun(trained_multirun, tmp_path):
     env = _env() | {"DFLASH_RUNS": str(trained_multirun), "DFLASH_NOTEBOOK_FIGURES": str(tmp_path / "figures"),
                     "DFLASH_BASELINE": "full_random"}

@@ -25,7 +25,7 @@ def _compose(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path):
     from dflash_lab.train import train
 
@@ -51,6 +51,7 @@ def test_hf_target_on_cpu_announces_slow_steps_and_reports_tau_progress(tmp_path
         assert "over 3/3 prompts in" in log
 
 
+@pytest.mark.integration
 def test_cpu_step_prediction_grows_with_the_draft_objective():
     """The floor on the CPU step time scales with the step's FLOPs: the GPU recipe's objective (block 16, up to 512
     anchors, 5 layers) predicts a slower step than the CPU preset's, for the same target and data."""
@@ -74,6 +75,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
     assert times["recipe"] > 3 * times["cpu"] > 0
 
 
+@pytest.mark.integration
 def test_a_run_whose_data_is_mostly_cut_is_refused_naming_the_keys(tmp_path):
     """More than data.max_truncated_fraction of the samples cut to data.max_length: refused before training, with
     the keys and the fix; accepted with the threshold raised, and the count is in summary.json."""
@@ -112,6 +114,7 @@ def test_probe_bands_auto_follow_the_data_and_keep_the_builtin_corpus_bands():
     assert not probes.empty_bands
 
 
+@pytest.mark.integration
 def test_bucket_boundaries_auto_fit_your_lengths_and_keep_the_builtin_corpus_preset(tmp_path):
     """sampler.boundaries=auto (the default): a chat file's buckets are fitted to its own lengths (6 buckets,
     optimal), not the built-in corpus's preset, and the run records them; the built-in corpus keeps its preset."""
@@ -132,7 +135,7 @@ def test_bucket_boundaries_auto_fit_your_lengths_and_keep_the_builtin_corpus_pre
     assert builtin["boundaries"] == "cpu"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_tool_calling_chat_file_trains_on_a_qwen3_template_with_tools_and_nothing_skipped(tmp_path):
     """OpenAI-schema tool calls (a tools list, null content beside calls, tool turns) on a local Qwen3 whose
     template renders tools: the run trains with no line skipped and no sample cut."""
@@ -154,6 +157,7 @@ def test_a_tool_calling_chat_file_trains_on_a_qwen3_template_with_tools_and_noth
     assert summary["data_skipped"] == dict.fromkeys(SKIP_REASONS, 0) and summary["data_truncated"] == 0
 
 
+@pytest.mark.integration
 def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small():
     """The recipe's anchors (anchor_density null: up to 512 per document) on a CPU warn with the prediction and the
     preset whatever the threshold; a CPU-sized objective below the threshold gets one info line."""
@@ -189,7 +193,7 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
     assert "predicted >=" in info.getMessage() and "hf_cpu" not in info.getMessage()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_command(tmp_path):
     """sweeps/forgetting_protocol.yaml on a chat JSONL and a local Qwen3 (tiny: 2 seeds, a few steps): one multirun
     command trains the four arms (the random-key negative control among them), records the protocol at launch,

@@ -84,7 +84,7 @@ def _check_configs(bin_dir: Path, cwd: Path) -> None:
     assert "experiment: mine" in job and "- 128" in job and "name: bucketed" in job
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path):
     source = _copy_sources(tmp_path / "src")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
@@ -126,7 +126,7 @@ def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path)
         assert "usage" in _run([bin_dir / "dflash-export", "--help"], work).stdout.lower()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_editable_install_reads_the_checkout_configs(tmp_path):
     source = _copy_sources(tmp_path / "src")
     bin_dir = _venv(tmp_path / "venv")
@@ -137,6 +137,7 @@ def test_editable_install_reads_the_checkout_configs(tmp_path):
     _check_configs(bin_dir, work)
 
 
+@pytest.mark.integration
 def test_checkout_on_pythonpath_runs_from_any_directory(tmp_path):
     # What the test suite itself relies on: PYTHONPATH=<checkout>, any working directory.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

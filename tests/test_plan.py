@@ -91,6 +91,7 @@ def test_sampler_configs_share_the_budget():
         sampler_configs(chosen, ["nope"])
 
 
+@pytest.mark.integration
 def test_plan_cli_writes_table(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dflash_lab.plan", "data=lengths", "data.workload=cpu", "data.num_samples=20000",
@@ -188,6 +189,7 @@ def test_bad_plan_input_names_the_key(plan_cfg, key, value, match):
         run_plan(with_override(plan_cfg, key, value))
 
 
+@pytest.mark.integration
 def test_plan_refuses_bad_input_from_the_command_line(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dflash_lab.plan", "data=lengths", "+data.path=/data/chat.jsonl",
@@ -256,7 +258,7 @@ def test_no_qualifying_policy_is_said_with_each_reason_and_the_fix():
     assert "Relax the recommend.* floors" in advice["line"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(tmp_path):
     """cost=seed prices steps by FLOPs at the MFU calibrated on the seed's bucketed 25.1 Ktok/s (recipe anchors, the
     block budget that fits 96 GB), on the seed workload at its full 800K documents: the median-step Ktok/s of a

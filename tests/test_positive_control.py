@@ -19,6 +19,8 @@ from dflash_lab.analysis.local import load_local_run
 from dflash_lab.analysis.summarize import analyse_run
 from dflash_lab.train import train
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 ABLATION = [  # sweeps/forgetting_ablation.yaml, fewer steps and probes
     "data.band_skills=aligned", "data.num_samples=1000", "trainer.lr=3e-3", "trainer.epochs=10",
     "trainer.max_steps=240", "trainer.measure_tau=false", "trainer.ckpt_every=0", "trainer.num_threads=1",
@@ -34,7 +36,6 @@ def _run(tmp_path: Path, sampler: str) -> dict:
     return analyse_run(load_local_run(run_dir)).row
 
 
-@pytest.mark.slow
 def test_bucket_sequential_shows_the_forgetting_signature_full_random_does_not(tmp_path):
     curriculum, shuffled = _run(tmp_path, "bucket_sequential"), _run(tmp_path, "full_random")
     # bands take turns: each band's loss moves against the others' far more than under shuffling

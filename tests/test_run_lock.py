@@ -64,7 +64,7 @@ def _holder_pid(run_dir: Path) -> int | None:
         return None
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_double_start_is_refused_in_either_order_and_the_first_run_is_unharmed(tmp_path):
     long_run = ("trainer.epochs=40", "trainer.max_steps=600", "probes.every=50")   # outlasts a second launch
     reference = tmp_path / "reference"
@@ -98,7 +98,7 @@ def test_a_double_start_is_refused_in_either_order_and_the_first_run_is_unharmed
     assert json.loads((shared / "summary.json").read_text())["status"] == "finished"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_log_line(tmp_path):
     run_dir = tmp_path / "run"
     victim = _launch(run_dir, "trainer.max_steps=400", "trainer.ckpt_every=5")
@@ -117,6 +117,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_log_line(tmp_path):
     assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
 
 
+@pytest.mark.integration
 def test_a_refused_launch_prints_the_message_alone_unless_hydra_full_error(tmp_path):
     """A refusal (here: resume=true in a directory without a checkpoint) prints one message naming the fix and
     exits 2; HYDRA_FULL_ERROR=1 shows the traceback instead."""

@@ -95,6 +95,7 @@ def test_step_batches_are_length_neighbours(name, cpu_lengths):
     assert np.median(step_spread) < 0.5 * np.median(random_spread)
 
 
+@pytest.mark.integration
 def test_same_plan_in_a_fresh_process(name, cpu_lengths, tmp_path):
     np.save(tmp_path / "l.npy", cpu_lengths)
     code = (

@@ -24,6 +24,8 @@ from dflash_lab import record
 from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 from dflash_lab.train import TrainHooks, train
 
+pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = [
@@ -346,7 +348,6 @@ def _cli(run_dir: Path, *overrides: str, **popen) -> list[str]:
     return [sys.executable, "-m", "dflash_lab.train", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
 
 
-@pytest.mark.slow
 def test_command_line_run_and_rerun_in_the_same_directory(tmp_path):
     run_dir = tmp_path / "cli"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -363,7 +364,6 @@ def test_command_line_run_and_rerun_in_the_same_directory(tmp_path):
     assert "step 5/5" in (run_dir / "train_rank0.log").read_text()  # no terminal: periodic log lines
 
 
-@pytest.mark.slow
 def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
     """Kill -9 at random points (mid-step, mid-checkpoint), damage the newest checkpoint, stale the pointer:
     the final weights equal an uninterrupted run's and no file holds a duplicate (step, key) row."""

@@ -125,6 +125,7 @@ WANDB_SETTINGS = {"kind": "wandb", "mode": "offline", "project": "dflash_lab_tes
                   "group": "tests", "job_type": "bucketed", "name": "unit", "tags": ["t"]}
 
 
+@pytest.mark.integration
 def test_wandb_offline_writes_files_and_same_metric_names(tmp_path):
     logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None, wandb_settings=WANDB_SETTINGS, config={"seed": 0},
                           run_id="unit01")

@@ -1,7 +1,7 @@
 """On-disk caches shared by datasets and the tiny target: a hashed key, a directory built once, atomically.
 
 Algorithm: ``build_once(path, build)`` returns at once when ``path`` exists. Otherwise it takes an exclusive
-``fcntl`` lock on ``path + ".lock"`` (so DDP ranks or parallel jobs wait for one builder instead of racing),
+lock on ``path + ".lock"`` (``filelock``) (so DDP ranks or parallel jobs wait for one builder instead of racing),
 checks again, lets ``build`` fill a private temporary directory next to ``path`` and renames it into place
 (``os.replace`` is atomic on one file system), so a reader never sees a half-written cache. Temporary
 directories of a builder that was killed are removed by the next builder of the same entry.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +20,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -59,14 +60,11 @@ def source_hash(*modules) -> str:
 
 @contextlib.contextmanager
 def file_lock(lock_path: Path):
-    """Exclusive advisory lock held for the ``with`` block (blocks until free)."""
+    """Exclusive lock held for the ``with`` block (blocks until free): ``filelock.FileLock``, an OS-level lock that
+    a killed holder releases with its process."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    with FileLock(lock_path):
+        yield
 
 
 def build_once(path: Path, build: Callable[[Path], None]) -> tuple[Path, bool]:

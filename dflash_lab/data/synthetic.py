@@ -49,7 +49,6 @@ from dflash_lab.data.lengths import reference_lengths
 from dflash_lab.sampling.boundaries import bucket_ids, validate_boundaries
 
 STYLE_BOUNDARIES = (160, 400)   # total-length thresholds between reply | explain | reason
-STYLES = ("reply", "explain", "reason")
 
 _REPLY_NOUNS = ("cat", "dog", "bird", "fish", "tree", "lamp", "book", "ship", "horse", "cloud")
 _REPLY_ADJS = ("red", "small", "happy", "quiet", "bright", "old", "soft", "tall")

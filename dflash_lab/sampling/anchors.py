@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-ANCHOR_RULES = ("recipe", "density")
-
 
 def anchor_rule_name(anchor_density: float | None) -> str:
     """``recipe`` (anchors_per_doc per document, every position when fewer) or ``density``.
