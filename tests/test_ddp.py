@@ -151,7 +151,8 @@ def _run(out: Path, overrides: list[str], nproc: int, timeout: int = 300, plan_w
 
     ranks = [torch.load(out / f"harness_rank{r}.pt", weights_only=False) for r in range(nproc)]
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    return {"ranks": ranks, "metrics": metrics, "summary": json.loads((out / "run" / "summary.json").read_text())}
+    return {"ranks": ranks, "metrics": metrics, "summary": json.loads((out / "run" / "summary.json").read_text()),
+            "run_dir": out / "run"}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,8 @@ def one_rank_same_global_batches(tmp_path_factory):
 def test_ranks_see_disjoint_batches_and_the_same_number_of_steps(two_ranks):
     assert two_ranks["summary"]["world_size"] == 2 and two_ranks["summary"]["steps"] == STEPS
     assert [r["summary"]["steps"] for r in two_ranks["ranks"]] == [STEPS, STEPS]
+    for rank in (0, 1):   # every rank logs to its own text log; rank 0 alone writes the run files
+        assert (two_ranks["run_dir"] / f"train_rank{rank}.log").is_file()
     rank0, rank1 = (r["batches"] for r in two_ranks["ranks"])
     assert len(rank0) == len(rank1) == STEPS  # grad_accum=1: one batch per rank per step
     for step, (b0, b1) in enumerate(zip(rank0, rank1), start=1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -366,7 +367,11 @@ def test_command_line_run_and_rerun_in_the_same_directory(tmp_path):
 
 def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
     """Kill -9 at random points (mid-step, mid-checkpoint), damage the newest checkpoint, stale the pointer:
-    the final weights equal an uninterrupted run's and no file holds a duplicate (step, key) row."""
+    the final weights equal an uninterrupted run's and no file holds a duplicate (step, key) row.
+
+    The first kill lands past the step-6 checkpoint: metrics.jsonl is appended and flushed every step, so it then
+    holds rows 1..N with N at least the last step the log reported, rows after the checkpoint included, and the
+    next launch says how many rows it trimmed back to the checkpoint."""
     import random
     import signal
     import time
@@ -383,7 +388,7 @@ def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
     checkpoints = run_dir / "checkpoints"
     for attempt in range(5):
         rows_now = len(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
-        target = rows_now + rng.randint(2, 7)
+        target = 8 if attempt == 0 else rows_now + rng.randint(2, 7)
         proc = subprocess.Popen(_cli(run_dir, *common), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         deadline = time.time() + 300
@@ -394,7 +399,18 @@ def test_kill_minus_nine_campaign_ends_equal_to_an_uninterrupted_run(tmp_path):
                 proc.send_signal(signal.SIGKILL)
                 break
             time.sleep(0.02)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == -signal.SIGKILL, f"attempt {attempt}: the run ended before it was killed"
+        if attempt == 0:   # every logged row reached the disk, the ones after the last checkpoint too
+            steps = [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")]
+            logged = [int(m) for m in re.findall(r"\] step (\d+)/40 ", (run_dir / "train_rank0.log").read_text())]
+            first_checkpoint = json.loads((checkpoints / "last.json").read_text())["step"]
+            assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= logged[-1] >= 8
+            assert steps[-1] > first_checkpoint
+            first_rows = steps[-1]
+        if attempt == 1:   # the relaunch trimmed the rows logged after the checkpoint, and said so
+            log = (run_dir / "train_rank0.log").read_text()
+            assert (f"resume: removed {first_rows - first_checkpoint} metric and" in log
+                    and f"logged after step {first_checkpoint}" in log), log[-3000:]
         if attempt == 2 and checkpoints.is_dir():  # the newest checkpoint is found truncated on disk
             newest = max(checkpoints.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
             newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
