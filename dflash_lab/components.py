@@ -172,9 +172,14 @@ class Components:
                 "target_digest": self.model.target_digest, "target_seed": target_seed_of(settings.config)}
 
     def data_counts(self) -> dict[str, Any]:
-        """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""
+        """Lines the data loader skipped (by reason), samples it cut to ``data.max_length`` and, for data=jsonl,
+        what the chat template left out of kept lines (``data_notes``, e.g. ``reasoning_not_rendered`` turns)."""
         stats = self.train_ds.stats
-        return {"data_skipped": dict(stats.get("skipped", {})), "data_truncated": int(stats.get("truncated", 0) or 0)}
+        counts = {"data_skipped": dict(stats.get("skipped", {})),
+                  "data_truncated": int(stats.get("truncated", 0) or 0)}
+        if "notes" in stats:
+            counts["data_notes"] = dict(stats["notes"])
+        return counts
 
 
 def target_seed_of(config: Mapping) -> int | None:
@@ -237,5 +242,12 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     if counts["data_truncated"]:
         log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
                     f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "
-                    f"raise data.max_length to keep them whole")
+                    f"raise data.max_length to keep them whole"
+                    + (f" (data.max_length={train_ds.stats['length_keeping_99pct']} keeps 99% of the lines whole)"
+                       if train_ds.stats.get("length_keeping_99pct") else ""))
+    if counts.get("data_notes", {}).get("reasoning_not_rendered"):
+        log.warning(f"data: the chat template leaves out the reasoning_content of "
+                    f"{counts['data_notes']['reasoning_not_rendered']} assistant turn(s) of kept lines (Qwen3's writes "
+                    f"reasoning only after the last user turn, as at inference): they train without it "
+                    f"(summary.json 'data_notes')")
     return components
