@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dflash_lab import dist, record
+from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.probes import resolve_bands
@@ -236,6 +237,10 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
+    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step,
+                                  probes_every=probes.every, n_bands=len(probes.bands) - 1)
+    if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
+        log.warning(short)
     counts = components.data_counts()
     if any(counts["data_skipped"].values()):
         log.warning(f"data: skipped lines by reason {counts['data_skipped']} (summary.json 'data_skipped')")

@@ -319,8 +319,8 @@ class JsonlReport:
         keeping = self.length_keeping()
         if keeping is None or max(self.rendered_lengths) <= max_length:
             return ""
-        return (f"data.max_length={keeping} keeps {WHOLE_SHARE:.0%} of the rendered lines whole (now "
-                f"data.max_length={max_length}; the longest line is {max(self.rendered_lengths)} tokens)")
+        return (f"data.max_length={keeping} keeps {WHOLE_SHARE:.0%} of the rendered lines whole (now {max_length}, "
+                f"the longest line {max(self.rendered_lengths)} tokens)")
 
     def as_dict(self) -> dict:
         """Plain summary stored in the cache metadata (``skipped`` has every reason, zeros included)."""
@@ -439,11 +439,9 @@ def bad_lines_fix(report: JsonlReport, max_length: int) -> str:
     """The fix named when too many lines are skipped: raise ``data.max_length`` (to the length that keeps
     :data:`WHOLE_SHARE` of the lines whole) first when ``too_long`` lines are among them; fix the file (or set
     data.chat_template for template errors and tool-calling data); or raise data.max_bad_fraction."""
-    fixes = []
-    if report.skipped["too_long"]:
-        advice = report.length_advice(max_length)
-        fixes.append(f"raise data.max_length for the too_long lines ({advice})" if advice
-                     else "raise data.max_length for the too_long lines")
-    fixes.append("fix the file (or set data.chat_template for template errors and tool-calling data)")
-    fixes.append("raise data.max_bad_fraction")
-    return ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    fix = ("fix the file (or set data.chat_template for template errors and tool-calling data) or raise "
+           "data.max_bad_fraction")
+    if not report.skipped["too_long"]:
+        return fix
+    advice = report.length_advice(max_length)
+    return "raise data.max_length for the too_long lines" + (f": {advice}" if advice else "") + "; or " + fix
