@@ -76,7 +76,7 @@ def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, 
     Example:
         >>> section = {"verdict": {"endpoint": "residual_amplitude"}, "window": 0.25}
         >>> print(verdict_probe_warning(section, end_step=40, probes_every=15, n_bands=6))  # doctest: +ELLIPSIS
-        analysis: this run probes 3 times in the analysis window (steps 11..40 of 40, probes.every=15): ...
+        analysis: this run probes 3 time(s) in the analysis window (steps 11..40 of 40, probes.every=15): ...
         >>> verdict_probe_warning(section, end_step=390, probes_every=15, n_bands=6) is None
         True
     """
@@ -95,14 +95,15 @@ def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, 
     need = max(short.values())
     every = next((e for e in range(max(probes_every, 1), 0, -1) if window_probe_evals(end_step, e, start) >= need),
                  None)
-    role = f" ({verdict['endpoint']} is the verdict's endpoint)" if verdict.get("endpoint") in short else ""
+    role = (f", and the verdict with it ({verdict['endpoint']} is its endpoint)" if verdict.get("endpoint") in short
+            else "")
     fix = (f"set probes.every={every} or less (or train more steps)" if every is not None else
            f"the run is too short for {need} probes after step {start - 1}: train more steps (trainer.max_steps, "
            f"trainer.epochs)")
-    return (f"analysis: this run probes {evals} times in the analysis window (steps {start}..{end_step} of "
+    return (f"analysis: this run probes {evals} time(s) in the analysis window (steps {start}..{end_step} of "
             f"{end_step}, probes.every={probes_every}): "
             + ", ".join(f"{name} needs {n}" for name, n in short.items())
-            + f", so they will be NaN in compare{role} and so will the verdict on them: {fix}")
+            + f"; compare will report NaN for {'it' if len(short) == 1 else 'them'}{role}: {fix}")
 
 
 def tau_prompt_warning(found: int, wanted: int, heldout: int) -> str | None:
