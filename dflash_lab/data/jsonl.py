@@ -15,7 +15,11 @@ Schema of one line (one JSON object)::
 
 A call's ``arguments`` may be OpenAI's JSON string or HF's dict; strings are parsed into dicts, as HF's chat
 templating docs ask (Qwen3's template writes ``arguments | tojson``). A flat ``{"name", "arguments"}`` call and the
-legacy ``function_call`` key (one call) are accepted too; ``tools`` may also be a JSON string of that list.
+legacy ``function_call`` key (one call) are accepted too; ``tools`` may also be a JSON string of that list. A
+``content`` may be OpenAI's list of parts (text parts joined by a newline, :func:`turn_content`), a tool turn's
+content any JSON value (JSON-encoded); an assistant turn's ``reasoning_content`` goes to the template (trained with
+the turn where the template writes it; ``tokenizer`` module docstring). A tool turn must answer a call
+(:func:`check_tool_results`).
 
 Algorithm: read the file line by line as bytes; decode each non-empty line as UTF-8, parse it as one
 conversation, normalise roles and tool calls, render it with the target's chat template
@@ -35,9 +39,15 @@ under one reason (:data:`SKIP_REASONS`):
     template_lacks_tools  the conversation uses tools and the template cannot render them: it raises, or drops a
                           call, a tool response or the tools list (the byte tokenizer of ``model=tiny`` always);
                           never trained on a text with its calls dropped
+    non_text_content      a content part that is not text (image, audio, file)
+    tool_result_without_call  a tool turn that follows no assistant turn with tool calls
+    tool_call_id_unmatched    a tool turn's ``tool_call_id`` is none of the ids of the calls it answers
+    template_lacks_reasoning  the line has ``reasoning_content`` and the template renders none
 
 More than ``max_bad_fraction`` of skipped lines is an error naming the file, the commonest reason with an
-example line and its message, and the config key.
+example line and its message, and the fix (with ``too_long`` lines: the ``data.max_length`` that keeps 99% of the
+rendered lines whole). Every skipped line (number, reason, message) is kept in the report
+(``JsonlReport.skipped_lines``): the cache entry's ``skipped_lines.jsonl``, the run's ``data_skipped.jsonl``.
 
 Cost: one pass over the file, O(characters), plus the tokenizer.
 """
