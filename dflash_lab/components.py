@@ -243,7 +243,11 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         log.warning(short)
     counts = components.data_counts()
     if any(counts["data_skipped"].values()):
-        log.warning(f"data: skipped lines by reason {counts['data_skipped']} (summary.json 'data_skipped')")
+        skipped = {reason: n for reason, n in counts["data_skipped"].items() if n}
+        keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
+        log.warning(f"data: skipped lines by reason {skipped} (summary.json 'data_skipped')"
+                    + (f"; data.max_length={keeping} keeps 99% of the lines whole (now {max_length})"
+                       if skipped.get("too_long") and keeping and max_length and keeping > max_length else ""))
     if counts["data_truncated"]:
         log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
                     f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "

@@ -41,7 +41,8 @@ def test_a_run_lists_its_skipped_lines_and_warns_before_step_one(tmp_path):
 
     from dflash_lab.train import train
 
-    data = write_jsonl(tmp_path / "chat.jsonl", _chats(60, BAD))
+    too_long = {"messages": [{"role": "user", "content": "why? " * 220}, {"role": "assistant", "content": "ok."}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", _chats(60, {**BAD, 44: too_long}))
     run_dir = tmp_path / "run"
     with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
@@ -52,10 +53,11 @@ def test_a_run_lists_its_skipped_lines_and_warns_before_step_one(tmp_path):
     assert summary["status"] == "finished"
     rows = [json.loads(line) for line in (run_dir / "data_skipped.jsonl").read_text().splitlines()]
     assert [(row["line"], row["reason"]) for row in rows] == [
-        (5, "malformed_json"), (18, "no_assistant_turn"), (31, "tool_result_without_call")]
+        (5, "malformed_json"), (18, "no_assistant_turn"), (31, "tool_result_without_call"), (45, "too_long")]
     assert summary["data_skipped"]["tool_result_without_call"] == 1
     log = (run_dir / "train_rank0.log").read_text()
-    assert f"the 3 skipped line(s) of data.path, with their line numbers, reasons and messages: {run_dir}" in log
+    assert f"the 4 skipped line(s) of data.path, with their line numbers, reasons and messages: {run_dir}" in log
+    assert "keeps 99% of the lines whole (now 1024)" in log   # the too_long line: the length that keeps it
     first_step = log.index("running steps 0..4")   # the warnings come before the loop starts
     verdict = log.index("analysis: this run probes 1 time(s) in the analysis window (steps 2..4 of 4")
     assert verdict < first_step and "residual_amplitude needs 8" in log
