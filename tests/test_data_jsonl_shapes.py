@@ -78,9 +78,16 @@ def test_a_template_that_renders_no_reasoning_is_a_named_skip(tmp_path, tokenize
 
 
 def test_the_byte_tokenizer_trains_reasoning_in_qwen3s_form(tmp_path):
-    ds = _build(tmp_path, ByteTokenizer(), [REASONING], template=None, max_bad_fraction=0.0)
-    sample = ds[0]
-    assert ByteTokenizer().decode(sample["input_ids"][sample["loss_mask"]]) == "<think>\nadd two and two\n</think>\n\n4"
+    """model=tiny writes the reasoning as Qwen3 does; vLLM's newer ``reasoning`` key is read the same way, and two
+    different reasonings on one turn are refused."""
+    as_vllm = json.loads(json.dumps(REASONING).replace('"reasoning_content"', '"reasoning"'))
+    both = json.loads(json.dumps(REASONING))
+    both["messages"][1]["reasoning"] = "something else"
+    ds = _build(tmp_path, ByteTokenizer(), [REASONING, as_vllm, both], template=None, max_bad_fraction=0.5)
+    assert ds.stats["skipped"] == _skipped(malformed_json=1) and len(ds) == 2
+    for sample in (ds[0], ds[1]):
+        assert (ByteTokenizer().decode(sample["input_ids"][sample["loss_mask"]])
+                == "<think>\nadd two and two\n</think>\n\n4")
 
 
 # ---- content parts, tool results as objects -----------------------------------------------------------------------

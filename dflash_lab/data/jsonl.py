@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,17 +229,24 @@ def turn_content(content, role: str, content_key: str = "content"):
 
 
 def turn_reasoning(turn: dict, role: str) -> str | None:
-    """An assistant turn's ``reasoning_content`` (the key Qwen3's chat template and vLLM's reasoning parsers use),
-    or None when it has none (absent, null or empty).
+    """An assistant turn's ``reasoning_content`` (the key Qwen3's chat template reads), or its ``reasoning`` (what
+    newer vLLM servers write) when it has no ``reasoning_content``; None when it has none (absent, null or empty).
 
     Raises:
-        UnusableLine: ``malformed_json`` for reasoning that is not a string, or reasoning on another role's turn.
+        UnusableLine: ``malformed_json`` for reasoning that is not a string, both keys with different texts, or
+            reasoning on another role's turn.
 
     Example:
         >>> turn_reasoning({"role": "assistant", "content": "4", "reasoning_content": "2+2 is 4"}, "assistant")
         '2+2 is 4'
+        >>> turn_reasoning({"role": "assistant", "content": "4", "reasoning": "2+2 is 4"}, "assistant")
+        '2+2 is 4'
     """
-    reasoning = turn.get("reasoning_content")
+    reasoning, alias = turn.get("reasoning_content"), turn.get("reasoning")
+    if reasoning in (None, ""):
+        reasoning = alias
+    elif alias not in (None, "", reasoning):
+        raise UnusableLine("malformed_json", "reasoning_content and reasoning differ: keep one of them")
     if reasoning is None or reasoning == "":
         return None
     if not isinstance(reasoning, str):
@@ -299,7 +307,7 @@ class JsonlReport:
         self.examples: dict[str, list[tuple[int, str]]] = {}
         self.skipped_lines: list[tuple[int, str, str]] = []
         self.notes: Counter[str] = Counter()
-        self.rendered_lengths: list[int] = []
+        self.rendered_lengths = array("q")   # 8 bytes a line: a file of 10M lines costs 80 MB here
 
     def skip(self, line_number: int, reason: str, message: str) -> None:
         """Count line ``line_number`` (1-based) as skipped for ``reason``; keep the first few as examples."""
