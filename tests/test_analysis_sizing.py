@@ -8,7 +8,10 @@ import pandas as pd
 import pytest
 
 from dflash_lab.analysis.sizing import (
-    tau_prompt_warning, verdict_probe_warning, window_probe_evals, window_start_step,
+    tau_prompt_warning,
+    verdict_probe_warning,
+    window_probe_evals,
+    window_start_step,
 )
 from dflash_lab.analysis.summarize import _window_start_index
 from dflash_lab.metrics import forgetting

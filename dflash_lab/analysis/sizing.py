@@ -51,7 +51,7 @@ def window_start_step(end_step: int, window: float | str | None) -> int:
         window = RULES[RULES_VERSION]["window"]
     if window == "steady":
         return max(1, math.ceil(STEADY_MIN_FRAC * end_step))
-    return int(math.floor(float(window) * end_step)) + 1
+    return math.floor(float(window) * end_step) + 1
 
 
 def window_probe_evals(end_step: int, every: int, start_step: int) -> int:

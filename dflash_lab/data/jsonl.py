@@ -61,7 +61,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_lab.data.tokenizer import TemplateLacksReasoning, TemplateLacksTools, normalise_role, tool_name
+from dflash_lab.data.tokenizer import (
+    TemplateLacksReasoning,
+    TemplateLacksTools,
+    normalise_role,
+    tool_name,
+)
 
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long",
                 "bad_tool_arguments", "template_lacks_tools", "non_text_content", "tool_result_without_call",
