@@ -242,18 +242,17 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
         log.warning(short)
     counts = components.data_counts()
+    keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
     if any(counts["data_skipped"].values()):
         skipped = {reason: n for reason, n in counts["data_skipped"].items() if n}
-        keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
         log.warning(f"data: skipped lines by reason {skipped} (summary.json 'data_skipped')"
                     + (f"; data.max_length={keeping} keeps 99% of the lines whole (now {max_length})"
                        if skipped.get("too_long") and keeping and max_length and keeping > max_length else ""))
     if counts["data_truncated"]:
         log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
-                    f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "
-                    f"raise data.max_length to keep them whole"
-                    + (f" (data.max_length={train_ds.stats['length_keeping_99pct']} keeps 99% of the lines whole)"
-                       if train_ds.stats.get("length_keeping_99pct") else ""))
+                    f"data.max_length={max_length} tokens (summary.json 'data_truncated'); raise data.max_length to "
+                    f"keep them whole" + (f" (data.max_length={keeping} keeps 99% of the lines whole)"
+                                          if keeping and max_length and keeping > max_length else ""))
     if counts.get("data_notes", {}).get("reasoning_not_rendered"):
         log.warning(f"data: the chat template leaves out the reasoning_content of "
                     f"{counts['data_notes']['reasoning_not_rendered']} assistant turn(s) of kept lines (Qwen3's writes "
