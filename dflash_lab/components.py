@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dflash_lab import dist, record
+from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.probes import resolve_bands
@@ -171,9 +172,14 @@ class Components:
                 "target_digest": self.model.target_digest, "target_seed": target_seed_of(settings.config)}
 
     def data_counts(self) -> dict[str, Any]:
-        """Lines the data loader skipped (by reason) and samples it cut to ``data.max_length``."""
+        """Lines the data loader skipped (by reason), samples it cut to ``data.max_length`` and, for data=jsonl,
+        what the chat template left out of kept lines (``data_notes``, e.g. ``reasoning_not_rendered`` turns)."""
         stats = self.train_ds.stats
-        return {"data_skipped": dict(stats.get("skipped", {})), "data_truncated": int(stats.get("truncated", 0) or 0)}
+        counts = {"data_skipped": dict(stats.get("skipped", {})),
+                  "data_truncated": int(stats.get("truncated", 0) or 0)}
+        if "notes" in stats:
+            counts["data_notes"] = dict(stats["notes"])
+        return counts
 
 
 def target_seed_of(config: Mapping) -> int | None:
@@ -232,11 +238,25 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
+    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step,
+                                  probes_every=probes.every, n_bands=len(probes.bands) - 1)
+    if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
+        log.warning(short)
     counts = components.data_counts()
+    keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
     if any(counts["data_skipped"].values()):
-        log.warning(f"data: skipped lines by reason {counts['data_skipped']} (summary.json 'data_skipped')")
+        skipped = {reason: n for reason, n in counts["data_skipped"].items() if n}
+        log.warning(f"data: skipped lines by reason {skipped} (summary.json 'data_skipped')"
+                    + (f"; data.max_length={keeping} keeps 99% of the lines whole (now {max_length})"
+                       if skipped.get("too_long") and keeping and max_length and keeping > max_length else ""))
     if counts["data_truncated"]:
         log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
-                    f"data.max_length={config['data'].get('max_length')} tokens (summary.json 'data_truncated'); "
-                    f"raise data.max_length to keep them whole")
+                    f"data.max_length={max_length} tokens (summary.json 'data_truncated'); raise data.max_length to "
+                    f"keep them whole" + (f" (data.max_length={keeping} keeps 99% of the lines whole)"
+                                          if keeping and max_length and keeping > max_length else ""))
+    if counts.get("data_notes", {}).get("reasoning_not_rendered"):
+        log.warning(f"data: the chat template leaves out the reasoning_content of "
+                    f"{counts['data_notes']['reasoning_not_rendered']} assistant turn(s) of kept lines (Qwen3's writes "
+                    f"reasoning only after the last user turn, as at inference): they train without it "
+                    f"(summary.json 'data_notes')")
     return components

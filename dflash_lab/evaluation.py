@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dflash_lab import record
+from dflash_lab.analysis.sizing import tau_prompt_warning
 from dflash_lab.metrics.draft_quality import acceptance_length_tau
 from dflash_lab.model import measure_acceptance
 from dflash_lab.model.decoding import banded_prompts
@@ -69,6 +70,9 @@ class Evaluation:
             max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
         self.num_bands = len(probes.bands) - 1
         self.new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
+        short = tau_prompt_warning(len(self.prompts), int(model_cfg.get("decode_num_prompts", 16)), len(heldout_ds))
+        if short and is_main:
+            log.warning(short)
 
     def after_step(self, step: int, end_step: int) -> None:
         """What the schedule asks after ``step``: probes every ``probes.every`` steps, tau every ``tau_every``

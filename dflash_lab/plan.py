@@ -29,6 +29,8 @@ time); ETA = epochs x steps per epoch x mean step time.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -47,6 +49,7 @@ from .sampling import (
 from .sampling.anchors import anchor_rule_name, block_tokens_per_sample, valid_positions_from_lengths
 from .sampling.stats import batch_block_tokens, plan_padding, plan_stats, supervision_shares
 
+REFUSED_EXIT_CODE = 2   # bad input or data: the one-line message names the fix (as dflash_lab.train's refusals)
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data (dflash_lab.conf), in a checkout and a wheel
 PLAN_CONF_DIR = Path(__file__).resolve().parent / "conf_plan"  # groups only the planner uses (cost, data=lengths)
 # Keys that describe the budget rather than the policy: the chosen sampler's values apply to every policy compared.
@@ -570,9 +573,17 @@ def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | Non
 
 def load_plan_data(data_cfg: Mapping[str, Any],
                    model_cfg: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sample lengths and valid anchor positions for planning (``load_plan_inputs`` without the data's counts)."""
+    lengths, valid, _counts = load_plan_inputs(data_cfg, model_cfg)
+    return lengths, valid
+
+
+def load_plan_inputs(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
     """Sample lengths and valid anchor positions for planning: a reference workload (``kind: lengths``: every
     token supervised, ``sampling.anchors.valid_positions_from_lengths``) or a dataset's cached arrays (its own
-    loss masks, ``TokenizedDataset.anchor_positions``).
+    loss masks, ``TokenizedDataset.anchor_positions``); and a dataset's counts (:func:`data_counts`; None for a
+    reference workload).
 
     Raises:
         ValueError: an unknown data kind, a key the kind does not use (e.g. ``data.path`` with ``kind: lengths``),
@@ -589,7 +600,7 @@ def load_plan_data(data_cfg: Mapping[str, Any],
         num_samples = as_int("data.num_samples", data_cfg["num_samples"], minimum=1, example=800000)
         seed = as_int("data.seed", data_cfg.get("seed", 0), minimum=0)
         lengths = validate_lengths(reference_lengths(workload, num_samples, seed=seed))
-        return lengths, valid_positions_from_lengths(lengths)
+        return lengths, valid_positions_from_lengths(lengths), None
     from .data import build_dataset
     from .data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 
@@ -601,8 +612,54 @@ def load_plan_data(data_cfg: Mapping[str, Any],
         tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(model_cfg["target_path"]))
     else:
         tokenizer = ByteTokenizer()
-    train, _ = build_dataset(kind, tokenizer=tokenizer, **data_cfg).split()
-    return validate_lengths(train.lengths), train.anchor_positions()
+    dataset = build_dataset(kind, tokenizer=tokenizer, **data_cfg)
+    train, _ = dataset.split()
+    return validate_lengths(train.lengths), train.anchor_positions(), data_counts(dataset, data_cfg)
+
+
+def data_counts(dataset, data_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the data loader kept, skipped and cut, for the plan (``plan.json`` meta ``data``; the printed
+    plan's ``data:`` line): kept samples, skipped lines per reason (nonzero ones), samples cut to
+    ``data.max_length``, and where the skipped lines are listed. None for data that skips and cuts nothing
+    (the synthetic corpus)."""
+    stats = dataset.stats
+    if "kept" not in stats:
+        return None
+    counts = {"kept": int(stats["kept"]), "total_lines": stats.get("total_lines"),
+              "skipped": {reason: int(n) for reason, n in stats.get("skipped", {}).items() if n},
+              "truncated": int(stats.get("truncated") or 0), "max_length": data_cfg.get("max_length"),
+              "length_keeping_99pct": stats.get("length_keeping_99pct")}
+    if counts["skipped"] and dataset.meta.get("directory"):
+        from .data.datasets import SKIPPED_LINES_FILE
+
+        counts["skipped_lines_file"] = str(Path(dataset.meta["directory"]) / SKIPPED_LINES_FILE)
+    return counts
+
+
+def describe_data_counts(counts: dict[str, Any] | None) -> str:
+    """The plan's ``data:`` line: kept, skipped (by reason, and where every line is listed), cut ("" for none).
+
+    Example:
+        >>> print(describe_data_counts({"kept": 57, "total_lines": 60, "skipped": {"too_long": 3}, "truncated": 2,
+        ...                             "max_length": 1024, "length_keeping_99pct": 2900}))
+        data: 57 of 60 lines kept; skipped: too_long 3; 2 cut to data.max_length=1024 (data.max_length=2900 keeps 99% of the lines whole)
+    """
+    if counts is None:
+        return ""
+    total = counts.get("total_lines")
+    line = f"data: {counts['kept']:,} of {total:,} lines kept" if total else f"data: {counts['kept']:,} samples"
+    if counts["skipped"]:
+        line += "; skipped: " + ", ".join(f"{reason} {n:,}" for reason, n in counts["skipped"].items())
+        if counts.get("skipped_lines_file"):
+            line += f" (every skipped line: {counts['skipped_lines_file']})"
+    else:
+        line += "; none skipped"
+    if counts["truncated"]:
+        line += f"; {counts['truncated']:,} cut to data.max_length={counts['max_length']}"
+        keeping = counts.get("length_keeping_99pct")
+        if keeping and counts.get("max_length") and keeping > counts["max_length"]:
+            line += f" (data.max_length={keeping} keeps 99% of the lines whole)"
+    return line
 
 
 # ---- what a person reads: the narrow table, its legend, the recommendation (plan.csv keeps every column) -----------
@@ -922,7 +979,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
-    lengths, valid = load_plan_data(cfg["data"], cfg.get("model"))
+    lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
 
     out_dir = Path(cfg["out_dir"])
@@ -937,7 +994,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
             "epochs": epochs, "world_size": world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
             "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
-            "cost_warning": cost_warning}
+            "cost_warning": cost_warning, "data": counts}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
@@ -945,6 +1002,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     readable = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
         f"{epochs:g} epochs; {describe_cost(cost)}\n"
+        + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(cfg.get("model"), block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
@@ -1051,7 +1109,13 @@ def main() -> None:
 
     @hydra.main(config_path="pkg://dflash_lab.conf", config_name="plan", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
-        run_plan(OmegaConf.to_container(cfg, resolve=True))
+        try:
+            run_plan(OmegaConf.to_container(cfg, resolve=True))
+        except (ValueError, FileNotFoundError) as exc:   # bad input or data: one line naming the fix, as training
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"dflash_lab.plan: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+            raise SystemExit(REFUSED_EXIT_CODE) from None
 
     _app()
 

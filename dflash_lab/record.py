@@ -59,6 +59,7 @@ OVERRIDES_FILE = ".hydra/overrides.yaml"
 CHECKPOINT_DIR = "checkpoints"
 WANDB_ID_FILE = "wandb_run_id.txt"
 WANDB_DIR = "wandb"
+DATA_SKIPPED_FILE = "data_skipped.jsonl"   # data=jsonl: every skipped line {line, reason, message} (run_records.py)
 RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE, TAU_FILE)
 """The files analysis reads (and that are attached to the W&B run at the end)."""
 

@@ -1,7 +1,8 @@
 """What a run writes to its directory and shows while it runs, one object each:
 
 - :class:`RunRecords`: metric and probe rows (``RunLogger``: JSONL, W&B), presentations (one row per example
-  seen, ``presentations.parquet``) and ``summary.json``, built from all of them by ``record.build_summary``;
+  seen, ``presentations.parquet``) and ``summary.json``, built from all of them by ``record.build_summary``; with
+  data=jsonl, the lines the loader skipped (``data_skipped.jsonl``);
 - :class:`Checkpointer`: the full state a restart needs (draft weights, optimizer, LR schedule, sampler position,
   anchor RNG, position and totals, the resolved config and its ``.hydra`` files, the data digest, the W&B run id);
 - :class:`StepClock`: a step's time, the ETA, and the progress bar or log lines;
@@ -13,7 +14,9 @@ The files, their columns and the step numbering are defined in :mod:`dflash_lab.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +73,7 @@ class RunRecords:
                                     problem)
             if recording:
                 presentations.warm_up()
+            write_data_skipped(directory.path, parts.train_ds, log)
         return cls(logger, presentations if recording else None, plan=parts.plan,
                    identity=parts.identity(settings, env.world_size),
                    data_counts=parts.data_counts(), ledger=ledger,
@@ -97,6 +101,23 @@ class RunRecords:
                                        extra={**self.data_counts, **extra}, times=self.ledger.split())
         self.logger.write_summary(summary)
         return summary
+
+
+def write_data_skipped(run_dir: Path, dataset, log: logging.Logger) -> Path | None:
+    """Copy the data=jsonl loader's list of skipped lines (line number, reason, message) into the run directory as
+    ``data_skipped.jsonl`` (empty: nothing skipped) and name it in the log; other kinds write nothing. Rewritten
+    on resume with the same content (the data digest is checked first)."""
+    rows = dataset.skipped_lines()
+    if rows is None:
+        return None
+    path = Path(run_dir) / record.DATA_SKIPPED_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)
+    if rows:
+        log.warning(f"data: the {len(rows)} skipped line(s) of data.path, with their line numbers, reasons and "
+                    f"messages: {path}")
+    return path
 
 
 def wandb_run_settings(settings: RunSettings, parts: Components,

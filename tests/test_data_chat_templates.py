@@ -11,20 +11,28 @@ is written piece by piece from what each template is documented to render, and c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from helpers import (  # tests/ is on sys.path (pytest rootdir-relative import)
+    LLAMA3,
+    QWEN3,
+    QWEN3_TOOLS,
+    local_qwen3,
+    tiny_chat_tokenizer,
+    tiny_tool_tokenizer,
+    write_jsonl,
+)
 
 from dflash_lab.data import ByteTokenizer, HFTokenizerAdapter, build_dataset
 from dflash_lab.data.datasets import DATA_KEYS
 from dflash_lab.data.jsonl import SKIP_REASONS, parse_conversation, parse_tools
-from dflash_lab.data.tokenizer import ChatTemplateError, TemplateLacksTools, chat_markers, load_chat_template
+from dflash_lab.data.tokenizer import (
+    ChatTemplateError,
+    TemplateLacksTools,
+    chat_markers,
+    load_chat_template,
+)
 from dflash_lab.plan import CONF_DIR
-
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
-QWEN3, LLAMA3 = TEMPLATES / "qwen3_style.jinja", TEMPLATES / "llama3_style.jinja"
-QWEN3_TOOLS = TEMPLATES / "qwen3_tools.jinja"
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
@@ -39,21 +47,6 @@ CONVERSATIONS = [
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
      {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>\nd\n</think>\n\ne"}],
 ]
-
-
-def tiny_chat_tokenizer():
-    """A fast byte-level tokenizer (no merges) whose chat markers and <think> tags are single tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(["<pad>", *alphabet])}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<|begin_of_text|>",
-                                        eos_token="<|im_end|>", additional_special_tokens=SPECIAL)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +144,7 @@ def test_markers_are_learned_from_the_template(tokenizer):
         chat_markers(render("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"))
 
 
-def _write_jsonl(path: Path, records) -> Path:
-    lines = [r if isinstance(r, (str, bytes)) else json.dumps(r) for r in records]
-    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
-    return path
+_write_jsonl = write_jsonl
 
 
 def _as_sharegpt(messages):
@@ -191,8 +181,8 @@ def test_skipped_lines_are_counted_by_reason(tmp_path, tokenizer):
     file = _write_jsonl(tmp_path / "mixed.jsonl", good[:3] + bad + good[3:])
     ds = build_dataset("jsonl", tokenizer=tokenizer, path=str(file), chat_template=str(QWEN3), max_length=64,
                        cache_dir=tmp_path / "cache", max_bad_fraction=0.5)
-    assert ds.stats["skipped"] == {"invalid_utf8": 1, "malformed_json": 1, "no_assistant_turn": 1,
-                                   "template_error": 0, "too_long": 1, "bad_tool_arguments": 0,
+    assert ds.stats["skipped"] == {**dict.fromkeys(SKIP_REASONS, 0), "invalid_utf8": 1, "malformed_json": 1,
+                                   "no_assistant_turn": 1, "too_long": 1,
                                    "template_lacks_tools": 1}                 # drops the call: never trained on
     assert ds.stats["skipped_examples"]["invalid_utf8"][0][0] == 7 and len(ds) == 6
 
@@ -238,22 +228,6 @@ def test_unknown_data_keys_are_refused_and_every_config_key_is_valid(tmp_path):
 
         keys = set(OmegaConf.to_container(OmegaConf.load(file)))
         assert keys <= set(DATA_KEYS), (file.name, keys - set(DATA_KEYS))
-
-
-def local_qwen3(directory: Path, tokenizer=None) -> Path:
-    """A real transformers Qwen3 (random weights, 4 tiny layers) saved with ``tokenizer`` (default
-    :func:`tiny_chat_tokenizer`): a local ``model=hf`` target for tests (nothing is downloaded)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = tokenizer or tiny_chat_tokenizer()
-    tokenizer.save_pretrained(directory)
-    config = Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
 
 
 @pytest.mark.integration
@@ -325,13 +299,6 @@ TOOL_RECORDS = [
       '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'],
      ["-3C, snow", "14:05"]),
 ]
-
-
-def tiny_tool_tokenizer():
-    """tiny_chat_tokenizer plus Qwen3's tool tags as single (added, non-special) tokens."""
-    hf = tiny_chat_tokenizer()
-    hf.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    return hf
 
 
 @pytest.fixture(scope="module")

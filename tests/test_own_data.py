@@ -226,6 +226,9 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
     assert all(s["status"] == "finished" and s["steps"] == 4 for s in summaries)
     assert {s["sampler"] for s in summaries} == {"full_random", "bucketed", "bucket_sequential"}
     assert all(s["boundaries"] != [0, 96, 152, 216, 304, 412, 1024] for s in summaries if s["boundaries"])
+    for run in runs:   # 4 steps: too few probes for the verdict's endpoint, said before the first step
+        log = (run / "train_rank0.log").read_text()
+        assert log.index("residual_amplitude needs 8") < log.index("running steps 0..4")
     report = tmp_path / "report"
     out = subprocess.run([sys.executable, "-m", "dflash_lab.compare", str(sweep), "--out", str(report),
                           "--no-plots"], cwd=root, capture_output=True, text=True, timeout=600)

@@ -6,6 +6,7 @@ Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/
     offsets.npy int64[N + 1]   sample i is tokens[offsets[i]:offsets[i+1]]
     lengths.npy int64[N]       one length per sample: what the samplers read, without touching the samples
     meta.json                  config, counts (``stats``: e.g. skipped JSONL lines per reason)
+    skipped_lines.jsonl        data=jsonl: every skipped line's number, reason and message (the run copies it)
 The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
 them rebuilds. Arrays are opened with ``mmap_mode="r"``: start-up cost is independent of N.
 
@@ -98,6 +99,15 @@ class TokenizedDataset:
         """Counts recorded when the cache was built; ``stats["skipped"]``: skipped lines per reason (every kind
         has the key; ``jsonl`` lists every reason of ``data.jsonl.SKIP_REASONS``, zeros included)."""
         return {"skipped": {}, **self.meta.get("stats", {})}
+
+    def skipped_lines(self) -> list[dict] | None:
+        """Every line the data=jsonl loader skipped (``{"line", "reason", "message"}``, file order; [] when none);
+        None for other kinds and for datasets not read from a cache entry that lists them."""
+        directory = self.meta.get("directory")
+        if self.meta.get("kind") != "jsonl" or not directory or not (Path(directory) / SKIPPED_LINES_FILE).is_file():
+            return None
+        text = (Path(directory) / SKIPPED_LINES_FILE).read_text(encoding="utf-8")
+        return [json.loads(row) for row in text.splitlines() if row.strip()]
 
     @property
     def content_digest(self) -> str | None:
@@ -222,6 +232,15 @@ def _write_arrays(directory: Path, samples, kind: str) -> None:
 
 
 CONTENT_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy")
+SKIPPED_LINES_FILE = "skipped_lines.jsonl"   # data=jsonl: one row per skipped line (cache entry and run directory)
+
+
+def write_skipped_lines(path: Path, rows) -> None:
+    """One JSON object per skipped line, in file order: ``{"line": 1-based number, "reason": one of
+    data.jsonl.SKIP_REASONS, "message": what was wrong and the fix}``."""
+    text = "".join(json.dumps({"line": int(line), "reason": reason, "message": message}) + "\n"
+                   for line, reason, message in rows)
+    Path(path).write_text(text, encoding="utf-8")
 
 
 def content_digest(directory: Path) -> str:
@@ -356,6 +375,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         # jsonl: every count; code: samples kept and cut to max_length (summary.json data_truncated)
         meta["stats"] = (report.as_dict() if kind == "jsonl" else
                          {"kept": report.kept, "truncated": report.truncated} if kind == "code" else {})
+        if kind == "jsonl":
+            write_skipped_lines(tmp / SKIPPED_LINES_FILE, report.skipped_lines)
         meta["content_digest"] = content_digest(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
@@ -380,11 +401,14 @@ def check_truncated_share(stats: dict, *, max_length: int, max_fraction: float) 
     if not 0.0 <= max_fraction <= 1.0:
         raise ValueError(f"data.max_truncated_fraction={max_fraction}: choose a share in [0, 1]")
     kept, truncated = int(stats.get("kept") or 0), int(stats.get("truncated") or 0)
+    keeping = stats.get("length_keeping_99pct")   # data=jsonl records the length that keeps 99% of lines whole
+    advice = (f" (data.max_length={keeping} keeps 99% of the lines whole)"
+              if isinstance(keeping, int) and keeping > max_length else "")
     if kept and truncated / kept > max_fraction:
         raise ValueError(f"data: {truncated} of {kept} samples ({truncated / kept:.0%}) are longer than "
                          f"data.max_length={max_length} tokens and were cut, more than "
-                         f"data.max_truncated_fraction={max_fraction}: raise data.max_length, or accept the cut "
-                         f"with data.max_truncated_fraction=1.0")
+                         f"data.max_truncated_fraction={max_fraction}: raise data.max_length{advice}, or accept the "
+                         f"cut with data.max_truncated_fraction=1.0")
 
 
 # Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).

@@ -15,7 +15,11 @@ Schema of one line (one JSON object)::
 
 A call's ``arguments`` may be OpenAI's JSON string or HF's dict; strings are parsed into dicts, as HF's chat
 templating docs ask (Qwen3's template writes ``arguments | tojson``). A flat ``{"name", "arguments"}`` call and the
-legacy ``function_call`` key (one call) are accepted too; ``tools`` may also be a JSON string of that list.
+legacy ``function_call`` key (one call) are accepted too; ``tools`` may also be a JSON string of that list. A
+``content`` may be OpenAI's list of parts (text parts joined by a newline, :func:`turn_content`), a tool turn's
+content any JSON value (JSON-encoded); an assistant turn's ``reasoning_content`` goes to the template (trained with
+the turn where the template writes it; ``tokenizer`` module docstring). A tool turn must answer a call
+(:func:`check_tool_results`).
 
 Algorithm: read the file line by line as bytes; decode each non-empty line as UTF-8, parse it as one
 conversation, normalise roles and tool calls, render it with the target's chat template
@@ -35,9 +39,15 @@ under one reason (:data:`SKIP_REASONS`):
     template_lacks_tools  the conversation uses tools and the template cannot render them: it raises, or drops a
                           call, a tool response or the tools list (the byte tokenizer of ``model=tiny`` always);
                           never trained on a text with its calls dropped
+    non_text_content      a content part that is not text (image, audio, file)
+    tool_result_without_call  a tool turn that follows no assistant turn with tool calls
+    tool_call_id_unmatched    a tool turn's ``tool_call_id`` is none of the ids of the calls it answers
+    template_lacks_reasoning  the line has ``reasoning_content`` and the template renders none
 
 More than ``max_bad_fraction`` of skipped lines is an error naming the file, the commonest reason with an
-example line and its message, and the config key.
+example line and its message, and the fix (with ``too_long`` lines: the ``data.max_length`` that keeps 99% of the
+rendered lines whole). Every skipped line (number, reason, message) is kept in the report
+(``JsonlReport.skipped_lines``): the cache entry's ``skipped_lines.jsonl``, the run's ``data_skipped.jsonl``.
 
 Cost: one pass over the file, O(characters), plus the tokenizer.
 """
@@ -45,14 +55,23 @@ Cost: one pass over the file, O(characters), plus the tokenizer.
 from __future__ import annotations
 
 import json
+import math
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_lab.data.tokenizer import TemplateLacksTools, normalise_role, tool_name
+from dflash_lab.data.tokenizer import (
+    TemplateLacksReasoning,
+    TemplateLacksTools,
+    normalise_role,
+    tool_name,
+)
 
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long",
-                "bad_tool_arguments", "template_lacks_tools")
+                "bad_tool_arguments", "template_lacks_tools", "non_text_content", "tool_result_without_call",
+                "tool_call_id_unmatched", "template_lacks_reasoning")
+TEXT_PART_SEPARATOR = "\n"   # between the text parts of one turn's content, as vLLM joins them when serving
 _EXAMPLES_PER_REASON = 5
 
 
@@ -160,22 +179,130 @@ def parse_conversation(record) -> list[dict]:
             raise UnusableLine("malformed_json", f"tool_calls on a {role} turn: only assistant turns call tools")
         if not isinstance(calls, list):
             raise UnusableLine("malformed_json", "tool_calls must be a list of calls")
+        content = turn_content(content, role, content_key)
         if not isinstance(content, str) and not (content is None and calls):
             raise UnusableLine("malformed_json", f"turn needs string {role_key!r} and {content_key!r} (null only on "
                                                  "an assistant turn with tool_calls)")
         message = {"role": role, "content": content}
         if calls:
             message["tool_calls"] = [parse_tool_call(call) for call in calls]
+        reasoning = turn_reasoning(turn, role)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if role == "tool":
             message.update({key: turn[key] for key in ("tool_call_id", "name") if turn.get(key) is not None})
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise UnusableLine("no_assistant_turn", "no assistant turn")
+    check_tool_results(messages)
     return messages
 
 
+def turn_content(content, role: str, content_key: str = "content"):
+    """A turn's content as the text a chat template reads: a string as given; OpenAI's list of content parts
+    (``[{"type": "text", "text": ...}, ...]``) as its text parts joined by :data:`TEXT_PART_SEPARATOR`; on a tool
+    turn, any other JSON value (an object, a list, a number) JSON-encoded, the tool's result as text. None stays
+    None (the caller decides where null is allowed); anything else is returned as is for the caller to refuse.
+
+    Raises:
+        UnusableLine: ``non_text_content`` for a part that is not text (an image, audio, a file: this trainer
+            trains a text model), ``malformed_json`` for a text part without a string ``text``.
+
+    Example:
+        >>> turn_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "user")
+        'a\\nb'
+        >>> turn_content({"temp": 18, "sky": "sunny"}, "tool")
+        '{"temp": 18, "sky": "sunny"}'
+    """
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, dict) and "type" in p for p in content):
+        texts = []
+        for part in content:
+            if part["type"] != "text":
+                raise UnusableLine("non_text_content", f"a {role} turn's {content_key!r} holds a {part['type']!r} "
+                                                       "part: only text parts can be trained on a text model; drop "
+                                                       "the line or its non-text parts")
+            if not isinstance(part.get("text"), str):
+                raise UnusableLine("malformed_json", f"a text part of a {role} turn's {content_key!r} needs a "
+                                                     "string 'text'")
+            texts.append(part["text"])
+        return TEXT_PART_SEPARATOR.join(texts)
+    if role == "tool":
+        return json.dumps(content, ensure_ascii=False)
+    return content
+
+
+def turn_reasoning(turn: dict, role: str) -> str | None:
+    """An assistant turn's ``reasoning_content`` (the key Qwen3's chat template reads), or its ``reasoning`` (what
+    newer vLLM servers write) when it has no ``reasoning_content``; None when it has none (absent, null or empty).
+
+    Raises:
+        UnusableLine: ``malformed_json`` for reasoning that is not a string, both keys with different texts, or
+            reasoning on another role's turn.
+
+    Example:
+        >>> turn_reasoning({"role": "assistant", "content": "4", "reasoning_content": "2+2 is 4"}, "assistant")
+        '2+2 is 4'
+        >>> turn_reasoning({"role": "assistant", "content": "4", "reasoning": "2+2 is 4"}, "assistant")
+        '2+2 is 4'
+    """
+    reasoning, alias = turn.get("reasoning_content"), turn.get("reasoning")
+    if reasoning in (None, ""):
+        reasoning = alias
+    elif alias not in (None, "", reasoning):
+        raise UnusableLine("malformed_json", "reasoning_content and reasoning differ: keep one of them")
+    if reasoning is None or reasoning == "":
+        return None
+    if not isinstance(reasoning, str):
+        raise UnusableLine("malformed_json", f"reasoning_content must be a string, got {type(reasoning).__name__}")
+    if role != "assistant":
+        raise UnusableLine("malformed_json", f"reasoning_content on a {role} turn: only assistant turns reason")
+    return reasoning
+
+
+def check_tool_results(messages: list[dict]) -> None:
+    """Refuse tool results that answer no call: a ``tool`` turn must follow an assistant turn with ``tool_calls``
+    (directly, or after that turn's other results: OpenAI's API requires the same), and a ``tool_call_id``, where
+    given, must be the id of one of that turn's calls. A result without a call, or for another call, would train
+    the assistant's next reply on an exchange that never happened.
+
+    Raises:
+        UnusableLine: ``tool_result_without_call`` or ``tool_call_id_unmatched``.
+
+    Example:
+        >>> check_tool_results([{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}])
+        Traceback (most recent call last):
+        ...
+        dflash_lab.data.jsonl.UnusableLine: turn 2 is a tool result with no assistant tool call before it...
+    """
+    calls = None   # the ids of the calls that the current run of tool turns answers (None: no call to answer)
+    for number, message in enumerate(messages, start=1):
+        if message["role"] == "tool":
+            if calls is None:
+                raise UnusableLine("tool_result_without_call",
+                                   f"turn {number} is a tool result with no assistant tool call before it: put the "
+                                   "assistant turn with its tool_calls before the tool turn, or drop the line")
+            call_id = message.get("tool_call_id")
+            if call_id is not None and call_id not in calls:
+                raise UnusableLine("tool_call_id_unmatched",
+                                   f"turn {number}: tool_call_id {call_id!r} matches no call of the assistant turn "
+                                   f"before it (its call ids: {sorted(map(str, calls)) or 'none'}): fix the ids")
+        elif message["role"] == "assistant" and message.get("tool_calls"):
+            calls = {call["id"] for call in message["tool_calls"] if "id" in call}
+        else:
+            calls = None
+
+
+NOTES = ("reasoning_not_rendered",)   # counted on kept lines: what the chat template left out, by its design
+WHOLE_SHARE = 0.99   # the data.max_length suggested in messages keeps this share of the rendered lines whole
+_MESSAGE_CHARS = 300   # a skipped line's message in the list of skipped lines is cut to this many characters
+
+
 class JsonlReport:
-    """Counts of one JSONL read: non-empty lines, kept samples, truncated samples, skipped lines per reason."""
+    """Counts of one JSONL read: non-empty lines, kept samples, truncated samples, skipped lines per reason (and
+    every skipped line: number, reason, message), notes on kept lines, and the uncut token length of every line
+    that rendered (kept or ``too_long``: what a ``data.max_length`` suggestion is computed from)."""
 
     def __init__(self) -> None:
         self.total_lines = 0
@@ -183,19 +310,57 @@ class JsonlReport:
         self.truncated = 0
         self.skipped: Counter[str] = Counter()
         self.examples: dict[str, list[tuple[int, str]]] = {}
+        self.skipped_lines: list[tuple[int, str, str]] = []
+        self.notes: Counter[str] = Counter()
+        self.rendered_lengths = array("q")   # 8 bytes a line: a file of 10M lines costs 80 MB here
 
     def skip(self, line_number: int, reason: str, message: str) -> None:
         """Count line ``line_number`` (1-based) as skipped for ``reason``; keep the first few as examples."""
         self.skipped[reason] += 1
+        self.skipped_lines.append((line_number, reason, message[:_MESSAGE_CHARS]))
         examples = self.examples.setdefault(reason, [])
         if len(examples) < _EXAMPLES_PER_REASON:
             examples.append((line_number, message))
+
+    def length_keeping(self, share: float = WHOLE_SHARE) -> int | None:
+        """The smallest ``data.max_length`` that keeps ``share`` of the rendered lines whole (None: none rendered).
+
+        Example:
+            >>> report = JsonlReport()
+            >>> report.rendered_lengths = list(range(1, 201))
+            >>> report.length_keeping(0.99)
+            198
+        """
+        if not self.rendered_lengths:
+            return None
+        ordered = sorted(self.rendered_lengths)
+        return int(ordered[max(0, math.ceil(share * len(ordered)) - 1)])
+
+    def length_advice(self, max_length: int) -> str:
+        """A clause naming the ``data.max_length`` that keeps :data:`WHOLE_SHARE` of the rendered lines whole and
+        the longest rendered line ("" when nothing rendered or everything fits)."""
+        keeping = self.length_keeping()
+        if keeping is None or max(self.rendered_lengths) <= max_length:
+            return ""
+        return (f"data.max_length={keeping} keeps {WHOLE_SHARE:.0%} of the rendered lines whole (now {max_length}, "
+                f"the longest line {max(self.rendered_lengths)} tokens)")
 
     def as_dict(self) -> dict:
         """Plain summary stored in the cache metadata (``skipped`` has every reason, zeros included)."""
         return {"total_lines": self.total_lines, "kept": self.kept, "truncated": self.truncated,
                 "skipped": {reason: self.skipped[reason] for reason in SKIP_REASONS},
-                "skipped_examples": {reason: [list(e) for e in examples] for reason, examples in self.examples.items()}}
+                "skipped_examples": {reason: [list(e) for e in examples] for reason, examples in self.examples.items()},
+                "notes": {note: self.notes[note] for note in NOTES},
+                "length_keeping_99pct": self.length_keeping(),
+                "longest_line_tokens": max(self.rendered_lengths, default=None)}
+
+
+class LineFacts:
+    """What encoding one line tells besides its tokens: its uncut token length and the notes of its rendering."""
+
+    def __init__(self) -> None:
+        self.uncut_length: int | None = None
+        self.notes: Counter[str] = Counter()
 
 
 def _supervised_pairs(mask: list[bool]) -> int:
@@ -203,9 +368,9 @@ def _supervised_pairs(mask: list[bool]) -> int:
     return sum(1 for a, b in zip(mask[:-1], mask[1:]) if a and b)
 
 
-def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | None = None
-                ) -> tuple[list[int], list[bool], bool]:
-    """(ids, loss_mask, truncated) of one JSONL line.
+def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | None = None,
+                facts: LineFacts | None = None) -> tuple[list[int], list[bool], bool]:
+    """(ids, loss_mask, truncated) of one JSONL line; ``facts``, when given, gets its uncut length and notes.
 
     Raises:
         UnusableLine: the line cannot be used (reason in :data:`SKIP_REASONS`).
@@ -226,14 +391,20 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
     options = {"tools": tools} if tools else {}
     if chat_template is not None:
         options["chat_template"] = chat_template
+    if facts is not None:
+        options["notes"] = facts.notes
     try:
         ids, mask = tokenizer.encode_chat(messages, **options)
     except TemplateLacksTools as exc:
         raise UnusableLine("template_lacks_tools", str(exc)) from exc
+    except TemplateLacksReasoning as exc:
+        raise UnusableLine("template_lacks_reasoning", str(exc)) from exc
     except ValueError as exc:  # ChatTemplateError and whatever else the template raises as a value problem
         raise UnusableLine("template_error", str(exc)) from exc
     if _supervised_pairs(mask) == 0:
         raise UnusableLine("no_assistant_turn", "the assistant turns hold fewer than two tokens")
+    if facts is not None:
+        facts.uncut_length = len(ids)
     if len(ids) <= max_length:
         return ids, mask, False
     ids, mask = ids[:max_length], mask[:max_length]
@@ -258,11 +429,17 @@ def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float
             if not raw.strip():
                 continue
             report.total_lines += 1
+            facts = LineFacts()
             try:
-                ids, mask, truncated = encode_line(tokenizer, raw, max_length=max_length, chat_template=chat_template)
+                ids, mask, truncated = encode_line(tokenizer, raw, max_length=max_length, chat_template=chat_template,
+                                                   facts=facts)
             except UnusableLine as exc:
                 report.skip(line_number, exc.reason, str(exc))
                 continue
+            finally:
+                if facts.uncut_length is not None:   # rendered: kept, or too_long
+                    report.rendered_lengths.append(facts.uncut_length)
+            report.notes.update(facts.notes)
             report.kept += 1
             report.truncated += truncated
             yield ids, mask
@@ -277,6 +454,17 @@ def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float
             f"{file}: {bad} of {report.total_lines} lines cannot be used, above data.max_bad_fraction="
             f"{max_bad_fraction}; commonest reason {reason} ({count} lines, e.g. line {line_number}: {message})"
             + (f"; also {others}" if others else "")
-            + ": fix the file (or set data.chat_template for template errors and tool-calling data) or raise "
-              "data.max_bad_fraction"
+            + ": " + bad_lines_fix(report, max_length)
         )
+
+
+def bad_lines_fix(report: JsonlReport, max_length: int) -> str:
+    """The fix named when too many lines are skipped: raise ``data.max_length`` (to the length that keeps
+    :data:`WHOLE_SHARE` of the lines whole) first when ``too_long`` lines are among them; fix the file (or set
+    data.chat_template for template errors and tool-calling data); or raise data.max_bad_fraction."""
+    fix = ("fix the file (or set data.chat_template for template errors and tool-calling data) or raise "
+           "data.max_bad_fraction")
+    if not report.skipped["too_long"]:
+        return fix
+    advice = report.length_advice(max_length)
+    return "raise data.max_length for the too_long lines" + (f": {advice}" if advice else "") + "; or " + fix

@@ -21,6 +21,12 @@ turn), system and user turns are prompt. A template that cannot render them (it 
 call, a tool response or a listed tool) raises :class:`TemplateLacksTools`, never a silent drop. The byte
 tokenizer's own format has no tool syntax: it raises the same.
 
+Reasoning: an assistant turn's ``reasoning_content`` goes to the template, which writes it where it does (Qwen3: a
+``<think>`` block inside the turn, only for replies after the last user turn, as at inference), so it is trained
+with the reply. A template that renders no ``reasoning_content`` at all (probed once per template) raises
+:class:`TemplateLacksReasoning`; turns whose reasoning the template leaves out are counted
+(``reasoning_not_rendered``). The byte tokenizer writes ``<think>\n...\n</think>\n\n`` before the reply.
+
 Cost: ByteTokenizer.encode is one ``str.encode`` + a list comprehension, O(characters); HF chat encoding is one
 template render + one tokenizer call per conversation (the probe renders run once per template).
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -109,13 +116,16 @@ class ByteTokenizer:
         pieces.append(out.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
-    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
-                    ) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    notes: Counter | None = None) -> tuple[list[int], list[bool]]:
         """Render a conversation with our template; loss mask True on assistant text + its closing token.
 
         Args:
-            messages: dicts with ``role`` (system/user/assistant or human/gpt) and ``content`` (str).
+            messages: dicts with ``role`` (system/user/assistant or human/gpt) and ``content`` (str); an assistant
+                turn's ``reasoning_content`` is written before its content as ``<think>\n...\n</think>\n\n``
+                (Qwen3's form) and trained with it.
             tools: must be empty: our format has no tool syntax.
+            notes: accepted for the HF adapter's interface; our format drops nothing, so nothing is counted.
 
         Returns:
             (ids, loss_mask) of equal length, starting with BOS.
@@ -132,7 +142,7 @@ class ByteTokenizer:
         last_assistant = max((i for i, role in enumerate(roles) if role == "assistant"), default=-1)
         for i, message in enumerate(messages):
             role = normalise_role(message["role"])
-            body = self.encode(message["content"])
+            body = self.encode(with_reasoning(message["content"], message.get("reasoning_content")))
             is_assistant = role == "assistant"
             ids.append(_ROLE_IDS[role])
             mask.append(False)
@@ -168,6 +178,7 @@ class HFTokenizerAdapter:
         self.eos_token_id = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
         self._markers: dict[str | None, tuple[str, str]] = {}  # chat template -> (assistant header, end marker)
+        self._renders_reasoning: dict[str | None, bool] = {}   # chat template -> renders reasoning_content
 
     @property
     def fingerprint(self) -> str:
@@ -204,18 +215,25 @@ class HFTokenizerAdapter:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=not show_special)
 
     def encode_chat(self, messages: Sequence[dict], chat_template: str | None = None,
-                    tools: Sequence[dict] | None = None) -> tuple[list[int], list[bool]]:
+                    tools: Sequence[dict] | None = None, notes: Counter | None = None
+                    ) -> tuple[list[int], list[bool]]:
         """Render with the chat template; loss mask True on the assistant turns' tokens, their tool calls
         included (module docstring).
 
         Args:
             messages: dicts with ``role`` and ``content``; assistant turns may carry ``tool_calls`` (HF form:
-                ``{"type": "function", "function": {"name", "arguments": dict}}``, content None when absent),
-                tool turns ``tool_call_id`` / ``name``.
+                ``{"type": "function", "function": {"name", "arguments": dict}}``, content None when absent) and
+                ``reasoning_content`` (rendered where the template renders it, inside the turn: trained), tool
+                turns ``tool_call_id`` / ``name``.
             chat_template: Jinja template text replacing the tokenizer's own (``data.chat_template``).
             tools: function schemas for ``apply_chat_template(..., tools=tools)``.
+            notes: counts what the template left out of a kept conversation: ``reasoning_not_rendered``, the
+                assistant turns whose reasoning it does not write (Qwen3's: those before the last user turn, as
+                at inference).
 
         Raises:
+            TemplateLacksReasoning: the conversation has reasoning and the template renders no
+                ``reasoning_content`` at all (a probe conversation shows it).
             TemplateLacksTools: the conversation uses tools and the template raises on it, or renders it without
                 a tool call, a tool response or a listed tool.
             ChatTemplateError: the template fails on this conversation, or its rendering does not show one
@@ -246,6 +264,12 @@ class HFTokenizerAdapter:
         spans = assistant_spans(text, header, end, sum(m["role"] == "assistant" for m in convo))
         if with_tools:
             check_tools_rendered(text, spans, convo, tools or [])
+        if any(m.get("reasoning_content") for m in convo):
+            if key not in self._renders_reasoning:
+                self._renders_reasoning[key] = renders_reasoning(render)
+            dropped = reasoning_not_rendered(text, spans, convo, self._renders_reasoning[key])
+            if dropped and notes is not None:
+                notes["reasoning_not_rendered"] += dropped
         encoded = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(s <= lo < e for s, e in spans) for lo, _hi in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), mask
@@ -259,9 +283,73 @@ class TemplateLacksTools(ChatTemplateError):
     """A chat template (or the byte tokenizer's format) cannot render a conversation's tools, calls or results."""
 
 
+class TemplateLacksReasoning(ChatTemplateError):
+    """A chat template renders no ``reasoning_content``: the reasoning would be dropped from the trained text."""
+
+
+NEWLINE = "\n"
+
+
+def with_reasoning(content: str | None, reasoning: str | None) -> str:
+    """An assistant reply with its reasoning before it, as Qwen3's template writes a think block (the byte
+    tokenizer's format); the content alone without reasoning.
+
+    Example:
+        >>> with_reasoning("4", "2+2")
+        '<think>\\n2+2\\n</think>\\n\\n4'
+    """
+    content = content or ""
+    if not reasoning:
+        return content
+    return f"<think>\n{reasoning.strip(NEWLINE)}\n</think>\n\n{content.lstrip(NEWLINE)}"
+
+
+_PROBE_REASONING = "dflashprobereasoning"
+
+
+def renders_reasoning(render: Callable[..., str]) -> bool:
+    """Whether a chat template writes an assistant turn's ``reasoning_content``: rendered on a probe conversation
+    (a user turn and a final assistant reply with reasoning, where Qwen3's template writes it).
+
+    Example:
+        >>> renders_reasoning(lambda messages, **_: "".join(m.get("reasoning_content", "") + m["content"]
+        ...                                                  for m in messages))
+        True
+    """
+    probe = [{"role": "user", "content": _PROBE_USER},
+             {"role": "assistant", "content": _PROBE_REPLY, "reasoning_content": _PROBE_REASONING}]
+    try:
+        return _PROBE_REASONING in render(probe)
+    except ChatTemplateError:
+        return False
+
+
+def reasoning_not_rendered(text: str, spans: list[tuple[int, int]], convo: Sequence[dict], renders: bool) -> int:
+    """How many assistant turns' ``reasoning_content`` is missing from their span of the rendering (the template
+    leaves it out there, as Qwen3's does before the last user turn).
+
+    Raises:
+        TemplateLacksReasoning: the template renders no reasoning at all (``renders`` False, from
+            :func:`renders_reasoning`) and the conversation has some.
+
+    Example:
+        >>> turn = {"role": "assistant", "content": "4", "reasoning_content": "add"}
+        >>> reasoning_not_rendered("<a>add 4</a>", [(3, 12)], [turn], True)
+        0
+    """
+    reasoning = [(m.get("reasoning_content") or "").strip() for m in convo if m["role"] == "assistant"]
+    if not any(reasoning):
+        return 0
+    if not renders:
+        raise TemplateLacksReasoning("the chat template does not render reasoning_content (the reasoning would be "
+                                     "dropped from the trained text): set data.chat_template to one that renders it "
+                                     "(Qwen3's does), or put the reasoning in the content as <think>...</think>")
+    return sum(1 for thought, (lo, hi) in zip(reasoning, spans) if thought and thought not in text[lo:hi])
+
+
 def template_message(message: dict) -> dict:
-    """One turn in the form HF chat templates read: role normalised; ``tool_calls`` kept on assistant turns and
-    ``tool_call_id`` / ``name`` on tool turns; a null content left out (HF's documented tool-call turn has no
+    """One turn in the form HF chat templates read: role normalised; ``tool_calls`` and ``reasoning_content`` kept
+    on assistant turns and ``tool_call_id`` / ``name`` on tool turns; a null content left out (HF's documented tool-call turn has no
     content key, so a template reading it gets an empty undefined value, never the text "None").
 
     Example:
@@ -274,6 +362,8 @@ def template_message(message: dict) -> dict:
         turn["content"] = message["content"]
     if role == "assistant" and message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
+    if role == "assistant" and message.get("reasoning_content"):
+        turn["reasoning_content"] = message["reasoning_content"]
     if role == "tool":
         turn.update({key: message[key] for key in ("tool_call_id", "name") if message.get(key) is not None})
     return turn
