@@ -1,7 +1,8 @@
 """Arms: the settings a sweep compares, the baseline arm, and the strata inside which arms are paired.
 
 Swept keys. A run's setting is its sampler plus every key the sweep varied, read from the run's recorded Hydra
-overrides (`.hydra/overrides.yaml`; a W&B run's config key `overrides` when the trainer logged it). The seed is not a
+overrides (the run's `run_config.json`, else `.hydra/overrides.yaml` of a run recorded before it; a W&B run's config
+key `overrides` when the trainer logged it). The seed is not a
 key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch details, not settings. A key whose
 value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
 a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
@@ -53,6 +54,7 @@ import pandas as pd
 import yaml
 
 from dflash_lab.analysis.schema import RunRecord
+from dflash_lab.record import CONFIG_FILE, RUN_CONFIG_FILE, read_run_config
 
 SEED_KEY = "seed"
 NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume", "resolved")
@@ -62,21 +64,19 @@ UNSET = "(unset)"
 
 # ------------------------------------------------------------------------------------------------- overrides
 def read_overrides(run_dir: Path | str) -> list[str] | None:
-    """The task overrides Hydra recorded for a run (`.hydra/overrides.yaml`), or None without that file.
+    """The task overrides of the launch that trained a run: its `run_config.json`, else (a run recorded before it)
+    `.hydra/overrides.yaml`; None when neither records them.
 
     Example:
         >>> read_overrides("/nonexistent") is None
         True
     """
-    path = Path(run_dir) / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return None
-    loaded = yaml.safe_load(path.read_text())
-    return [str(item) for item in loaded] if isinstance(loaded, list) else None
+    return read_run_config(run_dir).overrides
 
 
 def recorded_overrides(record: RunRecord) -> list[str] | None:
-    """record.overrides, else a local run's .hydra/overrides.yaml, else the config key `overrides`, else None."""
+    """record.overrides, else a local run's recorded overrides (`read_overrides`), else the config key
+    `overrides`, else None."""
     if record.overrides is not None:
         return record.overrides
     if record.source == "local":
@@ -443,7 +443,9 @@ DUPLICATE_POLICIES = ("error", "latest", "first")
 
 def written_at(record: RunRecord) -> float:
     """When a run last wrote its files: a local run's newest summary.json / metrics.jsonl / probes.jsonl /
-    .hydra/config.yaml modification time, a W&B run's summary `_timestamp`; NaN when unknown.
+    run_config.json modification time (`.hydra/config.yaml` for a run recorded before run_config.json: Hydra
+    rewrites it at every launch, even one that trains nothing), a W&B run's summary `_timestamp`; NaN when
+    unknown.
 
     Example:
         >>> written_at(RunRecord("r", "wandb", "x", summary={"_timestamp": 1700000000.5}))
@@ -452,8 +454,8 @@ def written_at(record: RunRecord) -> float:
         nan
     """
     if record.source == "local":
-        times = [path.stat().st_mtime for name in ("summary.json", "metrics.jsonl", "probes.jsonl",
-                                                   ".hydra/config.yaml")
+        config_file = RUN_CONFIG_FILE if (Path(record.location) / RUN_CONFIG_FILE).is_file() else CONFIG_FILE
+        times = [path.stat().st_mtime for name in ("summary.json", "metrics.jsonl", "probes.jsonl", config_file)
                  if (path := Path(record.location) / name).is_file()]
         return max(times) if times else float("nan")
     stamp = record.summary.get("_timestamp")
