@@ -92,3 +92,91 @@ def test_a_damaged_protocol_record_is_a_one_line_refusal(tmp_path, capsys, conte
     assert compare.main([str(root), "--out", str(tmp_path / "out"), "--no-plots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0] and "Traceback" not in err[0]
+
+
+# ------------------------------------------------------------------------------ item 4: failed / missing runs
+def _fail(run_dir: Path, error: str = "step 17: non-finite loss (nan)") -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(status="failed", error=error)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_failed_run_is_left_out_of_the_pairs_and_named(tmp_path):
+    root = verdict_sweep(tmp_path / "sweep")
+    _fail(root / "bucketed_s4")
+    verdict = run_compare(root, tmp_path / "out")
+    question = next(row for row in verdict["bucketed_vs_full_random"] if row["endpoint"] == "final_loss")
+    assert question["n_pairs"] == 4 and verdict["seeds"] == 4
+    assert verdict["positive_control"]["n_pairs"] == 5
+    paired = pd.read_csv(tmp_path / "out" / "paired.csv").set_index("policy")
+    assert paired.loc["bucketed", "n_pairs"] == 4 and paired.loc["bucketed", "seeds"] == "0 1 2 3"
+    assert verdict["left_out"] == [{"run": "bucketed_s4", "arm": "bucketed", "seed": 4, "status": "failed",
+                                    "reason": "failed: step 17: non-finite loss (nan)"}]
+    assert verdict["missing"] == ["seed 4 of bucketed (question): failed: step 17: non-finite loss (nan)"]
+    assert "missing from the pairs: seed 4 of bucketed" in verdict["answer"]
+    notes = (tmp_path / "out" / "comparison.md").read_text()
+    assert "use finished runs only; left out: bucketed_s4 (bucketed seed 4): failed: step 17" in notes
+
+
+def test_a_control_with_one_seed_names_the_missing_seeds_instead_of_a_nan_interval(tmp_path):
+    root = verdict_sweep(tmp_path / "sweep", skip=tuple(("bucket_sequential", seed) for seed in (1, 2, 3)))
+    _fail(root / "bucket_sequential_s4")
+    verdict = run_compare(root, tmp_path / "out")
+    assert not verdict["valid"] and "[nan, nan]" not in verdict["answer"] and "did not show" not in verdict["answer"]
+    assert verdict["answer"].startswith("inconclusive: too few finished seed pairs for an interval (at least 2): "
+                                        "the positive control (bucket_sequential) has 1")
+    assert verdict["missing"][:4] == [f"seed {seed} of bucket_sequential (positive control): no run"
+                                      for seed in (1, 2, 3)] + [
+        "seed 4 of bucket_sequential (positive control): failed: step 17: non-finite loss (nan)"]
+
+
+@pytest.mark.parametrize("negative, expected", [
+    ("packed", "the negative control arm (packed) is missing: no loaded run matches it"),
+    ("sampler=packed,data.band_skills=independent", "the negative control arm (sampler=packed,"
+     "data.band_skills=independent) is missing: no loaded run has data.band_skills=independent (they hold aligned)"),
+])
+def test_a_missing_arm_gives_an_inconclusive_verdict_that_names_it(tmp_path, negative, expected):
+    analysis = {**ANALYSIS, "verdict": {**VERDICT, "negative_control": negative}}
+    root = verdict_sweep(tmp_path / "sweep", analysis=analysis,
+                         skip=tuple(("packed", seed) for seed in range(5)))
+    for path in root.glob("*/run_config.json"):   # every run trained on aligned data (not a swept key)
+        data = json.loads(path.read_text())
+        data["config"]["data"]["band_skills"] = "aligned"
+        path.write_text(json.dumps(data))
+    verdict = run_compare(root, tmp_path / "out")
+    assert not verdict["valid"] and verdict["answer"].startswith(f"inconclusive: {expected}")
+    assert verdict["arms"]["negative_control"] is None and "selector" not in verdict["answer"]
+    assert "verdict.json not written" not in (tmp_path / "out" / "comparison.md").read_text()
+
+
+# ---------------------------------------------------------------------------------- item 11: decided rules
+def test_runs_of_one_arm_from_two_launches_are_pooled_with_a_note(tmp_path):
+    for folder, seeds in (("launch_a", (0, 1)), ("launch_b", (2, 3))):
+        for sampler in ("bucketed", "full_random"):
+            for seed in seeds:
+                write_run(tmp_path / folder / f"{sampler}_s{seed}", sampler, seed, run_record=True, probes=False,
+                          presentations=False, steps=30)
+    out = tmp_path / "out"
+    assert compare.main([str(tmp_path / "launch_a"), str(tmp_path / "launch_b"), "--out", str(out), "--no-plots",
+                         "--baseline", "full_random"]) == 0
+    notes = (out / "comparison.md").read_text()
+    assert (f"arm 'bucketed' pools the runs of 2 launches ({tmp_path / 'launch_a'}: seeds 0 1; "
+            f"{tmp_path / 'launch_b'}: seeds 2 3) as seeds of one arm") in notes
+    assert pd.read_csv(out / "paired.csv")["n_pairs"].eq(4).all()
+
+
+def test_identical_values_on_every_seed_never_pass_the_equivalence_test(tmp_path):
+    """tau measured identically on every seed (a zero-width interval) is no evidence of equivalence."""
+    root = tmp_path / "sweep"
+    for sampler in ("bucketed", "full_random"):
+        for seed in range(5):
+            write_run(root / f"{sampler}_s{seed}", sampler, seed, run_record=True, probes=False,
+                      presentations=False, steps=30)
+    out = tmp_path / "out"
+    assert compare.main([str(root), "--out", str(out), "--no-plots", "--baseline", "full_random", "--endpoints",
+                         "tau", "--margins", "tau=0.5"]) == 0
+    row = pd.read_csv(out / "paired.csv").iloc[0]
+    assert row["endpoint"] == "tau" and row["diff"] == 0 and row["ci_low"] == row["ci_high"] == 0
+    assert row["verdict"] == "inconclusive" and pd.isna(row["p_tost"])
+    assert "bucketed, tau: every one of the 5 seed pairs differs by exactly +0 (zero variance)" in (
+        out / "comparison.md").read_text()

@@ -165,6 +165,24 @@ def config_value(config: dict, key: str) -> Any:
     return node
 
 
+def config_values(records: list[RunRecord], key: str) -> set[str]:
+    """The values (`format_value` text) the runs hold at a dotted config key; empty when no run has it.
+
+    Example:
+        >>> config_values([RunRecord("r", "local", "/r", config={"data": {"band_skills": "aligned"}})],
+        ...               "data.band_skills")
+        {'aligned'}
+    """
+    values = set()
+    for record in records:
+        try:
+            values.add(format_value(config_value(record.config, key)))
+        except KeyError:
+            if key == "sampler" and record.sampler:
+                values.add(record.sampler)
+    return values
+
+
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> leaf value (lists are leaves).
 
@@ -526,6 +544,47 @@ launched twice, or a rerun), not two seeds: pass only one of them, give reruns d
                      f"({', '.join(records[i].location for i in indices)}); kept {records[keep].location}, "
                      f"left out {', '.join(left_out)} (--duplicates={policy})")
     return [record for index, record in enumerate(records) if index not in dropped], notes
+
+
+# ------------------------------------------------------------------------------------------ pooled launches
+def launch_of(record: RunRecord) -> str:
+    """The launch a run came from: a local run's parent folder (its sweep folder), a W&B run's group.
+
+    Example:
+        >>> launch_of(RunRecord("r", "local", "/m/sweep_a/0_bucketed_s0"))
+        '/m/sweep_a'
+    """
+    if record.source == "local":
+        return str(Path(record.location).parent)
+    return str(record.group or record.source)
+
+
+def pooled_launch_notes(records: list[RunRecord], labels: pd.Series) -> list[str]:
+    """One note per arm whose runs come from more than one launch (two sweep folders, two W&B groups): their seeds
+    are pooled as replicates of one arm. That is allowed (seeds added by a second launch, a rerun of the failed
+    ones), so it is not refused, but it is never silent: the note names each launch and its seeds.
+
+    Example:
+        >>> runs = [RunRecord(f"r{i}", "local", f"/m/{folder}/run{i}", config={"seed": i})
+        ...         for i, folder in enumerate(["a", "a", "b"])]
+        >>> pooled_launch_notes(runs, pd.Series(["bucketed"] * 3, index=["r0", "r1", "r2"]))
+        ["arm 'bucketed' pools the runs of 2 launches (/m/a: seeds 0 1; /m/b: seed 2) as seeds of one arm: \
+compare them apart if the launches differ in something the runs do not record (code version, machine)"]
+    """
+    by_arm: dict[str, dict[str, list[str]]] = {}
+    for record in records:
+        seed = "?" if record.seed is None else str(record.seed)
+        by_arm.setdefault(str(labels.get(record.run_id)), {}).setdefault(launch_of(record), []).append(seed)
+    notes = []
+    for arm, launches in by_arm.items():
+        if len(launches) < 2:
+            continue
+        listing = "; ".join(f"{launch}: seed{'s' if len(seeds) > 1 else ''} {' '.join(seeds)}"
+                            for launch, seeds in launches.items())
+        notes.append(f"arm '{arm}' pools the runs of {len(launches)} launches ({listing}) as seeds of one arm: "
+                     "compare them apart if the launches differ in something the runs do not record (code version, "
+                     "machine)")
+    return notes
 
 
 # --------------------------------------------------------------------------------------------------- digests
