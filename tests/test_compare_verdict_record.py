@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from dflash_lab import compare
 from dflash_lab.analysis import protocol as protocol_module
@@ -43,11 +44,15 @@ def run_compare(root: Path, out: Path, *options: str) -> dict:
 
 
 def _edit_run_sections(root: Path, analysis: dict) -> None:
-    """Someone edits the analysis section every run's config records (after the launch)."""
+    """Someone edits the analysis section in every run's config files (its record and Hydra's) after the launch."""
     for path in root.glob("*/run_config.json"):
         data = json.loads(path.read_text())
         data["config"]["analysis"] = analysis
         path.write_text(json.dumps(data))
+    for path in root.glob("*/.hydra/config.yaml"):
+        config = yaml.safe_load(path.read_text())
+        config["analysis"] = analysis
+        path.write_text(yaml.safe_dump(config))
 
 
 # --------------------------------------------------------------------------------------------- item 2: protocol

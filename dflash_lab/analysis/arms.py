@@ -28,6 +28,10 @@ Duplicates. Two runs of one arm with one seed are two separate runs (the same sw
 another folder, a run read both from its directory and from W&B), not two seeds: `drop_duplicate_runs` refuses them
 by default, naming both runs, or keeps one (`--duplicates=latest|first`) and notes which.
 
+Pooled launches. Runs of one arm from several launches (sweep folders of local runs, W&B groups) are pooled as seeds
+of that arm (seeds added by a second launch are legitimate replicates), never silently: `pooled_launch_notes` names
+each launch and its seeds.
+
 Digests. Every run records what it trained against: `target_digest` (the target's weights) and `data_digest` (the
 training data's content) in summary.json (W&B: `final/target_digest`, `final/data_digest`). A batching policy
 changes neither, so runs that agree on every swept key outside the sampler (`sampler`, `sampler.*`) must agree on

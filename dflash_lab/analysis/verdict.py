@@ -11,7 +11,8 @@ analysis.protocol.check_verdict):
         question: sampler=bucketed,sampler.run_length=1,data.band_skills=aligned
 
 Each role is an arm selector (analysis.arms.parse_selector) that must match exactly one arm; its rows come from the
-paired table (paired.PAIRED_COLUMNS: arm minus its stratum's baseline, seed by seed).
+paired table (paired.PAIRED_COLUMNS: arm minus its stratum's baseline, seed by seed), which holds finished runs
+only: a failed, killed or still running run is never a seed (`left_out` names each, with why).
 
 Rules (alpha from the protocol, intervals are the paired t intervals):
     detected (positive control)   the interval of the primary endpoint excludes 0 on the worse side: the planted
@@ -42,6 +43,12 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   residual_amplitude over every run (all arms, seeds), its correlation r, and the
                                   residual-amplitude margin the declared tau_band_min margin implies
                                   (margin_tau / |slope|), to set against the declared amplitude margin
+    left_out, missing             the runs left out (not finished: run, arm, seed, status, why) and the seeds the
+                                  roles' pairs lack, each named with its arm and cause (`missing_seeds`)
+    missing arm                   a role whose selector matches no loaded run: "inconclusive", naming the missing
+                                  arm (a selector matching several arms, or a key no run has, is refused)
+    too few pairs                 a role with fewer than 2 finished seed pairs has no interval: "inconclusive: too
+                                  few finished seed pairs", naming the role, never an interval of NaN
 
 Cost: a few table lookups.
 """
