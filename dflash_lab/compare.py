@@ -328,7 +328,8 @@ def launch_protocol(records, rules: int):
 
 def override_text(overridden: dict) -> str:
     """``--margins {...} (launch: {...})``, one term per overridden key."""
-    return "; ".join(f"--{key} {entry['applied']!r} (launch: {entry['launch']!r})" for key, entry in overridden.items())
+    return "; ".join(f"--{key} {entry['applied']!r} (launch: {entry['launch']!r})"
+                     for key, entry in overridden.items())
 
 
 def override_note(overridden: dict, comparison, launch_comparison) -> str:

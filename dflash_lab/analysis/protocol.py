@@ -400,7 +400,7 @@ def check_recorded_protocol(path: Path) -> dict[str, Any]:
         >>> check_recorded_protocol(path)
         Traceback (most recent call last):
         ...
-        ValueError: .../protocol.json holds no rules_version: it was edited or cut; restore it from a copy of the sweep folder, or move it away to judge the runs by their own recorded analysis sections and today's rules
+        ValueError: .../protocol.json holds no rules_version: it was edited or cut; restore it from a copy of ...
     """
     import json
 

@@ -94,8 +94,9 @@ def _matching_arm(runs: pd.DataFrame, role: str, selector_text: str,
         if key not in runs.columns:   # not swept: every run holds one value of it, or none has the key
             held = config_values(key) if config_values is not None else set()
             if not held:
+                swept = ", ".join(c for c in runs.columns if c == "sampler" or "." in c)
                 raise ValueError(f"analysis.verdict.{role}={selector_text!r}: {[key]} is not a swept key of these "
-                                 f"runs; swept keys: {', '.join(c for c in runs.columns if c == 'sampler' or '.' in c)}")
+                                 f"runs; swept keys: {swept}")
             if value not in held:
                 raise MissingArm(f"the {role.replace('_', ' ')} arm ({selector_text}) is missing: no loaded run has "
                                  f"{key}={value} (they hold {', '.join(sorted(held))}); arms present: "
@@ -143,9 +144,9 @@ def missing_seeds(runs: pd.DataFrame, arms: dict[str, str | None], baselines: di
     for role, arm in arms.items():
         if arm is None:
             continue
-        baseline = baselines.get(role)
+        baseline, name = baselines.get(role), role.replace("_", " ")
         for seed in sorted(expected):
-            for which, label in ((arm, role.replace("_", " ")), (baseline, f"baseline of the {role.replace('_', ' ')}")):
+            for which, label in ((arm, name), (baseline, f"baseline of the {name}")):
                 if which is None or seed in _seed_set(runs, which, True):
                     continue
                 why = reasons.get((which, seed)) or ("left out" if seed in _seed_set(runs, which, False)
