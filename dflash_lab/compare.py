@@ -5,8 +5,8 @@
 
 PATH may be a run directory, a multirun directory (expanded to every run below it) or a folder of offline W&B runs.
 
-Arms. Runs are grouped by setting: the sampler plus every key the sweep varied, read from each run's recorded Hydra
-overrides (.hydra/overrides.yaml; seeds are replicates, not settings). A boundaries sweep gives one arm per
+Arms. Runs are grouped by setting: the sampler plus every key the sweep varied, read from the Hydra overrides each
+run recorded in its own run_config.json (seeds are replicates, not settings). A boundaries sweep gives one arm per
 boundary list (columns `boundaries`, `K`); an ablation gives arms such as `bucketed run_length=8
 band_skills=aligned`.
 
