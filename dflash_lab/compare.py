@@ -5,8 +5,8 @@
 
 PATH may be a run directory, a multirun directory (expanded to every run below it) or a folder of offline W&B runs.
 
-Arms. Runs are grouped by setting: the sampler plus every key the sweep varied, read from each run's recorded Hydra
-overrides (.hydra/overrides.yaml; seeds are replicates, not settings). A boundaries sweep gives one arm per
+Arms. Runs are grouped by setting: the sampler plus every key the sweep varied, read from the Hydra overrides each
+run recorded in its own run_config.json (seeds are replicates, not settings). A boundaries sweep gives one arm per
 boundary list (columns `boundaries`, `K`); an ablation gives arms such as `bucketed run_length=8
 band_skills=aligned`.
 
@@ -21,8 +21,10 @@ Paired statistics. Runs pair by seed (same seed = same init and data). Per arm a
 difference (arm - baseline), its t and bootstrap intervals, an exact sign-flip permutation p-value, Holm's
 correction over the arm's endpoints, and a verdict: "equivalent" (TOST inside the declared margin), "better" /
 "worse" (Holm-significant, by the endpoint's better direction), else "inconclusive". Baseline, endpoints, margins,
-cost model and alpha are read from the `analysis` section every run recorded (declared in the sweep file before
-the runs); the options below override them.
+cost model and alpha are those the sweep declared before its runs: the `analysis` section frozen in its
+`protocol.json` at launch (runs without one: the section every run recorded). The options below override them;
+the answer is then not the launch protocol's: the first note and verdict.json's `launch_protocol` say which keys
+were overridden and give the launch protocol's answer next to the overridden one.
 
 Duplicates. Two runs of one arm with one seed (the same sweep launched twice, a rerun in another folder, a run
 given both as its directory and as W&B run) are separate runs, not two seeds. By default compare refuses them, naming
@@ -72,8 +74,8 @@ from pathlib import Path
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.arms import DUPLICATE_POLICIES, MIXED_DIGEST_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
-from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_code_digest, recorded_protocol,
-                                         resolve_protocol)
+from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_code_digest, overridden_keys,
+                                         recorded_protocol, resolve_protocol, section_disagreements)
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
@@ -315,6 +317,41 @@ def protocol_note(recorded: dict | None, comparison, today) -> str:
     return note
 
 
+def launch_protocol(records, rules: int):
+    """The protocol declared before the runs (the sweep's protocol.json, else the runs' own sections), without the
+    command line; None when the runs declare different values and only the command line settles them."""
+    try:
+        return resolve_protocol(records, rules=rules)
+    except ValueError:
+        return None
+
+
+def override_text(overridden: dict) -> str:
+    """``--margins {...} (launch: {...})``, one term per overridden key."""
+    return "; ".join(f"--{key} {entry['applied']!r} (launch: {entry['launch']!r})"
+                     for key, entry in overridden.items())
+
+
+def override_note(overridden: dict, comparison, launch_comparison) -> str:
+    """The first note when the command line changed the launch protocol: which keys, and both answers."""
+    note = f"protocol overridden on the command line: {override_text(overridden)}; the answers are NOT the launch " \
+           "protocol's"
+    if comparison.verdict is not None or (launch_comparison is not None and launch_comparison.verdict is not None):
+        note += (f"; verdict with the overrides: {(comparison.verdict or {}).get('answer')}; the launch protocol's "
+                 f"verdict: {((launch_comparison.verdict if launch_comparison else None) or {}).get('answer')}")
+    return note
+
+
+def launch_protocol_entry(overridden: dict, comparison, launch_comparison) -> dict:
+    """verdict.json's ``launch_protocol``: whether the verdict is the launch protocol's; if not, the overridden keys
+    (launch and applied values) and both answers."""
+    if not overridden:
+        return {"applied": True}
+    launch_verdict = (launch_comparison.verdict if launch_comparison is not None else None) or {}
+    return {"applied": False, "overridden": overridden, "answer": launch_verdict.get("answer"),
+            "valid": launch_verdict.get("valid"), "overridden_answer": (comparison.verdict or {}).get("answer")}
+
+
 def verdict_protocol(recorded: dict | None, rules: int, today) -> dict:
     """verdict.json's ``protocol``: the rules version that judged it, whether it was recorded at launch (when, and
     the analysis code's digest then and now), and today's answer where today's rules differ."""
@@ -341,18 +378,28 @@ def _compare(args: argparse.Namespace) -> int:
         recorded = recorded_protocol(report.runs)
         rules = recorded["rules_version"] if recorded else RULES_VERSION
         protocol = resolve_protocol(report.runs, rules=rules, **options)
+        launch = launch_protocol(report.runs, rules)
+        overridden = overridden_keys(launch, protocol) if launch is not None else {}
         comparison = compare_records(report.runs, theta=args.theta, protocol=protocol, duplicates=args.duplicates,
                                      mixed_digests=args.mixed_digests)
+        launch_comparison = None
+        if overridden:   # the launch protocol's own answer, shown next to the overridden one
+            launch_comparison = compare_records(report.runs, theta=args.theta, protocol=launch,
+                                                duplicates=args.duplicates, mixed_digests=args.mixed_digests)
         today = None
         if rules != RULES_VERSION:   # judged as recorded; today's rules too, to show what they would say
             today = compare_records(report.runs, theta=args.theta, duplicates=args.duplicates,
                                     mixed_digests=args.mixed_digests,
                                     protocol=resolve_protocol(report.runs, rules=RULES_VERSION, **options))
+        disagreements = section_disagreements(report.runs, recorded, rules)
     except ValueError as error:
         raise Refused(str(error)) from error
-    comparison.notes.insert(0, protocol_note(recorded, comparison, today))
+    comparison.notes[0:0] = [protocol_note(recorded, comparison, today), *disagreements]
+    if overridden:
+        comparison.notes.insert(0, override_note(overridden, comparison, launch_comparison))
     if comparison.verdict is not None:
         comparison.verdict["protocol"] = verdict_protocol(recorded, protocol.rules, today)
+        comparison.verdict["launch_protocol"] = launch_protocol_entry(overridden, comparison, launch_comparison)
     compared = set(comparison.runs["run_id"])
     records = [record for record in report.runs if record.run_id in compared]  # less duplicates left out
 
@@ -372,6 +419,9 @@ def _compare(args: argparse.Namespace) -> int:
     if comparison.verdict is not None:
         print(f"\nverdict ({comparison.verdict['seeds']} seeds, protocol rules version {protocol.rules}): "
               f"{comparison.verdict['answer']}")
+        if overridden:
+            print(f"NOT the launch protocol's verdict ({override_text(overridden)}); the launch protocol answers: "
+                  f"{comparison.verdict['launch_protocol']['answer']}")
     if today is not None and today.verdict is not None and comparison.verdict is not None \
             and today.verdict["answer"] != comparison.verdict["answer"]:
         print(f"today's rules (version {RULES_VERSION}) would answer: {today.verdict['answer']}\n"

@@ -19,8 +19,8 @@ MASK id included: an id past the tokenizer's vocabulary that has a row in the ta
 
 Sources: the newest checkpoint of ``RUN_DIR/checkpoints`` (``CheckpointManager.load_latest`` of
 ``dflash_lab.checkpoint``; ``--checkpoint PATH`` for another one) and the model config of
-the checkpoint's own config (else ``RUN_DIR/.hydra/config.yaml``; the target's shape from its config.json or the tiny
-keys: no target weights).
+the checkpoint's own config (else the run's ``run_config.json``, or ``.hydra/config.yaml`` of an older run; the
+target's shape from its config.json or the tiny keys: no target weights).
 
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
@@ -96,16 +96,19 @@ def reference_config(draft_cfg: DraftConfig, target_config: Any, *, block_size: 
 
 
 def run_model_config(run_dir: Path, checkpoint: Mapping[str, Any]) -> dict:
-    """The run's ``model`` config: the checkpoint's own (the config its weights were trained with), else
-    ``.hydra/config.yaml`` (resolved; a later launch in the directory may have rewritten it)."""
+    """The run's ``model`` config: the checkpoint's own (the config its weights were trained with), else the run's
+    config record (``run_config.json``; ``.hydra/config.yaml`` for a run recorded before it)."""
     from omegaconf import OmegaConf
+
+    from dflash_lab.record import read_run_config
 
     if "model" in (checkpoint.get("config") or {}):
         return dict(checkpoint["config"]["model"])
-    path = run_dir / ".hydra" / "config.yaml"
-    if path.is_file():
-        return OmegaConf.to_container(OmegaConf.load(path).model, resolve=True)
-    raise ValueError(f"{run_dir}: neither .hydra/config.yaml nor a config in the checkpoint: not a run directory")
+    recorded = read_run_config(run_dir)
+    if "model" in recorded.config:
+        return OmegaConf.to_container(OmegaConf.create(recorded.config).model, resolve=True)
+    raise ValueError(f"{run_dir}: neither a config in the checkpoint nor a model section in run_config.json or "
+                     f".hydra/config.yaml: not a run directory")
 
 
 def run_mask_token_id(model_cfg: Mapping[str, Any], target_config: Any) -> int:

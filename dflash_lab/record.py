@@ -11,7 +11,10 @@ Run directory (names below are the only spelling of each file):
                             TAU_FIELDS
     presentations.parquet   one row per presentation of a training example: PRESENTATION_COLUMNS
     summary.json            final (or current) figures: SUMMARY_FIELDS first, then details
-    .hydra/config.yaml      the resolved config (written by Hydra)
+    run_config.json         the run's own config record: the resolved config, the task overrides and Hydra's files
+                            of the launch that last trained it (written by the run, under its lock, when a launch
+                            starts training; a launch that trains nothing never writes it): what analysis reads
+    .hydra/config.yaml      Hydra's record of the latest launch (put back to the run's when a launch trains nothing)
     checkpoints/            step_<N>.pt files and the `last.json` pointer (dflash_lab.checkpoint)
     train_rank<r>.log       one text log per rank
     wandb_run_id.txt        the W&B run id a continuation reuses
@@ -54,7 +57,8 @@ PROBES_FILE = "probes.jsonl"
 TAU_FILE = "tau.jsonl"
 PRESENTATIONS_FILE = "presentations.parquet"
 SUMMARY_FILE = "summary.json"
-CONFIG_FILE = ".hydra/config.yaml"
+RUN_CONFIG_FILE = "run_config.json"
+CONFIG_FILE = ".hydra/config.yaml"       # Hydra's, per launch: read only for runs recorded before RUN_CONFIG_FILE
 OVERRIDES_FILE = ".hydra/overrides.yaml"
 CHECKPOINT_DIR = "checkpoints"
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -62,6 +66,65 @@ WANDB_DIR = "wandb"
 DATA_SKIPPED_FILE = "data_skipped.jsonl"   # data=jsonl: every skipped line {line, reason, message} (run_records.py)
 RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE, TAU_FILE)
 """The files analysis reads (and that are attached to the W&B run at the end)."""
+
+
+@dataclass(frozen=True)
+class RecordedConfig:
+    """The config a run trained with, as its directory records it.
+
+    Attributes:
+        config: the resolved config (nested dict; ``{}`` when not recorded or unreadable).
+        overrides: the task overrides of the launch that trained it (None: not recorded).
+        source: where it was read: ``RUN_CONFIG_FILE``, ``CONFIG_FILE`` (a run recorded before the run kept its own
+            record) or ``""`` (neither).
+        problem: why nothing could be read (a missing or damaged file), else None.
+    """
+
+    config: dict[str, Any]
+    overrides: list[str] | None
+    source: str
+    problem: str | None = None
+
+
+def read_run_config(run_dir: Path | str) -> RecordedConfig:
+    """The run's own config record (``run_config.json``); for runs recorded before it existed, Hydra's per-launch
+    ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` (which a later launch in the directory may have rewritten).
+    Never raises: a damaged file becomes ``problem``.
+
+    Example:
+        >>> read_run_config("/nonexistent").problem
+        'no run_config.json or .hydra/config.yaml'
+    """
+    run_dir = Path(run_dir)
+    own = run_dir / RUN_CONFIG_FILE
+    if own.is_file():
+        try:
+            data = json.loads(own.read_text())
+        except (OSError, ValueError) as exc:
+            return RecordedConfig({}, None, RUN_CONFIG_FILE, f"could not read {RUN_CONFIG_FILE} ({exc})")
+        config = data.get("config") if isinstance(data, dict) else None
+        if not isinstance(config, dict):
+            return RecordedConfig({}, None, RUN_CONFIG_FILE, f"{RUN_CONFIG_FILE} holds no config object")
+        overrides = data.get("overrides")
+        return RecordedConfig(config, [str(o) for o in overrides] if isinstance(overrides, list) else None,
+                              RUN_CONFIG_FILE)
+    hydra_config = run_dir / CONFIG_FILE
+    if not hydra_config.is_file():
+        return RecordedConfig({}, None, "", f"no {RUN_CONFIG_FILE} or {CONFIG_FILE}")
+    import yaml
+
+    try:
+        config = yaml.safe_load(hydra_config.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        return RecordedConfig({}, None, CONFIG_FILE, f"could not read {CONFIG_FILE} ({type(exc).__name__}: {exc})")
+    overrides = None
+    try:
+        loaded = yaml.safe_load((run_dir / OVERRIDES_FILE).read_text())
+        overrides = [str(item) for item in loaded] if isinstance(loaded, list) else None
+    except (OSError, yaml.YAMLError):
+        pass
+    return RecordedConfig(config if isinstance(config, dict) else {}, overrides, CONFIG_FILE,
+                          None if isinstance(config, dict) else f"{CONFIG_FILE} holds no mapping")
 
 
 def rank_log_name(rank: int) -> str:

@@ -1,11 +1,16 @@
 """A run's directory, as the run that owns it sees it: who may write it, which records it holds, and what a launch
-that is refused leaves behind (nothing changed).
+that trains nothing leaves behind (nothing changed).
 
 - One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.run_lock`) before anything in it is opened.
-- Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` before the run starts. A launch refused before its loop
-  (a changed setting, other data, incomplete records) puts back the files of the checkpoint it would have resumed,
-  so the directory keeps describing the run that is in it; a running run rewrites its own if a refused launch
-  replaced them (:meth:`RunDirectory.keep_hydra_files`, at every checkpoint).
+- The run owns its config record, ``run_config.json`` (:data:`record.RUN_CONFIG_FILE`: the resolved config, the
+  launch's task overrides and Hydra's files of that launch), written under the lock when a launch starts training
+  (:meth:`RunDirectory.running`) and by nothing else: a launch refused by the lock, refused before its loop (a
+  changed setting, other data, incomplete records, a fresh start over an ended run) or with nothing to do (a
+  finished run) leaves it byte-identical. Analysis, export and the planner read it.
+- Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` before the run starts: they describe the latest launch. A
+  launch that trains nothing puts back the run's (those of the checkpoint it would have resumed, else those of
+  the run record), so the folder keeps describing the run in it; a running run rewrites its own if a launch
+  refused by the lock replaced them (:meth:`RunDirectory.keep_hydra_files`, at every checkpoint).
 - A fresh start over the records of a run that ended is refused unless ``overwrite=true``
   (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do not cover its checkpoint is refused
   (:func:`check_records_cover`).
@@ -47,6 +52,43 @@ def write_hydra_files(run_dir: Path, files: dict[str, str]) -> bool:
     return changed
 
 
+def launch_overrides(hydra_files: dict[str, str]) -> list[str] | None:
+    """The task overrides of a launch, from the text of its ``.hydra/overrides.yaml`` (None: not there).
+
+    Example:
+        >>> launch_overrides({"overrides.yaml": "- sampler=bucketed\\n- seed=1\\n"})
+        ['sampler=bucketed', 'seed=1']
+    """
+    import yaml
+
+    text = hydra_files.get("overrides.yaml")
+    if text is None:
+        return None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return [str(item) for item in loaded] if isinstance(loaded, list) else None
+
+
+def write_run_config(run_dir: Path, config: dict[str, Any], hydra_files: dict[str, str]) -> None:
+    """Write the run's config record (``run_config.json``): the resolved config it trains with, the task
+    overrides of this launch and this launch's ``.hydra`` files (atomic: a reader never sees half a file)."""
+    write_json_atomic(Path(run_dir) / record.RUN_CONFIG_FILE,
+                      {"config": json.loads(json.dumps(config, default=str)),
+                       "overrides": launch_overrides(hydra_files), "hydra_files": dict(hydra_files)})
+
+
+def recorded_hydra_files(run_dir: Path) -> dict[str, str]:
+    """The ``.hydra`` files of the launch that last trained the run, from its record (``{}``: none recorded)."""
+    try:
+        data = json.loads((Path(run_dir) / record.RUN_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    files = data.get("hydra_files") if isinstance(data, dict) else None
+    return {str(k): v for k, v in files.items() if isinstance(v, str)} if isinstance(files, dict) else {}
+
+
 class RunDirectory:
     """The run directory of one process of a run (rank 0 writes; other ranks only read).
 
@@ -77,16 +119,22 @@ class RunDirectory:
         """A checkpoint is being resumed: if this launch is refused before its loop, its ``.hydra`` files go back."""
         self._restore_on_refusal = dict(checkpoint_hydra_files or {})
 
-    def running(self) -> None:
-        """The loop starts: this launch's ``.hydra`` files are the run's from here on."""
+    def running(self, config: dict[str, Any]) -> None:
+        """The loop starts: this launch trains the run, so its config (``config``: the resolved config it trains
+        with), task overrides and ``.hydra`` files become the run's record (``run_config.json``, rank 0)."""
         self._restore_on_refusal = {}
         self.loop_started = True
+        if self.is_main:
+            write_run_config(self.path, config, self.launch_hydra_files)
 
     def restore_if_refused(self) -> None:
-        """This launch stops before its loop (or crashed in it before ``running``): restore the run's files."""
+        """This launch trains nothing (refused before its loop, crashed before ``running``, or nothing to do):
+        put back the run's ``.hydra`` files (the resumed checkpoint's, else the run record's). Its own record
+        (``run_config.json``) was never touched."""
         files, self._restore_on_refusal = self._restore_on_refusal, {}
-        if self.is_main and files:
-            write_hydra_files(self.path, files)
+        if not self.is_main or self.loop_started or self._lock is None:
+            return
+        write_hydra_files(self.path, files or recorded_hydra_files(self.path))
 
     def record_failure(self, error: BaseException) -> None:
         """After a crash or a refusal of this launch (rank 0, directory claimed), ``summary.json`` says so: the

@@ -121,6 +121,7 @@ def _train(settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, ho
         finished = directory.finished_summary(position.step)
         if finished is not None:
             log.info(f"run already finished at step {position.step}: nothing to do (summary.json unchanged)")
+            directory.restore_if_refused()   # trained nothing: the run's files stay the run's (.hydra put back)
             return finished
     run = start(settings, env, device, directory, log, checkpoints, state, parts, position, hooks, started)
     # ---- 3. the step loop ---------------------------------------------------------------------------------------
@@ -218,7 +219,8 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
           log: logging.Logger, checkpoints: ckpt.CheckpointManager, state: dict[str, Any] | None, parts: Components,
           position: Position, hooks: TrainHooks, started: float) -> Run:
     """Open the records (checked against the checkpoint), the evaluation and the checkpointer; write the
-    ``running`` summary; probe step 0 of a fresh run. From here on this launch's ``.hydra`` files are the run's."""
+    ``running`` summary; probe step 0 of a fresh run. From here on this launch's config is the run's
+    (``run_config.json``)."""
     position.totals.segments += 1
     ledger = record.TimeLedger(position.totals, start=started)   # this segment's wall time counts from its start
     run_id = load_or_create_run_id(directory.path, (state or {}).get("wandb_run_id")) if env.is_main else None
@@ -243,7 +245,7 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
              f"per epoch {list(plan.steps_per_epoch)}; running steps {position.step}..{plan.end_step} of "
              f"{plan.total_steps}")
     ledger.add("setup", time.perf_counter() - started)
-    directory.running()
+    directory.running(settings.config)   # the run's config record (run_config.json): this launch trains it
     records.summary("running", steps=position.step)
     parts.model.train()
     if position.step == 0:

@@ -1,14 +1,139 @@
 """Helpers shared by the tests (import as ``from helpers import ...``: tests/ is on sys.path).
 
-Chat data: the template fixtures (tests/fixtures/chat_templates/), a tiny fast byte-level tokenizer whose chat
-markers, <think> tags and Qwen3's tool tags are single tokens (nothing is downloaded), a local random Qwen3 saved
-with it (a ``model=hf`` target), and a JSONL writer.
+- Run directories made by hand in the docs/CONTRACTS.md layout (``write_run``), and the small training
+  configuration of the command-line tests (``SMALL``, ``run_cli``).
+- Chat data: the template fixtures (tests/fixtures/chat_templates/), a tiny fast byte-level tokenizer whose chat
+  markers, <think> tags and Qwen3's tool tags are single tokens (nothing is downloaded), a local random Qwen3 saved
+  with it (a ``model=hf`` target), and a JSONL writer.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A 2-layer target pretrained for a few steps (cached), 300 synthetic samples, a 1024-token budget: seconds per run.
+SMALL = [
+    "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
+    "++model.intermediate_size=128", "++model.pretrain_steps=20", "++model.pretrain_tokens_per_step=2048",
+    "++model.block_size=4", "++data.num_samples=300", "sampler.max_tokens=1024",
+    "trainer.num_threads=1", "trainer.progress=false", "model.decode_num_prompts=2", "model.decode_max_new_tokens=8",
+    "trainer.epochs=2", "probes.every=5", "probes.per_band=2",
+]
+
+
+def run_cli(*arguments: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m dflash_lab.train ARGUMENTS`` in a subprocess that imports this checkout's code."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "dflash_lab.train", *arguments], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+BANDS = [0, 96, 216, 1024]
+
+
+def write_run(
+    run_dir: Path,
+    sampler: str,
+    seed: int,
+    *,
+    steps: int = 120,
+    summary: bool = True,
+    probes: bool = True,
+    presentations: bool = True,
+    drop_fields: tuple[str, ...] = (),
+    torn_tail: bool = False,
+    settings: dict | None = None,
+    analysis: dict | None = None,
+    effects: dict | None = None,
+    status: str = "finished",
+    run_record: bool = False,
+) -> Path:
+    """A small run directory in the docs/CONTRACTS.md format (a test fixture, not a result).
+
+    settings: dotted key -> value, recorded in .hydra/config.yaml and as Hydra task overrides (a swept key);
+    analysis: the run's `analysis` config section; effects: column -> value added to every logged loss /
+    probe loss / summary figure, to plant a difference between arms; status: summary.json's status; run_record:
+    also write the run's own config record (run_config.json), as the trainer does since it keeps one.
+    """
+    rng = np.random.default_rng(seed + 100 * len(sampler))
+    effects = effects or {}
+    run_dir.mkdir(parents=True)
+    (run_dir / ".hydra").mkdir()
+    config = {"sampler": {"name": sampler, "max_tokens": 4096}, "seed": seed, "experiment": "test_ablation",
+              "run_dir": "${hydra:runtime.output_dir}", "data": {"num_samples": 160}}
+    for key, value in (settings or {}).items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    if analysis is not None:
+        config["analysis"] = analysis
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    overrides = [f"sampler={sampler}", f"seed={seed}", "data.num_samples=160"]
+    overrides += [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                  for key, value in (settings or {}).items()]
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if run_record:
+        (run_dir / "run_config.json").write_text(json.dumps({"config": config, "overrides": overrides}))
+    rows = []
+    for step in range(1, steps + 1):
+        mean_len = float(rng.uniform(30, 600))
+        row = {
+            "step": step, "epoch": (step - 1) // (steps // 3), "loss": 3.0 * math.exp(-step / 20) + 1.0
+            + 0.05 * rng.standard_normal() + effects.get("final_loss", 0.0), "acc": min(0.9, step / steps),
+            "lr": 6e-4, "grad_norm": 1.0, "real_tokens": 3000, "padded_tokens": 4000, "pad_eff": 0.75,
+            "batch_size": 8, "max_len": int(mean_len * 1.3), "mean_len": mean_len, "bucket": int(rng.integers(0, 3)),
+            "attn_tokens": 10, "step_time_s": 0.1, "compute_time_s": 0.09, "ktok_s": 30.0 + rng.uniform(-1, 1),
+            "eta_s": 0.1 * (steps - step),
+        }
+        rows.append({k: v for k, v in row.items() if k not in drop_fields})
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if torn_tail:
+        text += '{"step": 999, "loss": 1.'  # the line a crash cut off
+    (run_dir / "metrics.jsonl").write_text(text)
+    if probes:
+        probe_rows = []
+        for step in range(0, steps + 1, 5):
+            for band in range(len(BANDS) - 1):
+                probe_rows.append({
+                    "step": step, "band": band, "band_lo": BANDS[band], "band_hi": BANDS[band + 1],
+                    "loss": 3.0 - 0.01 * step + 0.05 * rng.standard_normal() + effects.get("probe_loss", 0.0),
+                    "acc": min(1.0, 0.1 + 0.004 * step + 0.05 * rng.standard_normal()), "tokens": 64,
+                })
+        (run_dir / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe_rows))
+    if presentations:
+        records = []
+        for epoch in range(3):
+            for sample in range(40):
+                length = int(rng.integers(20, 900))
+                records.append({
+                    "sample_index": sample, "epoch": epoch, "step": epoch * (steps // 3) + sample + 1,
+                    "length": length, "band": int(np.searchsorted(BANDS, length, side="left") - 1),
+                    "acc": float(rng.uniform(0, 1)),
+                })
+        pd.DataFrame(records).to_parquet(run_dir / "presentations.parquet")
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({
+            "sampler": sampler, "seed": seed, "steps": steps, "epochs": 3,
+            "ktok_s": 30.0 + effects.get("ktok_s", 0.0) + 0.1 * seed, "pad_eff": 0.75, "eta_s": 0.0,
+            "full_run_eta_s": 12.0, "final_loss": rows[-1]["loss"], "final_acc": 0.9, "tau": 2.5,
+            "tau_band_min": 2.1, "tau_band_mean": 2.4, "tau_baseline": 1.1, "overhead_frac": 0.03, "world_size": 1,
+            "status": status,
+        }))
+    return run_dir
+
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN3, LLAMA3 = TEMPLATES / "qwen3_style.jinja", TEMPLATES / "llama3_style.jinja"

@@ -156,7 +156,9 @@ def test_runs_of_different_arms_or_seeds_are_not_duplicates(sweep, tmp_path):
     write_run(tmp_path / "runs" / "more" / "0_bucketed_s2", "bucketed", 2, steps=60)
     write_run(tmp_path / "runs" / "more" / "1_packed_s0", "packed", 0, steps=60)
     comparison = compare_records(load_runs([sweep, tmp_path / "runs" / "more"]).runs)
-    assert len(comparison.runs) == 6 and not comparison.notes
+    # not duplicates; the one note says that bucketed pools the seeds of two launches (issue 23, item 11)
+    assert len(comparison.runs) == 6 and len(comparison.notes) == 1
+    assert comparison.notes[0].startswith("arm 'bucketed' pools the runs of 2 launches")
 
 
 # -------------------------------------------------------------------------------------------- one-line refusals

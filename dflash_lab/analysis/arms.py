@@ -1,7 +1,8 @@
 """Arms: the settings a sweep compares, the baseline arm, and the strata inside which arms are paired.
 
 Swept keys. A run's setting is its sampler plus every key the sweep varied, read from the run's recorded Hydra
-overrides (`.hydra/overrides.yaml`; a W&B run's config key `overrides` when the trainer logged it). The seed is not a
+overrides (the run's `run_config.json`, else `.hydra/overrides.yaml` of a run recorded before it; a W&B run's config
+key `overrides` when the trainer logged it). The seed is not a
 key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch details, not settings. A key whose
 value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
 a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
@@ -26,6 +27,10 @@ an error asking for a more specific selector. A stratum with no matching arm has
 Duplicates. Two runs of one arm with one seed are two separate runs (the same sweep launched twice, a rerun in
 another folder, a run read both from its directory and from W&B), not two seeds: `drop_duplicate_runs` refuses them
 by default, naming both runs, or keeps one (`--duplicates=latest|first`) and notes which.
+
+Pooled launches. Runs of one arm from several launches (sweep folders of local runs, W&B groups) are pooled as seeds
+of that arm (seeds added by a second launch are legitimate replicates), never silently: `pooled_launch_notes` names
+each launch and its seeds.
 
 Digests. Every run records what it trained against: `target_digest` (the target's weights) and `data_digest` (the
 training data's content) in summary.json (W&B: `final/target_digest`, `final/data_digest`). A batching policy
@@ -53,6 +58,7 @@ import pandas as pd
 import yaml
 
 from dflash_lab.analysis.schema import RunRecord
+from dflash_lab.record import CONFIG_FILE, RUN_CONFIG_FILE, read_run_config
 
 SEED_KEY = "seed"
 NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume", "resolved")
@@ -62,21 +68,19 @@ UNSET = "(unset)"
 
 # ------------------------------------------------------------------------------------------------- overrides
 def read_overrides(run_dir: Path | str) -> list[str] | None:
-    """The task overrides Hydra recorded for a run (`.hydra/overrides.yaml`), or None without that file.
+    """The task overrides of the launch that trained a run: its `run_config.json`, else (a run recorded before it)
+    `.hydra/overrides.yaml`; None when neither records them.
 
     Example:
         >>> read_overrides("/nonexistent") is None
         True
     """
-    path = Path(run_dir) / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return None
-    loaded = yaml.safe_load(path.read_text())
-    return [str(item) for item in loaded] if isinstance(loaded, list) else None
+    return read_run_config(run_dir).overrides
 
 
 def recorded_overrides(record: RunRecord) -> list[str] | None:
-    """record.overrides, else a local run's .hydra/overrides.yaml, else the config key `overrides`, else None."""
+    """record.overrides, else a local run's recorded overrides (`read_overrides`), else the config key
+    `overrides`, else None."""
     if record.overrides is not None:
         return record.overrides
     if record.source == "local":
@@ -163,6 +167,24 @@ def config_value(config: dict, key: str) -> Any:
             raise KeyError(key)
         node = node[part]
     return node
+
+
+def config_values(records: list[RunRecord], key: str) -> set[str]:
+    """The values (`format_value` text) the runs hold at a dotted config key; empty when no run has it.
+
+    Example:
+        >>> config_values([RunRecord("r", "local", "/r", config={"data": {"band_skills": "aligned"}})],
+        ...               "data.band_skills")
+        {'aligned'}
+    """
+    values = set()
+    for record in records:
+        try:
+            values.add(format_value(config_value(record.config, key)))
+        except KeyError:
+            if key == "sampler" and record.sampler:
+                values.add(record.sampler)
+    return values
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -443,7 +465,9 @@ DUPLICATE_POLICIES = ("error", "latest", "first")
 
 def written_at(record: RunRecord) -> float:
     """When a run last wrote its files: a local run's newest summary.json / metrics.jsonl / probes.jsonl /
-    .hydra/config.yaml modification time, a W&B run's summary `_timestamp`; NaN when unknown.
+    run_config.json modification time (`.hydra/config.yaml` for a run recorded before run_config.json: Hydra
+    rewrites it at every launch, even one that trains nothing), a W&B run's summary `_timestamp`; NaN when
+    unknown.
 
     Example:
         >>> written_at(RunRecord("r", "wandb", "x", summary={"_timestamp": 1700000000.5}))
@@ -452,8 +476,8 @@ def written_at(record: RunRecord) -> float:
         nan
     """
     if record.source == "local":
-        times = [path.stat().st_mtime for name in ("summary.json", "metrics.jsonl", "probes.jsonl",
-                                                   ".hydra/config.yaml")
+        config_file = RUN_CONFIG_FILE if (Path(record.location) / RUN_CONFIG_FILE).is_file() else CONFIG_FILE
+        times = [path.stat().st_mtime for name in ("summary.json", "metrics.jsonl", "probes.jsonl", config_file)
                  if (path := Path(record.location) / name).is_file()]
         return max(times) if times else float("nan")
     stamp = record.summary.get("_timestamp")
@@ -524,6 +548,47 @@ launched twice, or a rerun), not two seeds: pass only one of them, give reruns d
                      f"({', '.join(records[i].location for i in indices)}); kept {records[keep].location}, "
                      f"left out {', '.join(left_out)} (--duplicates={policy})")
     return [record for index, record in enumerate(records) if index not in dropped], notes
+
+
+# ------------------------------------------------------------------------------------------ pooled launches
+def launch_of(record: RunRecord) -> str:
+    """The launch a run came from: a local run's parent folder (its sweep folder), a W&B run's group.
+
+    Example:
+        >>> launch_of(RunRecord("r", "local", "/m/sweep_a/0_bucketed_s0"))
+        '/m/sweep_a'
+    """
+    if record.source == "local":
+        return str(Path(record.location).parent)
+    return str(record.group or record.source)
+
+
+def pooled_launch_notes(records: list[RunRecord], labels: pd.Series) -> list[str]:
+    """One note per arm whose runs come from more than one launch (two sweep folders, two W&B groups): their seeds
+    are pooled as replicates of one arm. That is allowed (seeds added by a second launch, a rerun of the failed
+    ones), so it is not refused, but it is never silent: the note names each launch and its seeds.
+
+    Example:
+        >>> runs = [RunRecord(f"r{i}", "local", f"/m/{folder}/run{i}", config={"seed": i})
+        ...         for i, folder in enumerate(["a", "a", "b"])]
+        >>> pooled_launch_notes(runs, pd.Series(["bucketed"] * 3, index=["r0", "r1", "r2"]))
+        ["arm 'bucketed' pools the runs of 2 launches (/m/a: seeds 0 1; /m/b: seed 2) as seeds of one arm: \
+compare them apart if the launches differ in something the runs do not record (code version, machine)"]
+    """
+    by_arm: dict[str, dict[str, list[str]]] = {}
+    for record in records:
+        seed = "?" if record.seed is None else str(record.seed)
+        by_arm.setdefault(str(labels.get(record.run_id)), {}).setdefault(launch_of(record), []).append(seed)
+    notes = []
+    for arm, launches in by_arm.items():
+        if len(launches) < 2:
+            continue
+        listing = "; ".join(f"{launch}: seed{'s' if len(seeds) > 1 else ''} {' '.join(seeds)}"
+                            for launch, seeds in launches.items())
+        notes.append(f"arm '{arm}' pools the runs of {len(launches)} launches ({listing}) as seeds of one arm: "
+                     "compare them apart if the launches differ in something the runs do not record (code version, "
+                     "machine)")
+    return notes
 
 
 # --------------------------------------------------------------------------------------------------- digests

@@ -1,6 +1,9 @@
 """Load local run directories (docs/CONTRACTS.md layout) into `RunRecord`s.
 
-A path is a run directory when it holds `metrics.jsonl` or `.hydra/config.yaml`. Any other directory is searched
+A path is a run directory when it holds `metrics.jsonl`, `run_config.json` or `.hydra/config.yaml`. A run's config is
+its own record, `run_config.json` (written by the run when a launch trains it); Hydra's per-launch
+`.hydra/config.yaml` (which a later launch that trained nothing may have rewritten) is read only for runs recorded
+before that file existed. Any other directory is searched
 for run directories below it (a multirun folder expands to its runs; the search does not descend into a run).
 Nothing here raises on bad input: problems become `RunRecord.messages` or `LoadReport.problems`.
 """
@@ -23,7 +26,7 @@ from dflash_lab.analysis.schema import (
     conform,
 )
 
-RUN_MARKERS = ("metrics.jsonl", ".hydra/config.yaml")
+RUN_MARKERS = ("metrics.jsonl", record.RUN_CONFIG_FILE, ".hydra/config.yaml")
 
 
 @dataclass
@@ -35,7 +38,7 @@ class LoadReport:
 
 
 def is_run_dir(path: Path) -> bool:
-    """True when `path` holds metrics.jsonl or .hydra/config.yaml.
+    """True when `path` holds metrics.jsonl, run_config.json or .hydra/config.yaml.
 
     Example:
         >>> is_run_dir(Path("/nonexistent"))
@@ -111,18 +114,14 @@ def _numeric_problems(frame: pd.DataFrame, label: str) -> str | None:
 
 
 def read_config(run_dir: Path) -> tuple[dict, str | None]:
-    """The resolved Hydra config of a run as a plain dict ({} and a message if missing or unreadable)."""
-    path = run_dir / ".hydra" / "config.yaml"
-    if not path.is_file():
-        return {}, "no .hydra/config.yaml: sampler and seed come from summary.json only"
-    try:
-        from omegaconf import OmegaConf
-
-        loaded = OmegaConf.load(path)
-        # resolve=False: interpolations such as ${hydra:...} cannot resolve outside a Hydra app
-        return OmegaConf.to_container(loaded, resolve=False), None  # type: ignore[return-value]
-    except Exception as exc:  # noqa: BLE001 - a broken config must not stop the comparison
-        return {}, f"could not read .hydra/config.yaml ({type(exc).__name__}: {exc})"
+    """The resolved config of a run as a plain dict: its own `run_config.json`, else (runs recorded before it
+    existed) `.hydra/config.yaml`; ({} and a message if missing or unreadable)."""
+    recorded = record.read_run_config(run_dir)
+    if recorded.problem:
+        if not recorded.source:
+            return {}, "no run_config.json or .hydra/config.yaml: sampler and seed come from summary.json only"
+        return {}, recorded.problem
+    return recorded.config, None
 
 
 # Step columns that runs of earlier versions lack and no comparison figure needs: not worth a note.
@@ -143,7 +142,7 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     """Read one run directory into a RunRecord; never raises for missing or damaged files.
 
     Args:
-        run_dir: a directory holding metrics.jsonl and/or .hydra/config.yaml (see `is_run_dir`).
+        run_dir: a directory holding metrics.jsonl and/or its config record (see `is_run_dir`).
 
     Returns:
         RunRecord with source "local"; `messages` lists what was missing (summary.json, probes, ...).
@@ -233,7 +232,8 @@ def load_local_paths(paths: list[Path | str]) -> LoadReport:
         run_dirs = find_run_dirs(path)
         if not run_dirs:
             report.problems.append(
-                f"{raw}: not a run directory (no metrics.jsonl or .hydra/config.yaml) and holds no run directories"
+                f"{raw}: not a run directory (no metrics.jsonl, run_config.json or .hydra/config.yaml) and holds "
+                "no run directories"
             )
             continue
         for run_dir in run_dirs:

@@ -22,7 +22,10 @@ analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline
     seeds_needed      the fewest seed pairs whose mdd is at most the declared margin, with this sd(d) (NaN without a
                       margin)
     p_tost            two one-sided paired t-tests of |true diff| < margin: max(P(T >= (diff + m)/se),
-                      P(T <= (diff - m)/se)), T ~ t_(n-1); p_tost_holm: Holm over the endpoints with a margin
+                      P(T <= (diff - m)/se)), T ~ t_(n-1); p_tost_holm: Holm over the endpoints with a margin.
+                      NaN when every pair differs by the same amount (sd(d) = 0: a zero-width interval): a
+                      measurement that does not vary with the seed (e.g. tau identical on every seed) is no evidence
+                      of equivalence, so it is never "equivalent" (a note names it)
     verdict           "equivalent" if a margin was declared and p_tost_holm < alpha (the difference is inside the
                       margin declared irrelevant before the runs); else "better" / "worse" if p_holm < alpha, by the
                       sign of diff and the endpoint's better direction (schema.BETTER); else "inconclusive"
@@ -210,22 +213,35 @@ def holm(p_values) -> np.ndarray:
     return adjusted
 
 
+def zero_spread(diffs) -> bool:
+    """Every difference equal up to rounding (sd(d) = 0): a zero-width interval.
+
+    Example:
+        >>> zero_spread([0.2, 0.2, 0.2]), zero_spread([0.2, 0.3])
+        (True, False)
+    """
+    d = _clean(diffs)
+    return d.size >= 2 and float(np.ptp(d)) <= 1e-12 * max(float(np.abs(d).max()), 1.0)
+
+
 def tost_p_value(diffs, margin: float) -> float:
-    """Paired TOST p-value of |true mean difference| < margin (t-based); NaN with fewer than 2 differences.
+    """Paired TOST p-value of |true mean difference| < margin (t-based); NaN with fewer than 2 differences, and
+    when the differences do not vary (zero variance is no evidence of equivalence: the measurement does not
+    resolve the seeds).
 
     Example:
         >>> round(tost_p_value([0.01, -0.02, 0.0, 0.01, 0.02], margin=0.1), 6) < 0.001
         True
         >>> tost_p_value([0.5, 0.6, 0.7], margin=0.1) > 0.5
         True
+        >>> tost_p_value([0.0, 0.0, 0.0, 0.0, 0.0], margin=0.1)   # identical on every seed: no test
+        nan
     """
     d = _clean(diffs)
-    if d.size < 2 or not np.isfinite(margin):
+    if d.size < 2 or not np.isfinite(margin) or zero_spread(d):
         return float("nan")
     se = d.std(ddof=1) / np.sqrt(d.size)
     mean = d.mean()
-    if se == 0:
-        return 0.0 if abs(mean) < margin else 1.0
     df = d.size - 1
     p_lower = stats.t.sf((mean + margin) / se, df)  # H0: diff <= -margin
     p_upper = stats.t.cdf((mean - margin) / se, df)  # H0: diff >= +margin
@@ -295,6 +311,10 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
                 continue  # e.g. loop_score of a shuffled order: NaN by definition, nothing to compare
             diffs = (pairs["arm"] - pairs["baseline"]).to_numpy()
             margin = margins.get(endpoint, float("nan"))
+            if np.isfinite(margin) and zero_spread(diffs):
+                notes.append(f"{arm}, {endpoint}: every one of the {diffs.size} seed pairs differs by exactly "
+                             f"{float(diffs[0]):+.4g} (zero variance): no spread is no evidence of equivalence, so "
+                             f"the margin {margin:g} is not tested (the endpoint does not vary with the seed)")
             ci_low, ci_high = t_interval(diffs, alpha)
             boot_low, boot_high = bootstrap_interval(diffs, alpha)
             family.append({

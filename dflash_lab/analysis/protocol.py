@@ -19,15 +19,21 @@ seeing them:
       verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
                                 # the ablation's verdict.json (analysis.verdict); null: no verdict
 
-Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
---cost, --alpha, --test, --window). Runs that declare different values for a key not given on the command line are an
-error (they belong to different sweeps).
-
 Frozen at launch: a multirun writes `protocol.json` into its sweep folder before any run starts
 (:func:`record_protocol`, the `record_protocol` Hydra callback of conf/train.yaml): the declared section, every key
 as it resolves, the rules version (:data:`RULES_VERSION`) and a digest of the analysis code. `compare` judges the
-sweep by the recorded rules; when today's rules answer differently it prints both and names the rules that changed
-(:data:`RULE_CHANGES`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
+sweep by that record: the section it declared (margins, endpoints, baseline, ...) under the recorded rules, never
+the runs' own config files (which a later launch may have edited); when today's rules answer differently it prints
+both and names the rules that changed (:data:`RULE_CHANGES`). Runs without a `protocol.json` (single runs, W&B
+runs, sweeps launched before protocols were recorded) are judged by the `analysis` sections they recorded, which
+must agree (runs that declare different values for a key not given on the command line are an error: they belong
+to different sweeps). A `protocol.json` that cannot be read or lacks its rules version is refused in one line.
+
+Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
+--cost, --alpha, --test, --window). An override that changes the launch protocol is allowed, but the answer is
+then not the launch protocol's: compare judges the runs both ways, the first note says which keys were overridden
+and what the launch protocol answers, and verdict.json's `launch_protocol` holds both answers
+(:func:`overridden_keys`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
 the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration), and
 whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict).
 """
@@ -261,18 +267,20 @@ verdict, window
 
 
 def resolve_protocol(records: list[RunRecord], rules: int | None = None, **command_line: Any) -> Protocol:
-    """The protocol of a set of runs: each key from the command line if given (not None), else from the runs'
-    recorded `analysis` sections, which must agree, else the default of the rules version.
+    """The protocol of a set of runs: each key from the command line if given (not None), else from the section
+    the sweep declared in its `protocol.json` (frozen at launch, :func:`recorded_protocol`), else (no such record)
+    from the runs' recorded `analysis` sections, which must agree, else the default of the rules version.
 
     Args:
-        records: the loaded runs (their `config["analysis"]`).
+        records: the loaded runs (their sweep folder's `protocol.json`, else their `config["analysis"]`).
         rules: the rules version to judge by; None: the one the sweep recorded at launch (:func:`recorded_protocol`),
             else today's (:data:`RULES_VERSION`).
         command_line: baseline / endpoints / margins / cost / alpha / test / window as given to compare (None: not
             given).
 
     Raises:
-        ValueError: a bad value (naming analysis.<key>), or runs that declare different values for a key.
+        ValueError: a bad value (naming analysis.<key>), runs that declare different values for a key, or a
+            `protocol.json` that cannot be read.
 
     Example:
         >>> run = RunRecord("r", "local", "/r", config={"analysis": {"baseline": "full_random"}})
@@ -282,11 +290,14 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
 test='t', window=0.25, rules=4)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
+    recorded = recorded_protocol(records)
     if rules is None:
-        recorded = recorded_protocol(records)
         rules = recorded["rules_version"] if recorded else RULES_VERSION
-    declared = [(record.run_id, protocol_from_section(record.config.get("analysis"), rules)) for record in records
-                if record.config.get("analysis") is not None]
+    if recorded is not None:   # frozen at launch: the sweep's declaration, not what the runs' files say now
+        declared = [(PROTOCOL_FILE, protocol_from_section(recorded.get("declared"), rules))]
+    else:
+        declared = [(record.run_id, protocol_from_section(record.config.get("analysis"), rules))
+                    for record in records if record.config.get("analysis") is not None]
     chosen: dict[str, Any] = {}
     for key in PROTOCOL_KEYS:
         if command_line.get(key) is not None:
@@ -353,7 +364,8 @@ def recorded_protocol(records: list[RunRecord]) -> dict[str, Any] | None:
     recorded one (sweeps launched before protocols were recorded, single runs, W&B runs).
 
     Raises:
-        ValueError: runs of sweeps that recorded different protocols.
+        ValueError: runs of sweeps that recorded different protocols, or a ``protocol.json`` that is not JSON,
+            lacks its rules version or holds a declaration that is not a mapping (one line, with the fix).
     """
     import json
 
@@ -363,7 +375,7 @@ def recorded_protocol(records: list[RunRecord]) -> dict[str, Any] | None:
             continue
         path = Path(record.location).parent / PROTOCOL_FILE
         if path.is_file() and str(path) not in found:
-            found[str(path)] = (record.run_id, json.loads(path.read_text()))
+            found[str(path)] = (record.run_id, check_recorded_protocol(path))
     if not found:
         return None
     kinds = {json.dumps({k: v for k, v in data.items() if k not in ("recorded_at",)}, sort_keys=True, default=str):
@@ -372,3 +384,94 @@ def recorded_protocol(records: list[RunRecord]) -> dict[str, Any] | None:
         raise ValueError(f"the runs come from sweeps that recorded different protocols ({', '.join(kinds.values())})"
                          f": compare one sweep at a time")
     return next(iter(found.values()))[1]
+
+
+def check_recorded_protocol(path: Path) -> dict[str, Any]:
+    """A sweep's ``protocol.json``, read and checked: a JSON object with a known ``rules_version`` and a
+    ``declared`` mapping (or none).
+
+    Raises:
+        ValueError: one line naming the file, what is wrong and the fix.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / PROTOCOL_FILE
+        >>> _ = path.write_text('{"declared": {}}')
+        >>> check_recorded_protocol(path)
+        Traceback (most recent call last):
+        ...
+        ValueError: .../protocol.json holds no rules_version: it was edited or cut; restore it from a copy of ...
+    """
+    import json
+
+    fix = ("restore it from a copy of the sweep folder, or move it away to judge the runs by their own recorded "
+           "analysis sections and today's rules")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be read as JSON ({exc}): {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds {type(data).__name__}, not the protocol object: {fix}")
+    version = data.get("rules_version")
+    if version is None:
+        raise ValueError(f"{path} holds no rules_version: it was edited or cut; {fix}")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in RULES:
+        raise ValueError(f"{path}: rules_version {version!r} is unknown to this dflash_lab (it knows "
+                         f"{', '.join(map(str, RULES))}): compare the sweep with the dflash_lab version that ran it, "
+                         f"or {fix}")
+    if data.get("declared") is not None and not isinstance(data["declared"], Mapping):
+        raise ValueError(f"{path}: declared is {data['declared']!r}, not the analysis section: {fix}")
+    return data
+
+
+def _plain(value: Any) -> Any:
+    """A protocol value as JSON holds it (tuples as lists)."""
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def overridden_keys(launch: Protocol, applied: Protocol) -> dict[str, dict[str, Any]]:
+    """The protocol keys whose applied value differs from the launch protocol's (given on the command line):
+    key -> {"launch": value, "applied": value}; {} when the launch protocol is the one applied.
+
+    Example:
+        >>> overridden_keys(Protocol(margins={"jumpiness": 0.01}), Protocol(margins={"jumpiness": 1.0}))
+        {'margins': {'launch': {'jumpiness': 0.01}, 'applied': {'jumpiness': 1.0}}}
+    """
+    return {key: {"launch": _plain(getattr(launch, key)), "applied": _plain(getattr(applied, key))}
+            for key in PROTOCOL_KEYS if getattr(launch, key) != getattr(applied, key)}
+
+
+def section_disagreements(records: list[RunRecord], recorded: Mapping[str, Any] | None, rules: int) -> list[str]:
+    """The runs whose own recorded `analysis` section differs from the sweep's ``protocol.json`` (edited after the
+    launch, or launched with other values): one line per key, naming the runs. ``protocol.json`` applies.
+
+    Example:
+        >>> runs = [RunRecord("r", "local", "/r", config={"analysis": {"margins": {"jumpiness": 1.0}}})]
+        >>> section_disagreements(runs, {"declared": {"margins": {"jumpiness": 0.01}}}, RULES_VERSION)
+        ["analysis.margins of run(s) r ({'jumpiness': 1.0}) differs from the sweep's protocol.json \
+({'jumpiness': 0.01}): protocol.json, frozen at launch, applies"]
+    """
+    if recorded is None:
+        return []
+    launch = protocol_from_section(recorded.get("declared"), rules)
+    differing: dict[str, dict[str, list[str]]] = {}
+    for record in records:
+        section = record.config.get("analysis")
+        if section is None:
+            continue
+        try:
+            own = protocol_from_section(section, rules)
+        except ValueError:
+            continue
+        for key in PROTOCOL_KEYS:
+            if getattr(own, key) != getattr(launch, key):
+                differing.setdefault(key, {}).setdefault(repr(_plain(getattr(own, key))), []).append(record.run_id)
+    lines = []
+    for key, values in differing.items():
+        for text, run_ids in values.items():
+            shown = ", ".join(run_ids[:5]) + (f" and {len(run_ids) - 5} more" if len(run_ids) > 5 else "")
+            lines.append(f"analysis.{key} of run(s) {shown} ({text}) differs from the sweep's protocol.json "
+                         f"({_plain(getattr(launch, key))!r}): protocol.json, frozen at launch, applies")
+    return lines

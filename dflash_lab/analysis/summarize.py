@@ -402,6 +402,7 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
             sweep = arms_module.sweep_of(records)
             labels = sweep.values.apply(arms_module.arm_label, axis=1)
         digest_notes = arms_module.check_digests(records, sweep, mixed_digests)
+        notes += arms_module.pooled_launch_notes(records, labels)
         settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
         swept = ["sampler", *settings.columns]
         if protocol.baseline:
@@ -420,21 +421,54 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
     paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
+    left_out: list[dict] = []
     if pairing is not None:
         runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
-        paired, paired_notes = paired_table(runs, pairing.arms, protocol.endpoints, protocol.margins, protocol.alpha,
-                                            test=protocol.test)
+        left_out = left_out_runs(records, runs)   # paired statistics and the verdict: finished runs only
+        finished = runs[runs["status"] == "finished"]
+        paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, protocol.margins,
+                                            protocol.alpha, test=protocol.test)
         notes += pairing.notes + paired_notes
+        if left_out:
+            notes.append("paired comparisons and the verdict use finished runs only; left out: " + "; ".join(
+                f"{entry['run']} ({entry['arm']} seed {entry['seed']}): {entry['reason']}" for entry in left_out))
     bands, cross = _long_tables(analyses, runs)
     verdict = None
-    if protocol.verdict and pairing is not None and not paired.empty:
+    if protocol.verdict and pairing is not None:
         try:
             verdict = build_verdict(runs, paired, protocol.verdict, small_answer=RULES[protocol.rules]["small"],
-                                    state_costs=RULES[protocol.rules]["costs"])
-        except ValueError as error:  # e.g. a sweep still running: its controls have no runs yet
+                                    state_costs=RULES[protocol.rules]["costs"], left_out=left_out,
+                                    baselines=pairing.arms["baseline"].to_dict(),
+                                    config_values=lambda key: arms_module.config_values(records, key))
+        except ValueError as error:  # a selector that matches several arms, or names a key no run has
             notes.append(f"verdict.json not written: {error}")
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
                       curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict)
+
+
+def left_out_reason(record: RunRecord) -> str:
+    """Why a run that did not finish is left out of paired statistics (its status, and its error if recorded).
+
+    Example:
+        >>> left_out_reason(RunRecord("r", "local", "/r", summary={"status": "failed", "error": "loss is nan"}))
+        'failed: loss is nan'
+        >>> left_out_reason(RunRecord("r", "local", "/r"))
+        'no summary.json: crashed, killed or still running'
+    """
+    status = record.status
+    if status == "failed":
+        error = str(record.summary.get("error") or "no error recorded")
+        return f"failed: {error[:200]}{'...' if len(error) > 200 else ''}"
+    return {"no_summary": "no summary.json: crashed, killed or still running",
+            "running": "status running: killed, or still running",
+            "preempted": "preempted: its requeued job has not finished"}.get(status, f"status {status}")
+
+
+def left_out_runs(records: list[RunRecord], runs: pd.DataFrame) -> list[dict]:
+    """The runs that did not finish (status other than finished): run, arm, seed, status and why, in run order."""
+    arm_of = dict(zip(runs["run_id"], runs["arm"]))
+    return [{"run": record.run_id, "arm": arm_of.get(record.run_id), "seed": record.seed, "status": record.status,
+             "reason": left_out_reason(record)} for record in records if record.status != "finished"]
 
 
 def _window_start_index(window: float | str, step: np.ndarray | None, summary: dict) -> int | None:

@@ -11,7 +11,8 @@ analysis.protocol.check_verdict):
         question: sampler=bucketed,sampler.run_length=1,data.band_skills=aligned
 
 Each role is an arm selector (analysis.arms.parse_selector) that must match exactly one arm; its rows come from the
-paired table (paired.PAIRED_COLUMNS: arm minus its stratum's baseline, seed by seed).
+paired table (paired.PAIRED_COLUMNS: arm minus its stratum's baseline, seed by seed), which holds finished runs
+only: a failed, killed or still running run is never a seed (`left_out` names each, with why).
 
 Rules (alpha from the protocol, intervals are the paired t intervals):
     detected (positive control)   the interval of the primary endpoint excludes 0 on the worse side: the planted
@@ -42,6 +43,12 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   residual_amplitude over every run (all arms, seeds), its correlation r, and the
                                   residual-amplitude margin the declared tau_band_min margin implies
                                   (margin_tau / |slope|), to set against the declared amplitude margin
+    left_out, missing             the runs left out (not finished: run, arm, seed, status, why) and the seeds the
+                                  roles' pairs lack, each named with its arm and cause (`missing_seeds`)
+    missing arm                   a role whose selector matches no loaded run: "inconclusive", naming the missing
+                                  arm (a selector matching several arms, or a key no run has, is refused)
+    too few pairs                 a role with fewer than 2 finished seed pairs has no interval: "inconclusive: too
+                                  few finished seed pairs", naming the role, never an interval of NaN
 
 Cost: a few table lookups.
 """
@@ -49,6 +56,7 @@ Cost: a few table lookups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,21 +74,87 @@ CO_PRIMARY = (("tau_band_min", "tau of the worst band"), ("tau", "mean tau"),
 FORGETTING_ENDPOINTS = ("residual_amplitude", "band_forgetting", "own_share_slope", "jumpiness")
 
 
-def _matching_arm(runs: pd.DataFrame, role: str, selector_text: str) -> str:
+class MissingArm(ValueError):
+    """No loaded run belongs to the arm a role names: the arm is missing (not launched, not finished, its folder
+    not given), or its selector names no arm."""
+
+
+def _matching_arm(runs: pd.DataFrame, role: str, selector_text: str,
+                  config_values: Callable[[str], set[str]] | None = None) -> str:
+    """The one arm a role's selector matches among the loaded runs.
+
+    Raises:
+        MissingArm: no loaded run matches (a term's key does not vary among the runs, which hold another value).
+        ValueError: several arms match, or a key no loaded run has at all (misspelt).
+    """
     selector = parse_selector(selector_text)
-    missing = [key for key in selector if key not in runs.columns]
-    if missing:
-        raise ValueError(f"analysis.verdict.{role}={selector_text!r}: {missing} is not a swept key of these runs; "
-                         f"swept keys: {', '.join(c for c in runs.columns if c == 'sampler' or '.' in c)}")
+    arms_present = ", ".join(sorted(runs["arm"].dropna().unique()))
     chosen = runs
     for key, value in selector.items():
+        if key not in runs.columns:   # not swept: every run holds one value of it, or none has the key
+            held = config_values(key) if config_values is not None else set()
+            if not held:
+                swept = ", ".join(c for c in runs.columns if c == "sampler" or "." in c)
+                raise ValueError(f"analysis.verdict.{role}={selector_text!r}: {[key]} is not a swept key of these "
+                                 f"runs; swept keys: {swept}")
+            if value not in held:
+                raise MissingArm(f"the {role.replace('_', ' ')} arm ({selector_text}) is missing: no loaded run has "
+                                 f"{key}={value} (they hold {', '.join(sorted(held))}); arms present: "
+                                 f"{arms_present}")
+            continue
         chosen = chosen[chosen[key].astype(str) == value]
     arms = sorted(chosen["arm"].dropna().unique())
-    if len(arms) != 1:
-        found = "no arm" if not arms else f"{len(arms)} arms ({', '.join(arms)})"
-        raise ValueError(f"analysis.verdict.{role}={selector_text!r} matches {found}: give key=value terms that "
-                         f"select exactly one arm; arms: {', '.join(sorted(runs['arm'].dropna().unique()))}")
+    if not arms:
+        raise MissingArm(f"the {role.replace('_', ' ')} arm ({selector_text}) is missing: no loaded run matches it "
+                         f"(not launched, or its folder not given; check analysis.verdict.{role} if it should "
+                         f"match one of the arms present: {arms_present})")
+    if len(arms) > 1:
+        raise ValueError(f"analysis.verdict.{role}={selector_text!r} matches {len(arms)} arms ({', '.join(arms)}): "
+                         f"give key=value terms that select exactly one arm; arms: {arms_present}")
     return arms[0]
+
+
+def _seed_set(runs: pd.DataFrame, arm: str | None, finished_only: bool) -> set[int]:
+    if arm is None or "seed" not in runs.columns:
+        return set()
+    rows = runs[(runs["arm"] == arm) & runs["seed"].notna()]
+    if finished_only and "status" in runs.columns:
+        rows = rows[rows["status"] == "finished"]
+    return {int(seed) for seed in rows["seed"]}
+
+
+def missing_seeds(runs: pd.DataFrame, arms: dict[str, str | None], baselines: dict[str, str | None],
+                  left_out: list[dict] | None = None) -> list[str]:
+    """Which seeds the roles' pairs lack, and why: a seed any role arm or baseline ran (finished or not) that is
+    not a finished pair of a role arm and its baseline, named with the run that is missing or left out.
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["q", "q", "b", "b"], "seed": [0, 1, 0, 1],
+        ...                      "status": ["finished", "failed", "finished", "finished"]})
+        >>> missing_seeds(runs, {"question": "q"}, {"question": "b"},
+        ...               [{"arm": "q", "seed": 1, "reason": "failed: loss is nan"}])
+        ['seed 1 of q (question): failed: loss is nan']
+    """
+    if "seed" not in runs.columns:
+        return []
+    reasons = {(entry.get("arm"), entry.get("seed")): entry.get("reason") for entry in left_out or []}
+    involved = [a for role in arms for a in (arms[role], baselines.get(role)) if a is not None]
+    expected = set().union(*(_seed_set(runs, arm, False) for arm in involved)) if involved else set()
+    lines: list[str] = []
+    for role, arm in arms.items():
+        if arm is None:
+            continue
+        baseline, name = baselines.get(role), role.replace("_", " ")
+        for seed in sorted(expected):
+            for which, label in ((arm, name), (baseline, f"baseline of the {name}")):
+                if which is None or seed in _seed_set(runs, which, True):
+                    continue
+                why = reasons.get((which, seed)) or ("left out" if seed in _seed_set(runs, which, False)
+                                                     else "no run")
+                line = f"seed {seed} of {which} ({label}): {why}"
+                if line.split(" (")[0] not in {existing.split(" (")[0] for existing in lines}:
+                    lines.append(line)
+    return lines
 
 
 def _excludes_zero(row: pd.Series, side: str) -> bool:
@@ -117,7 +191,9 @@ def _fmt(value: float | None) -> str:
 
 
 def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str], small_answer: bool = True,
-                  state_costs: bool = True) -> dict:
+                  state_costs: bool = True, left_out: list[dict] | None = None,
+                  baselines: dict[str, str | None] | None = None,
+                  config_values: Callable[[str], set[str]] | None = None) -> dict:
     """verdict.json's content from the comparison's runs and paired tables (rules in the module docstring).
 
     Args:
@@ -126,9 +202,15 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         roles: analysis.verdict: endpoint plus a selector per role (ROLES).
         small_answer: the rules have the "small" answer (protocol rules version >= 2; before, "yes").
         state_costs: the answer states the co-primary endpoints (rules version >= 4).
+        left_out: the runs the paired table left out (not finished): {run, arm, seed, status, reason} each.
+        baselines: arm -> its stratum's baseline arm (`arms.pair_arms`), to name the seeds a role's baseline lacks.
+        config_values: key -> the values the loaded runs hold at that config key (tells a missing arm from a
+            misspelt selector key).
 
     Raises:
-        ValueError: a role selector that matches no arm or several arms (naming analysis.verdict.<role>).
+        ValueError: a role selector that matches several arms or names a key no run has (naming
+            analysis.verdict.<role>). A role whose arm has no loaded run is no error: the verdict is inconclusive
+            and names the missing arm.
 
     Example:
         >>> runs = pd.DataFrame({"arm": ["seq", "bkt", "seqi", "fr"], "sampler": ["s", "b", "s", "f"],
@@ -150,7 +232,16 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         'no detectable effect'
     """
     endpoint = roles["endpoint"]
-    arms = {role: _matching_arm(runs, role, roles[role]) for role in ROLES}
+    arms: dict[str, str | None] = {}
+    missing_arms: list[str] = []
+    for role in ROLES:
+        try:
+            arms[role] = _matching_arm(runs, role, roles[role], config_values)
+        except MissingArm as error:
+            arms[role] = None
+            missing_arms.append(str(error))
+    role_baselines = {role: (baselines or {}).get(arm) for role, arm in arms.items() if arm is not None}
+    missing = missing_arms + missing_seeds(runs, arms, role_baselines, left_out)
     positive = _control(paired, arms["positive_control"], endpoint, "worse")
     negative = _control(paired, arms["negative_control"], endpoint, "either")
     question = paired[paired["policy"] == arms["question"]]
@@ -165,7 +256,8 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
     pairs = [c["n_pairs"] for c in (positive, negative)] + [r["n_pairs"] for r in rows]
     verdict = {"seeds": int(min(pairs)) if pairs else 0, "endpoint": endpoint, "better": BETTER[endpoint],
                "arms": arms, "positive_control": positive, "negative_control": negative,
-               "bucketed_vs_full_random": rows, "throughput_ratio": ratio}
+               "bucketed_vs_full_random": rows, "throughput_ratio": ratio, "left_out": list(left_out or []),
+               "missing": missing}
     verdict["share_of_positive_control"] = share_of_positive_control(
         runs, endpoint, arms["question"], question_baseline=rows_baseline(rows, endpoint),
         positive=arms["positive_control"], positive_baseline=positive.get("baseline"))
@@ -174,13 +266,32 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
     verdict["failed_positive_control"] = [name for name, seen in verdict["instruments"].items()
                                           if not seen["positive_control_detected"]]
     verdict["amplitude_in_tau"] = amplitude_in_tau(runs, paired)
-    verdict["valid"] = bool(positive["detected"] and not negative["detected"])
-    verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
+    short = _too_few_pairs(verdict, question, endpoint)
+    verdict["valid"] = bool(not missing_arms and not short and positive["detected"] and not negative["detected"])
+    if missing_arms:
+        verdict["answer"] = "inconclusive: " + "; ".join(missing_arms)
+    elif short:
+        verdict["answer"] = "inconclusive: too few finished seed pairs for an interval (at least 2): " + short
+    else:
+        verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
+    if missing and not missing_arms:
+        verdict["answer"] += f"; missing from the pairs: {'; '.join(missing)}"
     if state_costs and verdict["co_primary"]:
         verdict["answer"] += "; at equal compute, " + "; ".join(
             _cost_phrase(label, verdict["co_primary"][name]) for name, label in CO_PRIMARY
             if name in verdict["co_primary"])
     return verdict
+
+
+def _too_few_pairs(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
+    """Which roles have fewer than 2 finished seed pairs on the primary endpoint ("" when none): their interval
+    would be NaN, which is no evidence either way."""
+    rows = question[question["endpoint"] == endpoint]
+    counts = {"positive control": verdict["positive_control"]["n_pairs"],
+              "negative control": verdict["negative_control"]["n_pairs"],
+              "question": int(rows.iloc[0]["n_pairs"]) if not rows.empty else 0}
+    return ", ".join(f"the {role} ({verdict['arms'][key]}) has {count}"
+                     for (role, count), key in zip(counts.items(), ROLES) if count < 2)
 
 
 def _cost_phrase(label: str, row: dict) -> str:
