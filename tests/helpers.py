@@ -184,3 +184,57 @@ def write_jsonl(path: Path, records) -> Path:
     lines = [r if isinstance(r, (str, bytes)) else json.dumps(r) for r in records]
     path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
     return path
+
+
+# Conversations covering the chat shapes the templates must handle (system, multi-turn, <think>, empty replies).
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}],
+    [{"role": "system", "content": "be brief"},
+     {"role": "user", "content": "  naïve ✓ question  "},
+     {"role": "assistant", "content": "<think>\nfirst thought\n</think>\n\nfirst answer "},
+     {"role": "user", "content": "and then?"},
+     {"role": "assistant", "content": "no think here"},
+     {"role": "user", "content": "last one"},
+     {"role": "assistant", "content": "<think>late reasoning</think>final answer"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>\nd\n</think>\n\ne"}],
+]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def openai_tool_call(call_id, name, arguments):
+    """An OpenAI-style call: arguments as a JSON string when given a str, else HF's dict form."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# (record, the calls' text as the template renders them, the tool responses): OpenAI string arguments, HF dict
+# arguments, null and string content beside calls, two calls in one turn, consecutive tool turns.
+TOOL_RECORDS = [
+    ({"tools": [WEATHER_TOOL],
+      "messages": [{"role": "system", "content": "be brief"},
+                   {"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [openai_tool_call("c1", "get_weather", '{"city": "Paris"}')]},
+                   {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C, sunny"},
+                   {"role": "assistant", "content": "It is 18C and sunny."}]},
+     ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
+     ["18C, sunny"]),
+    ({"tools": [WEATHER_TOOL, TIME_TOOL],
+      "messages": [{"role": "user", "content": "Weather and time in Oslo?"},
+                   {"role": "assistant", "content": "Checking both.",
+                    "tool_calls": [openai_tool_call("a", "get_weather", {"city": "Oslo"}), openai_tool_call("b", "get_time", {"city": "Oslo"})]},
+                   {"role": "tool", "tool_call_id": "a", "content": "-3C, snow"},
+                   {"role": "tool", "tool_call_id": "b", "content": "14:05"},
+                   {"role": "assistant", "content": "Snowy, -3C, and it is 14:05."}]},
+     ['Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+      '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'],
+     ["-3C, snow", "14:05"]),
+]

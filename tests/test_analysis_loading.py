@@ -1,7 +1,6 @@
 """Loading runs into the common schema: hand-made run directories (CONTRACTS.md format), bad input, W&B mapping."""
 
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
 from dflash_lab.analysis.local import find_run_dirs, load_local_run

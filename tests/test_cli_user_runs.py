@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf, open_dict
-from test_train_e2e import SMALL
+from helpers import SMALL
 
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_offline_runs, load_runs

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_lab import compare
 from dflash_lab.analysis.schema import COMPARISON_COLUMNS, RUN_COLUMNS
-from test_analysis_loading import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
+from helpers import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_runs
-from test_analysis_loading import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
+from helpers import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
 
 TARGET, OTHER_TARGET, DATA = "1111aaaa2222bbbb", "9999ffff8888eeee", "d" * 32
 

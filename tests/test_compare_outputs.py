@@ -12,7 +12,7 @@ import pytest
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_runs
 from dflash_lab.analysis import plots
-from test_analysis_loading import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
+from helpers import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
 
 
 @pytest.fixture

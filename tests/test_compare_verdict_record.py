@@ -5,7 +5,6 @@ or missing runs are left out and named, and a zero-variance endpoint never passe
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pandas as pd

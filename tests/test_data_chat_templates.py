@@ -14,6 +14,9 @@ import json
 
 import pytest
 from helpers import (  # tests/ is on sys.path (pytest rootdir-relative import)
+    CONVERSATIONS,
+    TOOL_RECORDS,
+    openai_tool_call,
     LLAMA3,
     QWEN3,
     QWEN3_TOOLS,
@@ -33,21 +36,6 @@ from dflash_lab.data.tokenizer import (
     load_chat_template,
 )
 from dflash_lab.plan import CONF_DIR
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
-    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}],
-    [{"role": "system", "content": "be brief"},
-     {"role": "user", "content": "  naïve ✓ question  "},
-     {"role": "assistant", "content": "<think>\nfirst thought\n</think>\n\nfirst answer "},
-     {"role": "user", "content": "and then?"},
-     {"role": "assistant", "content": "no think here"},
-     {"role": "user", "content": "last one"},
-     {"role": "assistant", "content": "<think>late reasoning</think>final answer"}],
-    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-     {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>\nd\n</think>\n\ne"}],
-]
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -263,44 +251,6 @@ def test_mixed_chat_file_trains_with_nothing_skipped(tmp_path):
 
 # --- tool calling: the OpenAI/HF schema rendered as the target's template renders it ------------------------------
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "description": "Local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-
-
-def _call(call_id, name, arguments):
-    """An OpenAI-style call: arguments as a JSON string when given a str, else HF's dict form."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-# (record, the calls' text as the template renders them, the tool responses): OpenAI string arguments, HF dict
-# arguments, null and string content beside calls, two calls in one turn, consecutive tool turns.
-TOOL_RECORDS = [
-    ({"tools": [WEATHER_TOOL],
-      "messages": [{"role": "system", "content": "be brief"},
-                   {"role": "user", "content": "Weather in Paris?"},
-                   {"role": "assistant", "content": None,
-                    "tool_calls": [_call("c1", "get_weather", '{"city": "Paris"}')]},
-                   {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C, sunny"},
-                   {"role": "assistant", "content": "It is 18C and sunny."}]},
-     ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
-     ["18C, sunny"]),
-    ({"tools": [WEATHER_TOOL, TIME_TOOL],
-      "messages": [{"role": "user", "content": "Weather and time in Oslo?"},
-                   {"role": "assistant", "content": "Checking both.",
-                    "tool_calls": [_call("a", "get_weather", {"city": "Oslo"}), _call("b", "get_time", {"city": "Oslo"})]},
-                   {"role": "tool", "tool_call_id": "a", "content": "-3C, snow"},
-                   {"role": "tool", "tool_call_id": "b", "content": "14:05"},
-                   {"role": "assistant", "content": "Snowy, -3C, and it is 14:05."}]},
-     ['Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-      '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'],
-     ["-3C, snow", "14:05"]),
-]
-
-
 @pytest.fixture(scope="module")
 def tool_tokenizer():
     return HFTokenizerAdapter(tiny_tool_tokenizer())
@@ -402,10 +352,10 @@ def test_bad_tool_call_arguments_and_shapes_are_named(tmp_path, tool_tokenizer):
         return {**record, "tools": tools} if tools is not None else record
 
     records = [
-        line(_call("x", "get_weather", "city=Paris")),          # bad_tool_arguments: a string, not JSON
-        line(_call("x", "get_weather", "[1, 2]")),              # bad_tool_arguments: JSON, not an object
+        line(openai_tool_call("x", "get_weather", "city=Paris")),          # bad_tool_arguments: a string, not JSON
+        line(openai_tool_call("x", "get_weather", "[1, 2]")),              # bad_tool_arguments: JSON, not an object
         line({"type": "function", "function": {"arguments": "{}"}}),   # malformed_json: no function name
-        line(_call("x", "get_weather", "{}"), tools=["get_weather"]),  # malformed_json: tools not schemas
+        line(openai_tool_call("x", "get_weather", "{}"), tools=["get_weather"]),  # malformed_json: tools not schemas
         {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]},  # null, no calls
     ] + [record for record, _, _ in TOOL_RECORDS] * 3
     file = _write_jsonl(tmp_path / "bad_tools.jsonl", records)

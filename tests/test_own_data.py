@@ -6,14 +6,11 @@ come from the chat-template tests."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from test_data_chat_templates import (  # noqa: E402
+from helpers import (  # tests/ is on sys.path (pytest rootdir-relative import)
     CONVERSATIONS, QWEN3, QWEN3_TOOLS, TOOL_RECORDS, local_qwen3, tiny_tool_tokenizer,
 )
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from dflash_lab.analysis import compare_records, load_runs, plots  # noqa: E402
-from test_analysis_loading import write_run  # noqa: E402  (tests/ is on sys.path)
+from helpers import write_run  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture

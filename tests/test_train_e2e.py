@@ -24,18 +24,12 @@ from dflash_lab import checkpoint as ckpt
 from dflash_lab import record
 from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 from dflash_lab.train import TrainHooks, train
+from helpers import SMALL  # tests/ is on sys.path (pytest rootdir-relative import)
 
 pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMALL = [
-    "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
-    "++model.intermediate_size=128", "++model.pretrain_steps=20", "++model.pretrain_tokens_per_step=2048",
-    "++model.block_size=4", "++data.num_samples=300", "sampler.max_tokens=1024",
-    "trainer.num_threads=1", "trainer.progress=false", "model.decode_num_prompts=2", "model.decode_max_new_tokens=8",
-    "trainer.epochs=2", "probes.every=5", "probes.per_band=2",
-]
 
 
 def compose_cfg(run_dir: Path, *overrides: str):
