@@ -238,3 +238,43 @@ TOOL_RECORDS = [
       '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'],
      ["-3C, snow", "14:05"]),
 ]
+
+
+def tiny_dflash_model(block_size=4, anchors_per_doc=64, anchor_density=None, draft_seed=0, layers=4, fixed_anchors=0,
+                      backend="auto", checkpointing=False):
+    """A DFlashModel over a random 4-layer Qwen3 target and a 2-layer draft (no cache, no training)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_lab.data import ByteTokenizer
+    from dflash_lab.model import DFlashDraft, DFlashModel, DraftConfig, default_target_layer_ids
+    from dflash_lab.model.target import tiny_qwen3_config
+
+    TOK = ByteTokenizer()
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(TOK.vocab_size, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2)
+    target = Qwen3ForCausalLM(cfg).eval()
+    ids = [1, layers - 2] if layers >= 4 else default_target_layer_ids(layers, 1)
+    draft = DFlashDraft(DraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                    intermediate_size=64, target_layer_ids=ids), init_seed=draft_seed,
+                        activation_checkpointing=checkpointing)
+    model = DFlashModel(target, draft, mask_token_id=TOK.mask_token_id, block_size=block_size,
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, fixed_anchors=fixed_anchors,
+                        attention_backend=backend)
+    model.stop_token_ids = TOK.stop_token_ids
+    return model
+
+
+def random_samples(lengths, seed=0):
+    """Documents of the given lengths, random token ids, the first third unsupervised."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[: n // 3] = False
+        out.append({"input_ids": torch.randint(8, 200, (n,), generator=g), "loss_mask": mask})
+    return out

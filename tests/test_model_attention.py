@@ -195,7 +195,8 @@ def _largest_allocation(step) -> int:
 @pytest.mark.parametrize("backend", ["auto", "dense"])
 def test_a_packed_training_step_allocates_nothing_of_size_t_by_t(backend):
     # the dense oracle does allocate T x T (the control); the default path allocates far less
-    from test_model_dflash import _model, _samples
+    from helpers import random_samples as _samples
+    from helpers import tiny_dflash_model as _model
 
     lengths = [128] * 16
     batch = collate_packed(_samples(lengths), list(range(16)), lengths, 0)

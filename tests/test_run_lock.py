@@ -86,7 +86,7 @@ def test_a_double_start_is_refused_in_either_order_and_the_first_run_is_unharmed
     assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
     for moment, code, seconds, err in arrivals:
         assert code == 3, (moment, err[-2000:])
-        assert f"is in use by host" in err and f"pid {first.pid}" in err and "Traceback" not in err, err[-2000:]
+        assert "is in use by host" in err and f"pid {first.pid}" in err and "Traceback" not in err, err[-2000:]
         assert seconds < 60, (moment, seconds)   # the interpreter, Hydra and torch imports; no model, no data
     steps = _steps(shared)
     assert not first_finished_early, "the first run ended before the second arrived: lengthen long_run"
@@ -109,7 +109,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_log_line(tmp_path):
     survivor = _launch(run_dir, "trainer.max_steps=12")
     assert survivor.wait(timeout=600) == 0, survivor.stderr.read()[-3000:]
     log = (run_dir / "train_rank0.log").read_text()
-    assert f"run lock: took over a stale lock of host" in log and f"pid {victim.pid}" in log
+    assert "run lock: took over a stale lock of host" in log and f"pid {victim.pid}" in log
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     assert (run_dir / LOCK_FILE).read_text() == ""
     # the finished directory re-run: the lock is free, nothing to do
