@@ -82,7 +82,7 @@ def bench_ours(lengths, budget, repeats, preset):
         start = time.perf_counter()
         policy = build_policy(name, lengths, max_tokens=budget, seed=0, **params)
         setup = time.perf_counter() - start
-        seconds, _ = timed(lambda e: policy.planner.plan(e), repeats)
+        seconds, _ = timed(policy.planner.plan, repeats)
         stats = plan_stats(policy, epoch=1)
         rows.append(
             {
@@ -126,7 +126,7 @@ def bench_lhotse(lengths, budget, n):
 
     sub = lengths[:n]
     start = time.perf_counter()
-    cuts = CutSet.from_cuts(MonoCut(id=str(i), start=0.0, duration=float(l), channel=0) for i, l in enumerate(sub))
+    cuts = CutSet.from_cuts(MonoCut(id=str(i), start=0.0, duration=float(n), channel=0) for i, n in enumerate(sub))
     setup = time.perf_counter() - start
     sampler = DynamicBucketingSampler(cuts, max_duration=float(budget), num_buckets=6, shuffle=True, seed=0)
     start = time.perf_counter()

@@ -201,7 +201,8 @@ def all_gather_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_objects(obj):
-    """Every rank's picklable `obj` as a list in rank order (``[obj]`` for one process). Collective: all ranks call it."""
+    """Every rank's picklable `obj` as a list in rank order (``[obj]`` for one process). Collective: all ranks call
+    it."""
     if not is_initialized():
         return [obj]
     out = [None] * torch_dist.get_world_size()

@@ -140,7 +140,6 @@ def test_a_baseline_selector_can_compare_data_settings_within_each_sampler(ablat
     # strata are now the sampler settings: independent data compared with aligned data of the same arm
     assert paired.loc["full_random band_skills=independent", "baseline"] == "full_random band_skills=aligned"
     assert paired.loc["bucket_sequential band_skills=independent", "diff"] == pytest.approx(0.0, abs=1e-9)
-    notes = (out / "comparison.md").read_text()
     assert "bucketed run_length=8" not in paired.index.str.cat()  # an arm without an independent twin has no pair
 
 
@@ -169,7 +168,8 @@ def test_the_sweep_declares_the_protocol_before_the_runs(tmp_path):
     assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
     paired = pd.read_csv(out / "paired.csv").set_index("endpoint")
     assert list(paired.index) == ["ktok_s", "probe_loss_at_tokens"]
-    assert paired.loc["ktok_s", "p_holm"] == pytest.approx(2 * 2 / 2**7)  # the declared exact test: 7 seeds, 2 endpoints
+    # the declared exact test: 7 seeds, 2 endpoints
+    assert paired.loc["ktok_s", "p_holm"] == pytest.approx(2 * 2 / 2**7)
     assert (paired["test"] == "sign_flip").all()
     assert paired.loc["ktok_s", "verdict"] == "better"
     assert paired.loc["probe_loss_at_tokens", "verdict"] == "equivalent"  # same curves up to noise, margin 0.5

@@ -145,7 +145,7 @@ def _run(out: Path, overrides: list[str], nproc: int, timeout: int = 300, plan_w
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"harness timed out after {timeout}s: {stderr[-3000:]}")
+        raise AssertionError(f"harness timed out after {timeout}s: {stderr[-3000:]}") from None
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     import torch
 

@@ -49,8 +49,9 @@ def test_anchors_only_where_two_supervised_tokens_of_one_document(packed):
 
 def test_anchor_sampling_is_reproducible_from_the_generator():
     batch = _batch(True)
-    draw = lambda seed: sample_anchors(batch["loss_mask"], batch["doc_ids"], torch.Generator().manual_seed(seed),
-                                       anchors_per_doc=4, anchor_density=None)[0]
+    def draw(seed):
+        return sample_anchors(batch["loss_mask"], batch["doc_ids"], torch.Generator().manual_seed(seed),
+                              anchors_per_doc=4, anchor_density=None)[0]
     assert torch.equal(draw(5), draw(5))
     assert not torch.equal(draw(5), draw(6))
     g = torch.Generator().manual_seed(5)

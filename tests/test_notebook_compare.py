@@ -92,7 +92,7 @@ def test_compare_fills_every_column_on_real_runs(trained_multirun, tmp_path):
     assert runs["loop_score"].isna().all() and runs["order_period_steps"].isna().all()
     # a NaN cell is accepted only with its documented reason: the run's notes name the column (analyse_run)
     notes = runs["notes"].map(lambda text: text if isinstance(text, str) else "")  # an empty column reads as NaN
-    silent = {c: runs.loc[runs[c].isna() & ~notes.map(lambda text: explains(text, c)), "run_id"].tolist()
+    silent = {c: runs.loc[runs[c].isna() & ~notes.map(lambda text, c=c: explains(text, c)), "run_id"].tolist()
               for c in COMPARISON_COLUMNS if c not in periodic_only}
     silent = {c: ids for c, ids in silent.items() if ids}
     assert not silent, f"NaN comparison columns without a reason in the notes {silent}; notes: {notes.tolist()}"
@@ -154,7 +154,8 @@ def test_forgetting_sweep_composes_every_arm_and_declares_its_protocol():
     from dflash_lab.analysis.protocol import protocol_from_section
 
     expected = {
-        "aligned_full_random": ("full_random", "aligned"), "aligned_full_random_equal_tokens": ("full_random", "aligned"),
+        "aligned_full_random": ("full_random", "aligned"),
+        "aligned_full_random_equal_tokens": ("full_random", "aligned"),
         "aligned_bucketed": ("bucketed", "aligned"), "aligned_bucketed_run8": ("bucketed", "aligned"),
         "aligned_bucketed_megabatch": ("bucketed_megabatch", "aligned"),
         "aligned_bucket_sequential": ("bucket_sequential", "aligned"),
@@ -170,7 +171,8 @@ def test_forgetting_sweep_composes_every_arm_and_declares_its_protocol():
             point = compose(config_name="forgetting_ablation", overrides=[f"+arm={arm}", "seed=3"])
             assert (point.sampler.name, point.data.band_skills, point.seed) == (sampler, skills, 3), arm
             assert point.trainer.max_steps == 390 and point.probes.per_band >= 24
-        assert compose(config_name="forgetting_ablation", overrides=["+arm=aligned_bucketed_run8"]).sampler.run_length == 8
+        run8 = compose(config_name="forgetting_ablation", overrides=["+arm=aligned_bucketed_run8"])
+        assert run8.sampler.run_length == 8
         protocol = protocol_from_section(OmegaConf.to_container(point.analysis, resolve=True))
         assert protocol.verdict["positive_control"] == "sampler=bucket_sequential,data.band_skills=aligned"
         assert protocol.margins["residual_amplitude"] == 0.01

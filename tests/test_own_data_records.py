@@ -74,7 +74,8 @@ def test_the_planner_reports_data_errors_in_one_line_and_its_counts(tmp_path):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert refused.stderr.startswith("dflash_lab.plan: error: ") and "data.max_bad_fraction=0.01" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 2   # the message and the HYDRA_FULL_ERROR hint
-    planned = subprocess.run([*command, "data.max_bad_fraction=0.1"], capture_output=True, text=True, timeout=300, check=False)
+    planned = subprocess.run([*command, "data.max_bad_fraction=0.1"], capture_output=True, text=True, timeout=300,
+                             check=False)
     assert planned.returncode == 0, planned.stderr[-3000:]
     assert "data: 57 of 60 lines kept; skipped: malformed_json 1, no_assistant_turn 1, tool_result_without_call 1 " \
            "(every skipped line: " in planned.stdout

@@ -269,7 +269,8 @@ def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(
     from dflash_lab.plan import CONF_DIR, run_plan
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("plan", overrides=["model=qwen3_8b", "gpu=rtx_pro_6000", "data=lengths", "data.num_samples=800000",
+        cfg = compose("plan", overrides=["model=qwen3_8b", "gpu=rtx_pro_6000", "data=lengths",
+                                         "data.num_samples=800000",
                                          "sampler.max_tokens=32768", "sampler.boundaries=seed", "cost=seed",
                                          "policies=[bucketed]", f"out_dir={tmp_path}"])
     table = run_plan(OmegaConf.to_container(cfg, resolve=True))

@@ -660,5 +660,6 @@ def test_a_checkpoint_from_before_bucket_by_and_auto_bands_resumes(tmp_path):
     state["config"]["probes"]["bands"] = [0, 200, 1024]
     state["step"] = 6
     torch.save(state, manager.latest_path())
-    with pytest.raises(ValueError, match=r"probes.bands resolves to \[0, 96, .*checkpoint's run probed \[0, 200, 1024\]"):
+    refused = r"probes.bands resolves to \[0, 96, .*checkpoint's run probed \[0, 200, 1024\]"
+    with pytest.raises(ValueError, match=refused):
         train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))

@@ -6,7 +6,8 @@ key `overrides` when the trainer logged it). The seed is not a
 key: seeds are the replicates an arm aggregates. `hydra.*` overrides are launch details, not settings. A key whose
 value is the same in every run (e.g. `data.num_samples=160` given to the whole sweep) is not swept. A run's value of
 a key is its resolved config value (so an arm that did not override `sampler.run_length` shows the default); for a
-config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded overrides (W&B runs of an older trainer), the
+config group (`sampler=bucketed`) it is the option the run chose, else the group's `name`. When no run recorded
+overrides (W&B runs of an older trainer), the
 swept keys are the config keys whose values differ between runs (the same rule expands an override that selects a
 `_global_` config file, such as a sweep's `+arm=...`, into the keys that file sets), leaving out keys of a config
 group whose `name`
@@ -315,7 +316,8 @@ def bucket_columns(records: list[RunRecord], sweep: Sweep) -> pd.DataFrame:
     """`boundaries` (readable list) and `K` per run when the sweep varies bucket boundaries or their number.
 
     Boundaries are the resolved ones (summary.json `boundaries`, else a W&B run config's `resolved.boundaries`,
-    both holding fitted ones, else the config list); K = number of buckets (len - 1, else sampler.num_buckets). Empty frame when not swept.
+    both holding fitted ones, else the config list); K = number of buckets (len - 1, else sampler.num_buckets).
+    Empty frame when not swept.
 
     Example:
         >>> run = RunRecord("r", "local", "/r", config={"sampler": {"name": "bucketed", "boundaries": [0, 96, 1024]}})

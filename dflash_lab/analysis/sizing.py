@@ -26,8 +26,8 @@ def min_window_evals(endpoint: str, n_bands: int) -> int | None:
     """Probe evaluations an endpoint needs inside the analysis window (None: it does not rest on probe dynamics).
 
     Example:
-        >>> min_window_evals("residual_amplitude", 6), min_window_evals("cross_band_effect", 6), min_window_evals("ktok_s", 6)
-        (8, 11, None)
+        >>> [min_window_evals(name, 6) for name in ("residual_amplitude", "cross_band_effect", "ktok_s")]
+        [8, 11, None]
     """
     if endpoint in ("residual_amplitude", "own_share_slope"):
         return MIN_EVALS

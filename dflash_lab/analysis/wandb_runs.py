@@ -183,7 +183,7 @@ def _download_run_files(run: Any, messages: list[str]) -> dict[str, Path]:
                 found[name] = Path(local)
             else:
                 handle.download(root=str(target), replace=True)
-                found[name] = target / getattr(handle, "name")
+                found[name] = target / handle.name
         except Exception as exc:  # noqa: BLE001
             messages.append(f"could not download {name} ({type(exc).__name__}): using history")
     return found

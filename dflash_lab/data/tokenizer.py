@@ -349,8 +349,8 @@ def reasoning_not_rendered(text: str, spans: list[tuple[int, int]], convo: Seque
 
 def template_message(message: dict) -> dict:
     """One turn in the form HF chat templates read: role normalised; ``tool_calls`` and ``reasoning_content`` kept
-    on assistant turns and ``tool_call_id`` / ``name`` on tool turns; a null content left out (HF's documented tool-call turn has no
-    content key, so a template reading it gets an empty undefined value, never the text "None").
+    on assistant turns and ``tool_call_id`` / ``name`` on tool turns; a null content left out (HF's documented
+    tool-call turn has no content key, so a template reading it gets an empty undefined value, never the text "None").
 
     Example:
         >>> template_message({"role": "gpt", "content": None, "tool_calls": [{"function": {"name": "f"}}]})
