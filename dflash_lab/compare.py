@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("paths", nargs="*", help="run directories, multirun directories or offline W&B run folders")
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also load runs from this W&B project")
     parser.add_argument("--group", help="W&B group (experiment name) to restrict --wandb to")
+    parser.add_argument("--offline-wandb", action="store_true",
+                        help="read folders of offline W&B runs from their .wandb logs (W&B's undocumented format, "
+                             "read for the pinned wandb range; `wandb sync` + --wandb is the documented way)")
     parser.add_argument("--out", default="comparison", help="output directory (default: ./comparison)")
     parser.add_argument("--baseline", metavar="SELECTOR",
                         help="baseline arm: a sampler name or key=value terms (default: analysis.baseline)")
@@ -366,7 +369,7 @@ def verdict_protocol(recorded: dict | None, rules: int, today) -> dict:
 
 def _compare(args: argparse.Namespace) -> int:
     target = check_out(args.out, force=args.force, inputs=args.paths)
-    report = load_runs(args.paths, wandb=args.wandb, group=args.group)
+    report = load_runs(args.paths, wandb=args.wandb, group=args.group, offline_wandb=args.offline_wandb)
     for problem in report.problems:
         print(f"skipped: {problem}", file=sys.stderr)
     if not report.runs:

@@ -373,3 +373,18 @@ def test_wandb_metric_names_of_the_new_logger_are_read():
     assert record.steps["loss"].tolist() == [2.5, 2.4]
     assert record.summary["ktok_s"] == 10.5 and record.status == "finished"
     assert record.probes[["band", "band_lo", "band_hi"]].values.tolist() == [[0, 0, 96], [1, 96, 216]]
+
+
+def test_offline_wandb_runs_are_read_only_when_asked(tmp_path):
+    """A folder of offline W&B runs and no run directory: a problem naming the option, not a silent parse of W&B's
+    undocumented binary log."""
+    from dflash_lab.analysis import OFFLINE_WANDB_HINT
+
+    run = tmp_path / "wandb" / "offline-run-20261203_000000-abc123"
+    run.mkdir(parents=True)
+    (run / "run-abc123.wandb").write_bytes(b":W&B\x00\x00\x00")   # the header alone: no record
+    report = load_runs([tmp_path / "wandb"])
+    assert not report.runs and report.problems == [f"{tmp_path / 'wandb'}: holds offline W&B runs and no run "
+                                                   f"directory; {OFFLINE_WANDB_HINT}"]
+    assert "--offline-wandb" in OFFLINE_WANDB_HINT
+    assert load_runs([tmp_path / "wandb"], offline_wandb=True).problems != report.problems

@@ -104,7 +104,9 @@ def test_a_wandb_sweep_reads_back_with_names_group_axes_and_final_figures(grid):
 
 @pytest.mark.integration
 def test_compare_on_a_boundaries_grid_gives_one_row_per_boundary_list(grid, wandb_folder, tmp_path):
-    for source, extra in ((grid, []), (wandb_folder, ["--no-plots"])):  # run directories, then W&B runs
+    out = tmp_path / "refused"   # offline W&B runs are read only when asked: the hint names the option
+    assert compare.main([str(wandb_folder), "--out", str(out), "--no-plots"]) == 1
+    for source, extra in ((grid, []), (wandb_folder, ["--no-plots", "--offline-wandb"])):  # run dirs, then W&B runs
         out = tmp_path / source.name
         assert compare.main([str(source), "--out", str(out), *extra]) == 0
         groups = pd.read_csv(out / "comparison_groups.csv")
@@ -121,6 +123,7 @@ def test_the_notebook_reads_a_wandb_sweep_as_a_sweep(wandb_folder, tmp_path, mon
     from nbclient import NotebookClient
 
     monkeypatch.setenv("DFLASH_RUNS", str(wandb_folder))
+    monkeypatch.setenv("DFLASH_OFFLINE_WANDB", "1")
     monkeypatch.setenv("DFLASH_NOTEBOOK_FIGURES", str(tmp_path / "figures"))
     for name, value in _env().items():
         monkeypatch.setenv(name, value)

@@ -16,12 +16,21 @@ from dflash_lab.analysis.summarize import Comparison, analyse_run, compare_recor
 from dflash_lab.analysis.wandb_runs import OfflineRun, load_offline_runs, load_wandb_runs, wandb_run_to_record
 
 
-def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str | None = None,
-              api=None) -> LoadReport:
-    """Load local paths (run dirs, multirun dirs, or offline W&B run dirs) and, optionally, W&B runs.
+OFFLINE_WANDB_HINT = ("read them with --offline-wandb (compare) or DFLASH_OFFLINE_WANDB=1 (the notebook): that parses "
+                      "W&B's own .wandb transaction log, an undocumented format read for wandb >=0.19.10,<0.32 "
+                      "(pyproject.toml pins that range); or `wandb sync` them and load them from W&B "
+                      "(--wandb ENTITY/PROJECT)")
 
-    A local path holding no contract run directory is tried as a folder of offline W&B runs before it is reported
-    as a problem. Never raises for bad input: see `LoadReport.problems`.
+
+def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str | None = None,
+              api=None, offline_wandb: bool = False) -> LoadReport:
+    """Load local paths (run dirs, multirun dirs, or with ``offline_wandb`` offline W&B run dirs) and, optionally,
+    W&B runs.
+
+    The run directories' own files are the record. A local path holding no run directory but offline W&B runs is
+    read from the runs' ``.wandb`` logs only when asked (``offline_wandb=True``: W&B's undocumented binary format,
+    parsed by ``wandb_runs.read_wandb_records`` for the pinned wandb range), else reported as a problem that says
+    how. Never raises for bad input: see `LoadReport.problems`.
 
     Example:
         >>> load_runs(["/nonexistent"]).problems
@@ -31,7 +40,11 @@ def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str
     for path in paths:
         local = load_local_paths([path])
         if not local.runs and Path(path).is_dir() and OfflineRun.find(path):
-            local = load_offline_runs(path)
+            if offline_wandb:
+                local = load_offline_runs(path)
+            else:
+                local = LoadReport(problems=[f"{path}: holds offline W&B runs and no run directory; "
+                                             f"{OFFLINE_WANDB_HINT}"])
         report.runs += local.runs
         report.problems += local.problems
     if wandb:
@@ -42,7 +55,7 @@ def load_runs(paths: list[str | Path] = (), wandb: str | None = None, group: str
 
 
 __all__ = [
-    "RUN_COLUMNS", "Comparison", "LoadReport", "OfflineRun", "Protocol", "RunRecord", "analyse_run",
+    "OFFLINE_WANDB_HINT", "RUN_COLUMNS", "Comparison", "LoadReport", "OfflineRun", "Protocol", "RunRecord", "analyse_run",
     "compare_records", "find_run_dirs", "load_local_paths", "load_local_run", "load_offline_runs", "load_runs",
     "load_wandb_runs", "markdown_tables", "resolve_protocol", "wandb_run_to_record",
 ]
