@@ -11,7 +11,6 @@
 
 Example:
     >>> import errno
-import os
     >>> try:
     ...     try:
     ...         raise OSError(errno.EFBIG, "File too large")
@@ -25,6 +24,7 @@ import os
 from __future__ import annotations
 
 import errno
+import os
 import os
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
