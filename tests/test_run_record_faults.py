@@ -136,6 +136,20 @@ def test_a_stopped_run_that_lost_its_checkpoints_keeps_its_records_unless_overwr
     assert offline and all(name.endswith(new_id) for name in offline), offline
 
 
+@pytest.mark.integration
+def test_overwrite_starts_a_new_wandb_run(tmp_path):
+    run_dir = tmp_path / "again"
+    common = ["trainer.max_steps=3", "trainer.measure_tau=false", "probes.every=0", "logger=wandb"]
+    train(compose_small(run_dir, *common))
+    old_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    shutil.rmtree(run_dir / "checkpoints")   # overwrite=true applies where no checkpoint is left to continue from
+    train(compose_small(run_dir, *common, "overwrite=true"))
+    new_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert new_id != old_id
+    offline = [p.name for p in (run_dir / "wandb").glob("offline-run-*")]
+    assert offline and all(name.endswith(new_id) for name in offline), offline
+
+
 # --------------------------------------------------------------------------------------- 8. one line
 def test_refusals_of_damaged_caches_and_checkpoints_are_refusals(tmp_path):
     from dflash_lab.model.target import load_cached_tiny_target
