@@ -199,13 +199,12 @@ class RunDirectory:
                         f"over")
             return
         steps = max(int(summary.get("steps") or 0), last_metrics_step(metrics) or 0)
-        what = (f"a run that ended (status {status}, {steps} steps)" if status in ("finished", "failed", "preempted")
-                else f"a run stopped while running ({steps} steps recorded, checkpoint of step {checkpointed} "
-                     f"written)")
+        what = (f"a run that ended (status {status})" if status in ("finished", "failed", "preempted")
+                else f"a run stopped while running (its checkpoint of step {checkpointed} was written)")
         raise RunRecordsAtRisk(
             f"{self.path} holds the records of {what} but no checkpoint to continue from: starting fresh would "
-            f"replace them. Use another directory (hydra.run.dir=<new dir>), restore its checkpoints/, or pass "
-            f"overwrite=true to replace them")
+            f"replace the records of its {steps} steps. Use another directory (hydra.run.dir=<new dir>), restore "
+            f"its checkpoints/, or pass overwrite=true to replace them")
 
     def wandb_run_id(self, from_checkpoint: str | None, log: logging.Logger) -> str:
         """The W&B run id of this segment (rank 0, once its records open): a continuation keeps the checkpoint's;

@@ -121,7 +121,7 @@ def test_a_stopped_run_that_lost_its_checkpoints_keeps_its_records_unless_overwr
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "train_rank0.log"}
     assert json.loads(before["summary.json"])["status"] == "running"
 
-    with pytest.raises(Refused, match=r"stopped while running \(8 steps recorded.*overwrite=true"):
+    with pytest.raises(Refused, match=r"stopped while running .*records of its 8 steps.*overwrite=true"):
         train(compose_small(run_dir, *common))
     with pytest.raises(FileNotFoundError, match="resume=true"):
         train(compose_small(run_dir, *common, "resume=true"))
@@ -224,7 +224,7 @@ def test_a_full_disk_is_named_and_keeps_the_step_count(tmp_path):
     again = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI)
     assert again.returncode == 2
     line = one_line_error(again.stderr)
-    assert "failed before its first step" not in again.stderr + line and "status failed, 10 steps" in line
+    assert "failed before its first step" not in again.stderr + line and "(status failed)" in line and "records of its 10 steps" in line
 
 
 # ----------------------------------------------------------------------------------------- 10. leftovers
