@@ -6,9 +6,13 @@ that is refused leaves behind (nothing changed).
   (a changed setting, other data, incomplete records) puts back the files of the checkpoint it would have resumed,
   so the directory keeps describing the run that is in it; a running run rewrites its own if a refused launch
   replaced them (:meth:`RunDirectory.keep_hydra_files`, at every checkpoint).
-- A fresh start over the records of a run that ended is refused unless ``overwrite=true``
-  (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do not cover its checkpoint is refused
-  (:func:`check_records_cover`).
+- A fresh start over records of steps that ran (a run that ended, or one stopped after a checkpoint that is gone
+  now) is refused unless ``overwrite=true`` (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do
+  not hold what its checkpoint says they held is refused (:func:`check_records_cover`). Refusals are
+  ``refusal.Refused`` (one line on the command line) and write nothing in a directory that holds a summary.
+- A fresh start is a new W&B run (:meth:`RunDirectory.wandb_run_id`); a continuation keeps the checkpoint's.
+- A run or sweep directory that cannot be written stops the launch before Hydra writes into it
+  (:class:`CheckRunDirectory`, a Hydra callback).
 """
 
 from __future__ import annotations
@@ -34,20 +38,21 @@ REFUSED_EXIT_CODE = 2   # as dflash_lab.train's refusals
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 
-def unwritable_directory(directory: Path) -> str | None:
-    """Why ``directory`` (created if missing) or its ``.hydra`` cannot be written, or None when they can: a file is
-    created and removed in each (a permission check alone would pass for root on a read-only directory)."""
+def unwritable_directory(directory: Path) -> tuple[Path, str] | None:
+    """(the path, why) where ``directory`` (created if missing) or its ``.hydra`` cannot be written, or None when
+    they can: a file is created and removed in each (a permission check alone would pass for root on a read-only
+    directory)."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return f"{exc.filename or directory}: {exc.strerror or exc}"
+        return Path(exc.filename or directory), exc.strerror or str(exc)
     for place in (directory, directory / ".hydra"):
         try:
             if place.is_dir():
                 tempfile.TemporaryFile(dir=place).close()
         except OSError as exc:
-            return f"{place}: {exc.strerror or exc}"
+            return place, exc.strerror or str(exc)
     return None
 
 
@@ -66,8 +71,10 @@ class CheckRunDirectory(Callback):
     def _check(directory: str | None, key: str) -> None:
         problem = unwritable_directory(Path(directory)) if directory else None
         if problem is not None:   # Hydra turns a callback's Exception into a warning: stop with SystemExit
-            print(f"dflash_lab.train: error: the run directory cannot be written ({problem}): make it writable "
-                  f"(chmod -R u+w '{directory}'), or choose another ({key}=<dir>)", file=sys.stderr)
+            where, why = problem
+            place = where if where.exists() else where.parent
+            print(f"dflash_lab.train: error: the run directory {directory} cannot be written ({where}: {why}): make "
+                  f"it writable (chmod u+w '{place}'), or choose another ({key}=<dir>)", file=sys.stderr)
             raise SystemExit(REFUSED_EXIT_CODE)
 
 

@@ -229,8 +229,9 @@ class RunLogger:
         self.tau_steps = {int(row["step"]) for row in taus}
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
         if removed + removed_probes + removed_taus:
-            self.log.info(f"resume: removed {removed} metric, {removed_probes} probe and {removed_taus} tau rows "
-                          f"logged after step {resume_step} (they are run again)")
+            self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
+                          f"{resume_step} (they are run again)"
+                          + (f"; and {removed_taus} tau row(s)" if removed_taus else ""))
         repaired = {name: count for name, count in ((METRICS_FILE, bad), (PROBES_FILE, bad_probes),
                                                      (TAU_FILE, bad_taus)) if count}
         if repaired:   # e.g. the last line, torn by a kill; steps they held are then missing: the resume check says so

@@ -186,7 +186,7 @@ def test_a_symlinked_run_lock_is_refused_and_its_target_untouched(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("what", ["run.lock", "run directory"])
+@pytest.mark.parametrize("what", ["run.lock", "run directory", "sweep directory"])
 def test_a_read_only_run_directory_or_lock_is_one_line(tmp_path, what):
     prefix = without_permission_override()
     if prefix is None:
@@ -199,13 +199,16 @@ def test_a_read_only_run_directory_or_lock_is_one_line(tmp_path, what):
         (run_dir / "run.lock").chmod(0o444)
     else:
         run_dir.chmod(0o555)
+    where = ["-m", f"hydra.sweep.dir={run_dir / 'sweep'}", "seed=0,1"] if what == "sweep directory" else [
+        f"hydra.run.dir={run_dir}"]
     try:
-        result = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, prefix=prefix, timeout=180)
+        result = train_cli(*where, *SHORT_CLI, prefix=prefix, timeout=180)
     finally:
         run_dir.chmod(0o755)
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_line_error(result.stderr)
-    assert "Permission denied" in line and "chmod" in line and "hydra.run.dir=" in line
+    key = "hydra.sweep.dir=" if what == "sweep directory" else "hydra.run.dir="
+    assert "Permission denied" in line and "chmod" in line and key in line
 
 
 # ----------------------------------------------------------------------------------------- 9. disk full
