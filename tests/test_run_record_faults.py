@@ -65,6 +65,22 @@ def test_a_chat_file_edited_in_place_with_its_mtime_restored_is_rebuilt(tmp_path
     assert "earth!" in ByteTokenizer().decode(after[0]["input_ids"].tolist())
 
 
+@pytest.mark.integration
+def test_a_run_on_a_damaged_data_cache_stops_before_step_one(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    common = ["trainer.measure_tau=false", "probes.every=0", f"data.cache_dir={cache}", "trainer.ckpt_every=2"]
+    first = train(compose_small(run_dir, "trainer.max_steps=2", *common))
+    (entry,) = [p for p in (cache / "data").iterdir() if p.is_dir()]
+    tokens = entry / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[len(data) // 2] ^= 0x21
+    tokens.write_bytes(bytes(data))
+    rows_before = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(Refused, match=rf"cached dataset {entry} has content digest .* records {first['data_digest']}"):
+        train(compose_small(run_dir, "trainer.max_steps=4", *common))
+    assert (run_dir / "metrics.jsonl").read_bytes() == rows_before   # not one step on the damaged tokens
+
+
 # ------------------------------------------------------------------------------------ 5. resume coverage
 @pytest.mark.integration
 def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_log_line(tmp_path):
