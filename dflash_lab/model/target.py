@@ -358,12 +358,11 @@ def load_cached_tiny_target(directory: Path):
         refusal.DamagedCache (a RuntimeError): files missing or unreadable, or weights whose digest differs from meta.json's (a damaged or
             edited cache): the message names the directory to delete so the next run pretrains it again.
     """
-    from transformers import Qwen3ForCausalLM
-
     fix = f"delete {directory} (rm -rf '{directory}') and run again to pretrain the tiny target afresh"
     missing = [name for name in ("config.json", "model.safetensors", "meta.json") if not (directory / name).is_file()]
     if missing:
         raise DamagedCache(f"the cached tiny target {directory} lacks {', '.join(missing)}: {fix}")
+    from transformers import Qwen3ForCausalLM
     try:
         meta = json.loads((directory / "meta.json").read_text())
         model = Qwen3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
