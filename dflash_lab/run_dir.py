@@ -39,15 +39,13 @@ HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 
 def unwritable_directory(directory: Path) -> tuple[Path, str] | None:
-    """(the path, why) where ``directory`` (created if missing) or its ``.hydra`` cannot be written, or None when
-    they can: a file is created and removed in each (a permission check alone would pass for root on a read-only
-    directory)."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return Path(exc.filename or directory), exc.strerror or str(exc)
-    for place in (directory, directory / ".hydra"):
+    """(the path, why) where ``directory`` or its ``.hydra`` cannot be written, or None when they can; a directory
+    that does not exist yet is checked at its nearest existing parent (nothing is created). A file is created and
+    removed in each place (a permission check alone would pass for root on a read-only directory)."""
+    directory = Path(directory).absolute()
+    places = [directory, directory / ".hydra"] if directory.is_dir() else [
+        next(parent for parent in directory.parents if parent.is_dir())]
+    for place in places:
         try:
             if place.is_dir():
                 tempfile.TemporaryFile(dir=place).close()
@@ -72,9 +70,8 @@ class CheckRunDirectory(Callback):
         problem = unwritable_directory(Path(directory)) if directory else None
         if problem is not None:   # Hydra turns a callback's Exception into a warning: stop with SystemExit
             where, why = problem
-            place = where if where.exists() else where.parent
             print(f"dflash_lab.train: error: the run directory {directory} cannot be written ({where}: {why}): make "
-                  f"it writable (chmod u+w '{place}'), or choose another ({key}=<dir>)", file=sys.stderr)
+                  f"it writable (chmod u+w '{where}'), or choose another ({key}=<dir>)", file=sys.stderr)
             raise SystemExit(REFUSED_EXIT_CODE)
 
 
