@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from dflash_lab.record import CHECKPOINT_DIR
+from dflash_lab.refusal import Refused
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code after a preemption checkpoint (EX_TEMPFAIL: "try again")."""
@@ -69,8 +70,8 @@ class Preempted(SystemExit):
         return f"preempted: checkpoint of step {self.step} written to {self.path}; exit code {PREEMPTED_EXIT_CODE}"
 
 
-class NoIntactCheckpoint(RuntimeError):
-    """Checkpoint files exist but none can be read: the run cannot continue from them."""
+class NoIntactCheckpoint(Refused, RuntimeError):
+    """Checkpoint files exist but none can be read: the run cannot continue from them (a refusal: one line)."""
 
 
 def _atomic_write(path: Path, write) -> Path:

@@ -63,12 +63,15 @@ code 1 if no run loaded or --out could not be written.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import glob
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dflash_lab.analysis import compare_records, load_runs, markdown_tables
@@ -226,6 +229,8 @@ def publish(target: Path, build: Callable[[Path], list[Path]]) -> list[Path]:
 
     If `build` raises (an error, Ctrl-C), the new folder is deleted and `target` is left as it was. The folders
     are siblings (same file system), so each step is a rename; `target` is missing only between two renames.
+Compares publishing into one folder take turns (:func:`publishing_lock`), and each first cleans what a compare
+killed with kill -9 left there (:func:`clean_leftovers`).
 
     Example:
         >>> import tempfile
@@ -242,6 +247,45 @@ def publish(target: Path, build: Callable[[Path], list[Path]]) -> list[Path]:
         (['o'], '1')
     """
     target.parent.mkdir(parents=True, exist_ok=True)
+    with publishing_lock(target.parent):
+        clean_leftovers(target)
+        return _publish(target, build)
+
+
+@contextlib.contextmanager
+def publishing_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on `folder` itself while a comparison is published into it: compares writing beside
+    each other take turns, so the staged folders present while one holds the lock are its own or left by a killed
+    compare. Nothing is written for the lock (a directory can be flocked on Linux)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)   # closing drops the lock
+
+
+def clean_leftovers(target: Path) -> None:
+    """Remove the ``.<out>.new-*`` / ``.<out>.old-*`` folders of a compare killed (kill -9) while publishing
+    `target` (call it under :func:`publishing_lock`). A kill between its two renames leaves `target` missing and
+    the previous comparison in ``.old-*``: that one is put back first.
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "o"
+        >>> (target.parent / ".o.new-x1").mkdir(); (target.parent / ".o.old-x1").mkdir()
+        >>> clean_leftovers(target)
+        >>> sorted(p.name for p in target.parent.iterdir())
+        ['o']
+    """
+    olds = sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not target.exists():
+        os.rename(olds.pop(), target)   # the newest previous comparison, as it was before the killed swap
+    for leftover in [*olds, *target.parent.glob(f".{glob.escape(target.name)}.new-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _publish(target: Path, build: Callable[[Path], list[Path]]) -> list[Path]:
     if target.is_dir():
         mode = target.stat().st_mode & 0o7777
     else:

@@ -306,6 +306,13 @@ class PresentationRecorder:
             return None
         return int(pc.max(self._previous["step"]).as_py())
 
+    def missing_steps(self, last_step: int, shown: int = 10) -> str:
+        """The steps 1..``last_step`` without a row in the resumed table (the first ``shown``, and how many more):
+        what an older copy of the file lacks."""
+        present = set() if self._previous is None else set(pc.unique(self._previous["step"]).to_pylist())
+        missing = [step for step in range(1, int(last_step) + 1) if step not in present]
+        return str(missing) if len(missing) <= shown else f"{missing[:shown]} and {len(missing) - shown} more"
+
     def gather(self, gather_objects: Callable[[Any], list[Any]]) -> None:
         """Collect every rank's buffered rows onto each rank (``dist.all_gather_objects``); collective."""
         merged = self._concat(self._chunks)

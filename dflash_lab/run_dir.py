@@ -11,24 +11,73 @@ that trains nothing leaves behind (nothing changed).
   launch that trains nothing puts back the run's (those of the checkpoint it would have resumed, else those of
   the run record), so the folder keeps describing the run in it; a running run rewrites its own if a launch
   refused by the lock replaced them (:meth:`RunDirectory.keep_hydra_files`, at every checkpoint).
-- A fresh start over the records of a run that ended is refused unless ``overwrite=true``
-  (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do not cover its checkpoint is refused
-  (:func:`check_records_cover`).
+- A fresh start over records of steps that ran (a run that ended, or one stopped after a checkpoint that is gone
+  now) is refused unless ``overwrite=true`` (:meth:`RunDirectory.check_fresh_start`); a resume whose side files do
+  not hold what its checkpoint says they held is refused (:func:`check_records_cover`). Refusals are
+  ``refusal.Refused`` (one line on the command line) and write nothing in a directory that holds a summary.
+- A fresh start is a new W&B run (:meth:`RunDirectory.wandb_run_id`); a continuation keeps the checkpoint's.
+- A run or sweep directory that cannot be written stops the launch before Hydra writes into it
+  (:class:`CheckRunDirectory`, a Hydra callback).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
 from dflash_lab import record
+from dflash_lab.refusal import Refused, describe_failure
 from dflash_lab.run_lock import RunDirLock
 from dflash_lab.run_lock import describe as describe_holder
-from dflash_lab.run_logger import write_json_atomic
+from dflash_lab.run_logger import load_or_create_run_id, write_json_atomic
 
+REFUSED_EXIT_CODE = 2   # as dflash_lab.train's refusals
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def unwritable_directory(directory: Path) -> tuple[Path, str] | None:
+    """(the path, why) where ``directory`` or its ``.hydra`` cannot be written, or None when they can; a directory
+    that does not exist yet is checked at its nearest existing parent (nothing is created). A file is created and
+    removed in each place (a permission check alone would pass for root on a read-only directory)."""
+    directory = Path(directory).absolute()
+    places = [directory, directory / ".hydra"] if directory.is_dir() else [
+        next(parent for parent in directory.parents if parent.is_dir())]
+    for place in places:
+        try:
+            if place.is_dir():
+                tempfile.TemporaryFile(dir=place).close()
+        except OSError as exc:
+            return place, exc.strerror or str(exc)
+    return None
+
+
+class CheckRunDirectory(Callback):
+    """Hydra callback: a run (or sweep) directory that cannot be written stops the launch in one line (exit code 2)
+    before Hydra writes ``.hydra/`` into it (Hydra's own error there is a traceback). Registered by
+    conf/train.yaml (``hydra.callbacks.check_run_dir``), before the other callbacks."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(OmegaConf.select(config, "hydra.run.dir"), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(OmegaConf.select(config, "hydra.sweep.dir"), "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(directory: str | None, key: str) -> None:
+        problem = unwritable_directory(Path(directory)) if directory else None
+        if problem is not None:   # Hydra turns a callback's Exception into a warning: stop with SystemExit
+            where, why = problem
+            print(f"dflash_lab.train: error: the run directory {directory} cannot be written ({where}: {why}): make "
+                  f"it writable (chmod u+w '{where}'), or choose another ({key}=<dir>)", file=sys.stderr)
+            raise SystemExit(REFUSED_EXIT_CODE)
 
 
 def read_hydra_files(run_dir: Path) -> dict[str, str]:
@@ -138,20 +187,27 @@ class RunDirectory:
 
     def record_failure(self, error: BaseException) -> None:
         """After a crash or a refusal of this launch (rank 0, directory claimed), ``summary.json`` says so: the
-        running summary of a run whose loop started gets status failed and the error; a fresh start refused before
-        its loop (a config the model or data refuses) gets a summary of its own (status failed, steps 0), so the
-        folder says what happened. A refused resume leaves every file as it was."""
+        running summary of a run whose loop started gets status failed, the error (a full disk named as such:
+        ``refusal.describe_failure``) and the steps its metrics hold; a launch stopped before its loop in a
+        directory without a ``summary.json`` gets one of its own (status failed, steps 0), so the folder says what
+        happened. A launch stopped before its loop in a directory that holds a summary (a refused resume, a refused
+        fresh start over an earlier attempt) leaves every file as it was. Never raises: a disk too full to take
+        the summary must not hide the error that stopped the run."""
         if self._lock is None:
             return
         summary = self.summary()
-        message = f"{type(error).__name__}: {error}"
+        message = describe_failure(error)
         if self.loop_started and summary is not None and summary.get("status") == "running":
-            summary.update(status="failed", error=message)
-        elif self.fresh_start and not self.loop_started and (summary is None or summary.get("status") == "running"):
+            steps = last_metrics_step(self.path / record.METRICS_FILE)
+            summary.update(status="failed", error=message, steps=max(int(summary.get("steps") or 0), steps or 0))
+        elif not self.loop_started and not (self.path / record.SUMMARY_FILE).exists():
             summary = {"status": "failed", "steps": 0, "error": message}
         else:
             return
-        write_json_atomic(self.path / record.SUMMARY_FILE, summary)
+        try:
+            write_json_atomic(self.path / record.SUMMARY_FILE, summary)
+        except OSError:
+            logging.getLogger("dflash_lab").error(f"could not record the failure in {record.SUMMARY_FILE}: {message}")
 
     def keep_hydra_files(self, log: logging.Logger) -> None:
         """Rewrite this run's ``.hydra`` files if another launch in the directory (refused by the lock, but only
@@ -170,10 +226,13 @@ class RunDirectory:
         return {**self.__dict__, "_lock": None}
 
     def check_fresh_start(self, overwrite: bool, log: logging.Logger) -> None:
-        """A fresh start in a directory whose records are of a run that ended (finished, failed or preempted) but
-        whose checkpoints are gone would replace them: refused unless ``overwrite=true``. Records of an attempt that
-        died before its first checkpoint (status running, or none: a kill, a lost node, a Slurm requeue) are of this
-        same run: they are dropped and the run starts over, with a log line."""
+        """A fresh start in a directory that holds records of steps that ran but no checkpoint to continue from
+        would replace them: refused unless ``overwrite=true``. That is a run that ended (finished, failed after
+        its first step, preempted), and a run stopped while running (kill -9, a lost node) whose summary says it
+        had written a checkpoint (``checkpoint_step``) that is gone now. Records of an attempt that died before its
+        first checkpoint (status running without ``checkpoint_step``, or no summary: a kill, a lost node, a Slurm
+        requeue) or that failed before its first step are of this same run: the restart computes the same steps,
+        so they are dropped with a log line."""
         metrics = self.path / record.METRICS_FILE
         summary_path = self.path / record.SUMMARY_FILE
         if not ((metrics.is_file() and metrics.stat().st_size > 0) or summary_path.is_file()):
@@ -182,8 +241,8 @@ class RunDirectory:
             log.warning(f"overwrite=true: replacing the records of the earlier run in {self.path}")
             return
         summary = self.summary() or {}
-        status = summary.get("status")
-        if status not in ("finished", "failed", "preempted"):
+        status, checkpointed = summary.get("status"), summary.get("checkpoint_step")
+        if status not in ("finished", "failed", "preempted") and not checkpointed:
             log.warning("an earlier attempt ended before its first checkpoint: its rows are dropped and the run "
                         "starts over")
             return
@@ -191,10 +250,25 @@ class RunDirectory:
             log.warning(f"an earlier attempt failed before its first step ({summary.get('error')}): the run starts "
                         f"over")
             return
-        raise ValueError(f"{self.path} holds the records of a run that ended (status {status}) but no checkpoint to "
-                         f"continue from: starting fresh would replace them. Use another directory "
-                         f"(hydra.run.dir=<new dir>), restore its checkpoints/, or pass overwrite=true to replace "
-                         f"them")
+        steps = max(int(summary.get("steps") or 0), last_metrics_step(metrics) or 0)
+        what = (f"a run that ended (status {status})" if status in ("finished", "failed", "preempted")
+                else f"a run stopped while running (its checkpoint of step {checkpointed} was written)")
+        raise RunRecordsAtRisk(
+            f"{self.path} holds the records of {what} but no checkpoint to continue from: starting fresh would "
+            f"replace the records of its {steps} steps. Use another directory (hydra.run.dir=<new dir>), restore "
+            f"its checkpoints/, or pass overwrite=true to replace them")
+
+    def wandb_run_id(self, from_checkpoint: str | None, log: logging.Logger) -> str:
+        """The W&B run id of this segment (rank 0, once its records open): a continuation keeps the checkpoint's;
+        a fresh start gets a new one, and the offline W&B runs of the records it replaces (``wandb/``) are
+        removed, so a replaced run never logs into the old W&B run nor is read back as the new one."""
+        if self.fresh_start:
+            old = self.path / record.WANDB_DIR
+            if old.is_dir() and any(old.iterdir()):
+                shutil.rmtree(old)
+                log.info(f"fresh start: removed the W&B files of the earlier records ({old})")
+            (self.path / record.WANDB_ID_FILE).unlink(missing_ok=True)
+        return load_or_create_run_id(self.path, from_checkpoint)
 
     def summary(self) -> dict[str, Any] | None:
         """The run's ``summary.json`` (None when missing or unreadable)."""
@@ -212,20 +286,68 @@ class RunDirectory:
         return None
 
 
+def last_metrics_step(path: Path, tail_bytes: int = 1 << 16) -> int | None:
+    """The step of the last usable row of ``metrics.jsonl`` (its tail only: a long run's file is not read whole);
+    None when there is none."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(handle.seek(0, 2) - tail_bytes, 0))
+            lines = handle.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and record.valid_step(row.get("step")):
+            return int(row["step"])
+    return None
+
+
+class RunRecordsAtRisk(Refused, ValueError):
+    """A launch would replace the records of steps that ran (no checkpoint to continue from): refused unless
+    ``overwrite=true``."""
+
+
 def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: set[int],
-                        last_probe_step: int | None, presentations_problem: str | None) -> None:
+                        last_probe_step: int | None, presentations_problem: str | None, *,
+                        probed_steps_expected: list[int] | None = None, tau_steps: set[int] | None = None,
+                        tau_steps_expected: list[int] | None = None) -> None:
     """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
-    1..step, the probe evaluation of the checkpoint's last probe step, presentations up to the last checkpoint when
-    recorded); otherwise the run would end "finished" with holes in its records, so it is refused."""
+    1..step; every probe evaluation and tau measurement the checkpoint's run had written, or, for checkpoints that
+    do not list them, the probe evaluation of its last probe step; presentations as many rows as it had written);
+    otherwise the run would end "finished" with holes in its records, so it is refused, naming each file.
+
+    Example:
+        >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {0}, 0, None, probed_steps_expected=[0],
+        ...                     tau_steps={2}, tau_steps_expected=[2])
+        >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {2}, 2, None, probed_steps_expected=[0, 2])
+        Traceback (most recent call last):
+        ...
+        dflash_lab.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks the probe evaluations of steps [0]. ...
+    """
     problems = []
     steps = [int(row["step"]) for row in history]
     if steps != list(range(1, step + 1)):
+        missing = sorted(set(range(1, step + 1)) - set(steps))
         problems.append(f"{record.METRICS_FILE} holds {len(set(steps) & set(range(1, step + 1)))} of the {step} "
-                        f"steps up to it")
-    if last_probe_step is not None and last_probe_step not in probed_steps:
-        problems.append(f"{record.PROBES_FILE} lacks the probe evaluation of step {last_probe_step}")
+                        f"steps up to it (missing {_some(missing)})")
+    wanted = set(probed_steps_expected or []) | ({last_probe_step} if last_probe_step is not None else set())
+    if wanted - probed_steps:
+        problems.append(f"{record.PROBES_FILE} lacks the probe evaluations of steps {_some(sorted(wanted - probed_steps))}")
+    lacking_tau = set(tau_steps_expected or []) - set(tau_steps or ())
+    if lacking_tau:
+        problems.append(f"{record.TAU_FILE} lacks the tau measurements of steps {_some(sorted(lacking_tau))}")
     if presentations_problem:
         problems.append(presentations_problem)
     if problems:
-        raise ValueError(f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are "
-                         f"incomplete: restore them, or start a fresh run directory (hydra.run.dir=<new dir>)")
+        raise RunRecordsAtRisk(
+            f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are incomplete: "
+            f"restore them (e.g. from a backup of the run directory), or start a fresh run directory "
+            f"(hydra.run.dir=<new dir>)")
+
+
+def _some(steps: list[int], shown: int = 10) -> str:
+    """A list of steps, cut after ``shown`` with the count of the rest."""
+    return str(steps) if len(steps) <= shown else f"{steps[:shown]} and {len(steps) - shown} more"

@@ -11,17 +11,23 @@ passes flock through (Lustre with ``flock`` mounts, NFSv4); the holder's host is
 lock whose holder is on another host is reported with that host. Ranks > 0 never take the lock (rank 0 alone
 writes run files); a Slurm requeue starts after the preempted process has exited, so its lock is free.
 
+The lock file is opened without following a symbolic link: a ``run.lock`` that is a link (or that cannot be
+written) is refused in one line naming the fix (``refusal.RunDirUnwritable``); the link's target is never touched.
+
 Cost: one open, one flock and one small write per run.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
+
+from dflash_lab.refusal import RunDirUnwritable
 
 LOCK_FILE = "run.lock"
 
@@ -74,7 +80,7 @@ class RunDirLock:
     def acquire(self) -> "RunDirLock":
         """Take the lock, or raise RunDirBusy naming the live holder. Records this process as the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
+        handle = self._open()
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,6 +101,25 @@ class RunDirLock:
         handle.flush()
         self._file = handle
         return self
+
+    def _open(self):
+        """The lock file, opened for reading and writing; never through a symbolic link (the lock would empty
+        whatever file the link names): a link, or a file or directory that cannot be written, is refused."""
+        try:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or self.path.is_symlink():
+                raise RunDirUnwritable(
+                    f"{self.path} is a symbolic link (to {os.readlink(self.path)}): the run's lock file must be its "
+                    f"own file, or taking the lock would empty the link's target. Remove the link (rm "
+                    f"'{self.path}') and launch again") from None
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise RunDirUnwritable(
+                f"cannot write the run directory's lock file {self.path} ({exc.strerror}): make it and its directory "
+                f"writable (chmod u+w '{self.path.parent}' '{self.path}'), or start this run elsewhere "
+                f"(hydra.run.dir=<another dir>)") from None
+        return os.fdopen(descriptor, "r+")
 
     def release(self) -> None:
         """Clear the holder and drop the lock (a clean end leaves nothing to take over)."""

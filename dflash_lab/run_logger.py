@@ -205,6 +205,7 @@ class RunLogger:
     Attributes:
         history: metrics rows of the whole run so far (all segments), for the summary.
         probed_steps: steps at which probe rows exist (a step is never probed twice).
+        tau_steps: steps at which tau.jsonl rows exist.
     """
 
     def __init__(self, run_dir: Path | str, *, is_main: bool, resume_step: int | None,
@@ -215,6 +216,7 @@ class RunLogger:
         self.log = log or logging.getLogger(LOGGER_NAME)
         self.history: list[dict[str, Any]] = []
         self.probed_steps: set[int] = set()
+        self.tau_steps: set[int] = set()
         self.tokens_seen = 0
         self.wandb: WandbSink | None = None
         if not is_main:
@@ -222,15 +224,20 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
         probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
-        if self.tau_path.is_file():
-            trim_jsonl(self.tau_path, resume_step)
+        taus, removed_taus, bad_taus = trim_jsonl(self.tau_path, resume_step)
         self.probed_steps = {int(row["step"]) for row in probes}
+        self.tau_steps = {int(row["step"]) for row in taus}
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
-        if removed + removed_probes:
+        if removed + removed_probes + removed_taus:
             self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
-                          f"{resume_step} (they are run again)")
-        if bad + bad_probes:
-            self.log.warning(f"skipped {bad} unusable line(s) in {METRICS_FILE} and {bad_probes} in {PROBES_FILE}")
+                          f"{resume_step} (they are run again)"
+                          + (f"; and {removed_taus} tau row(s)" if removed_taus else ""))
+        repaired = {name: count for name, count in ((METRICS_FILE, bad), (PROBES_FILE, bad_probes),
+                                                     (TAU_FILE, bad_taus)) if count}
+        if repaired:   # e.g. the last line, torn by a kill; steps they held are then missing: the resume check says so
+            self.log.warning("repaired (e.g. a line torn by a kill): "
+                             + "; ".join(f"skipped {count} unusable line(s) in {name}, removed from the file"
+                                         for name, count in repaired.items()))
         if wandb_settings is not None and wandb_settings.get("mode", "offline") != "disabled":
             self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4),
                                    self.log)
@@ -293,6 +300,7 @@ class RunLogger:
             return
         clean = {name: json_safe(row[name]) for name in TAU_FIELDS}
         self._append(self.tau_path, [clean])
+        self.tau_steps.add(int(clean["step"]))
         if self.wandb is not None:
             self.wandb.log_row({"step": clean["step"], "tokens_seen": self.tokens_seen, "tau/mean": clean["tau"],
                                 "tau/band_min": clean["tau_band_min"],

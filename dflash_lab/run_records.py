@@ -49,12 +49,15 @@ class RunRecords:
         self.logger, self.presentations, self.plan = logger, presentations, plan
         self.identity, self.data_counts, self.ledger = identity, data_counts, ledger
         self.steady_warmup_steps = steady_warmup_steps
+        self.checkpoint_step: int | None = None   # the run's last checkpoint (summary.json: checkpoint_step)
 
     @classmethod
     def open(cls, settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, parts: Components,
-             position: Position, last_probe_step: int | None, run_id: str | None, ledger: record.TimeLedger,
-             log: logging.Logger) -> RunRecords:
-        """The records of this segment: rows after the checkpoint dropped, and checked to cover the run up to it."""
+             position: Position, checkpoint_extra: dict[str, Any] | None, run_id: str | None,
+             ledger: record.TimeLedger, log: logging.Logger) -> RunRecords:
+        """The records of this segment: rows after the checkpoint dropped, and checked to cover the run up to it
+        (``checkpoint_extra``: the resumed checkpoint's ``extra``, which says what the records held when it was
+        written; None on a fresh start)."""
         wandb_settings, wandb_config = wandb_run_settings(settings, parts, env)
         logger = RunLogger(directory.path, is_main=env.is_main, resume_step=position.loaded_step, log=log,
                            run_id=run_id, wandb_settings=wandb_settings, config=wandb_config)
@@ -66,18 +69,28 @@ class RunRecords:
             if dropped:
                 log.info(f"resume: removed {dropped} presentation rows logged after step {position.loaded_step}")
             if position.loaded_step:
+                expected = checkpoint_extra or {}
                 problem = presentations.resume_problem or (
                     f"{record.PRESENTATIONS_FILE} is missing or empty"
                     if recording and presentations.covered_step() is None else None)
-                check_records_cover(position.loaded_step, logger.history, logger.probed_steps, last_probe_step,
-                                    problem)
+                rows = expected.get("presentation_rows")
+                if recording and not problem and rows is not None and len(presentations) != rows:
+                    problem = (f"{record.PRESENTATIONS_FILE} holds {len(presentations)} rows up to step "
+                               f"{position.loaded_step}, the checkpoint's run had written {rows} (steps "
+                               f"{presentations.missing_steps(position.loaded_step)} lack theirs)")
+                check_records_cover(position.loaded_step, logger.history, logger.probed_steps,
+                                    expected.get("last_probe_step"), problem,
+                                    probed_steps_expected=expected.get("probed_steps"),
+                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"))
             if recording:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
-        return cls(logger, presentations if recording else None, plan=parts.plan,
-                   identity=parts.identity(settings, env.world_size),
-                   data_counts=parts.data_counts(), ledger=ledger,
-                   steady_warmup_steps=settings.trainer.steady_warmup_steps)
+        records = cls(logger, presentations if recording else None, plan=parts.plan,
+                      identity=parts.identity(settings, env.world_size),
+                      data_counts=parts.data_counts(), ledger=ledger,
+                      steady_warmup_steps=settings.trainer.steady_warmup_steps)
+        records.checkpoint_step = position.loaded_step or None
+        return records
 
     def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]], policy,
              timing: StepClock) -> dict[str, Any]:
@@ -94,11 +107,19 @@ class RunRecords:
         self.logger.log_step(row)
         return row
 
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` was written: ``summary.json`` (status running) says so and counts the steps, so
+        a relaunch after a kill -9 that also lost ``checkpoints/`` knows that rows of steps that ran are at stake
+        (``RunDirectory.check_fresh_start``)."""
+        self.checkpoint_step = int(step)
+        self.summary("running", steps=step)
+
     def summary(self, status: str, steps: int, **extra: Any) -> dict[str, Any]:
         """Write ``summary.json`` (rank 0) and return it."""
         summary = record.build_summary(self.logger.history, self.plan, self.ledger.totals, identity=self.identity,
                                        status=status, steps=steps, steady_warmup_steps=self.steady_warmup_steps,
-                                       extra={**self.data_counts, **extra}, times=self.ledger.split())
+                                       extra={**self.data_counts, "checkpoint_step": self.checkpoint_step, **extra},
+                                       times=self.ledger.split())
         self.logger.write_summary(summary)
         return summary
 
@@ -160,7 +181,7 @@ class Checkpointer:
             self.records.ledger.save()   # the checkpoint's totals hold the run's wall time up to this save
             self.directory.keep_hydra_files(self.log)
             parts = self.parts
-            return self.checkpoints.save({
+            path = self.checkpoints.save({
                 "model": parts.model.draft_state_dict(), "optimizer": parts.optimizer.state_dict(),
                 "schedule": parts.schedule.state_dict(),
                 "sampler": parts.policy.state_dict(batches_consumed=position.consumed),
@@ -169,8 +190,14 @@ class Checkpointer:
                 "data_digest": parts.train_ds.content_digest, "hydra_files": self.directory.launch_hydra_files,
                 "wandb_run_id": self.run_id,
                 "extra": {"totals": position.totals.state_dict(),
-                          "last_probe_step": self.evaluation.last_probe_step},
+                          "last_probe_step": self.evaluation.last_probe_step,
+                          # what the records hold now: a resume from this checkpoint checks them against it
+                          "probed_steps": sorted(self.records.logger.probed_steps),
+                          "tau_steps": sorted(self.records.logger.tau_steps),
+                          "presentation_rows": len(presentations) if presentations is not None else None},
             }, step=position.step)
+            self.records.checkpointed(position.step)
+            return path
 
     def due(self, step: int) -> bool:
         """A scheduled save after ``step`` (every ``trainer.ckpt_every`` steps; the end saves anyway)."""

@@ -46,9 +46,10 @@ from dflash_lab import checkpoint as ckpt
 from dflash_lab import dist, record
 from dflash_lab.components import Components, build_components
 from dflash_lab.evaluation import Evaluation
+from dflash_lab.refusal import Refused, describe_failure, full_disk
 from dflash_lab.run_dir import RunDirectory
 from dflash_lab.run_lock import RunDirBusy
-from dflash_lab.run_logger import close_text_log, load_or_create_run_id, setup_text_log
+from dflash_lab.run_logger import close_text_log, setup_text_log
 from dflash_lab.run_names import name_wandb_run
 from dflash_lab.run_records import Bookkeeping, Checkpointer, RunRecords, StepClock
 from dflash_lab.settings import RunSettings
@@ -223,9 +224,10 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     (``run_config.json``)."""
     position.totals.segments += 1
     ledger = record.TimeLedger(position.totals, start=started)   # this segment's wall time counts from its start
-    run_id = load_or_create_run_id(directory.path, (state or {}).get("wandb_run_id")) if env.is_main else None
+    run_id = directory.wandb_run_id((state or {}).get("wandb_run_id"), log) if env.is_main else None
     last_probe_step = state["extra"].get("last_probe_step") if state is not None else None
-    records = RunRecords.open(settings, env, directory, parts, position, last_probe_step, run_id, ledger, log)
+    records = RunRecords.open(settings, env, directory, parts, position, (state or {}).get("extra"), run_id, ledger,
+                              log)
     evaluation = Evaluation(model=parts.model, heldout_ds=parts.heldout_ds, pad_id=parts.tokenizer.pad_token_id,
                             device=device, autocast=parts.autocast, probes=parts.probes,
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
@@ -354,11 +356,17 @@ def main(cfg: DictConfig) -> float | None:
     except RunDirBusy as exc:  # a refusal, not a crash: the one-line reason, no traceback
         print(f"dflash_lab.train: {exc}", file=sys.stderr)
         raise SystemExit(LOCKED_EXIT_CODE) from None
-    except (ValueError, FileNotFoundError) as exc:  # a refused config, resume or dataset: the message names the fix
+    except (Refused, ValueError, FileNotFoundError) as exc:  # refused config, resume, data, cache: names the fix
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"dflash_lab.train: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(REFUSED_EXIT_CODE) from None
+    except Exception as exc:  # a full disk: its cause in one line (torch's writer buries it in the chain)
+        if full_disk(exc) is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash_lab.train: error: {describe_failure(exc)}\n(HYDRA_FULL_ERROR=1 shows the traceback)",
+              file=sys.stderr)
+        raise SystemExit(FAILED_EXIT_CODE) from None
     if summary["status"] == "failed":
         raise SystemExit(FAILED_EXIT_CODE)
     return summary.get("final_loss")

@@ -582,7 +582,7 @@ def test_a_resume_over_missing_or_damaged_side_files_is_refused(tmp_path, damage
         expected = "metrics.jsonl holds 0 of the 8 steps up to it"
     else:
         (run_dir / "probes.jsonl").unlink()
-        expected = "probes.jsonl lacks the probe evaluation of step 8"
+        expected = r"probes.jsonl lacks the probe evaluations of steps \[0, 4, 8\]"
     with pytest.raises(ValueError, match=f"resume from the checkpoint of step 8: {expected}"):
         train(compose_cfg(run_dir, "trainer.max_steps=12", *overrides))
 

@@ -8,7 +8,10 @@ Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/
     meta.json                  config, counts (``stats``: e.g. skipped JSONL lines per reason)
     skipped_lines.jsonl        data=jsonl: every skipped line's number, reason and message (the run copies it)
 The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
-them rebuilds. Arrays are opened with ``mmap_mode="r"``: start-up cost is independent of N.
+them rebuilds; a JSONL file enters the key by its content's digest (not its modification time: an edit in place
+whose mtime was restored rebuilds too). Arrays are opened with ``mmap_mode="r"``; every load streams them once
+through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and checks the
+digest recorded at build time, so a damaged or edited cache is refused before step 1.
 
 ``TokenizedDataset.split()`` holds out ``probe_fraction`` of the samples for probes and decoding prompts,
 stratified by length (one pick per run of ``1/probe_fraction`` samples in length order) so every length band
@@ -17,7 +20,8 @@ per band, it tops up any band holding fewer held-out samples than that count (ex
 samples, at most half of them, so training keeps the band): the stratified share alone can leave a band short
 (3000 synthetic samples: 19 held out in (304, 412] for 24 probes).
 
-Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load``.
+Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load`` and
+one read of the arrays for the digest (about 4 s per GiB on 2 slow cores); a JSONL source is read once more for its digest at every build call.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
+from dflash_lab.refusal import DamagedCache
 from dflash_lab.sampling.boundaries import bucket_ids
 
 KINDS = ("synthetic", "code", "jsonl")
@@ -111,8 +116,9 @@ class TokenizedDataset:
 
     @property
     def content_digest(self) -> str | None:
-        """The cached dataset's content digest (``content_digest``; computed once for caches built before it was
-        recorded); None for a dataset that is not cached."""
+        """The digest of the bytes this dataset trains on (``content_digest`` of the cached arrays, computed when
+        the cache was loaded and checked there against the one recorded at build time); None for a dataset that
+        is not cached."""
         digest = self.meta.get("content_digest")
         if digest is None and self.meta.get("directory"):
             digest = self.meta["content_digest"] = content_digest(Path(self.meta["directory"]))
@@ -264,17 +270,42 @@ def content_digest(directory: Path) -> str:
 
 
 def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedDataset:
-    meta = json.loads((directory / "meta.json").read_text())
+    """Open a built cache entry, checked: the digest of its arrays as they are now must be the one recorded when it
+    was built, and the sample lengths must match the sample boundaries. A damaged or edited file is refused
+    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete)."""
+    fix = f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        digest = content_digest(directory)   # streamed from the bytes trained on, never copied from meta.json
+        arrays = [np.load(directory / "tokens.npy", mmap_mode="r"), np.load(directory / "loss_mask.npy", mmap_mode="r"),
+                  np.load(directory / "offsets.npy"), np.load(directory / "lengths.npy")]
+    except (OSError, ValueError) as error:
+        raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
+                           f"{fix}") from None
+    recorded = meta.get("content_digest")
+    if recorded is not None and recorded != digest:
+        raise DamagedCache(f"the cached dataset {directory} has content digest {digest}, but its meta.json records "
+                           f"{recorded} (its token files were damaged or edited after it was built): {fix}")
+    tokens, loss_mask, offsets, lengths = arrays
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if (offsets.ndim != 1 or offsets.size != lengths.size + 1 or offsets[0] != 0 or offsets[-1] != tokens.size
+            or offsets[-1] != loss_mask.size or not np.array_equal(np.diff(offsets), lengths)):
+        raise DamagedCache(f"the cached dataset {directory} has sample lengths that do not match its sample "
+                           f"boundaries (lengths.npy or offsets.npy damaged): {fix}")
     meta["directory"] = str(directory)
-    return TokenizedDataset(
-        np.load(directory / "tokens.npy", mmap_mode="r"),
-        np.load(directory / "loss_mask.npy", mmap_mode="r"),
-        np.load(directory / "offsets.npy"),
-        np.load(directory / "lengths.npy"),
-        meta,
-        probe_fraction=probe_fraction,
-        split_seed=split_seed,
-    )
+    meta["content_digest"] = digest
+    return TokenizedDataset(tokens, loss_mask, offsets, lengths, meta, probe_fraction=probe_fraction,
+                            split_seed=split_seed)
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b of a file's bytes, read 1 MiB at a time: a source file's identity in a cache key (an edit that
+    keeps the size and the modification time still changes it)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | None = None,
@@ -349,9 +380,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
             raise FileNotFoundError(f"data.path={path!r} does not exist: point it at a ShareGPT/messages JSONL file")
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"data.max_bad_fraction={max_bad_fraction}: choose a share in [0, 1]")
-        stat = file.stat()
         template = load_chat_template(chat_template)
-        config = {"path": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        config = {"path": str(file), "size": file.stat().st_size, "content": file_digest(file),
                   "max_length": int(max_length), "max_bad_fraction": float(max_bad_fraction),
                   "chat_template": template}
         module = jsonl_module

@@ -368,6 +368,46 @@ def _supervised_pairs(mask: list[bool]) -> int:
     return sum(1 for a, b in zip(mask[:-1], mask[1:]) if a and b)
 
 
+def cut_before_encoding(tokenizer, messages: list[dict], tools, max_length: int) -> tuple[list[dict], int | None]:
+    """The conversation cut to a few tokens past ``max_length`` before it is encoded, where the template allows:
+    the byte tokenizer's own format (``model=tiny``) costs exactly one token per UTF-8 byte of a turn's content
+    plus two per turn and one BOS, so the turn that crosses the budget is cut and the turns after it are emptied
+    (a 50 MB line is no longer encoded whole, as Python ints, to keep 1024 tokens). The encoded prefix, its mask
+    and the too_long/truncated outcome are those of the whole conversation: the cut keeps more than
+    ``max_length`` tokens, and is made only when some assistant turn has text (else the line is
+    ``no_assistant_turn`` either way) and no tools are used (the byte format refuses those whole). A chat
+    template of a Hugging Face tokenizer is rendered and tokenized whole (its token count per character is not
+    known before), and so is a conversation with reasoning (its rendering adds think tags). Returns (messages, the
+    whole conversation's token count when it was cut, else None).
+
+    Example:
+        >>> from dflash_lab.data.tokenizer import ByteTokenizer
+        >>> convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 1000}]
+        >>> cut, whole = cut_before_encoding(ByteTokenizer(), convo, None, 16)
+        >>> whole, len(cut[1]["content"])
+        (1007, 18)
+    """
+    from dflash_lab.data.tokenizer import ByteTokenizer, uses_tools
+
+    if (not isinstance(tokenizer, ByteTokenizer) or uses_tools(messages, tools)
+            or any(m.get("reasoning_content") or m.get("reasoning") for m in messages)
+            or not any(normalise_role(m["role"]) == "assistant" and m.get("content") for m in messages)):
+        return messages, None
+    budget = max_length + 8   # past max_length: a cut UTF-8 character may lose up to 3 bytes
+    used, kept, cut = 1, [], False   # BOS
+    for message in messages:
+        room = max(budget - used - 1, 0)   # content bytes that still fit after the turn's role token
+        content = message["content"]
+        if len(content) > room:   # characters >= 1 byte each: cut (the encoded prefix is at most ``room`` bytes)
+            content = content[:room].encode("utf-8")[:room].decode("utf-8", errors="ignore")
+            message, cut = {**message, "content": content}, True   # later turns stay (empty): the last
+        kept.append(message)                                          # assistant turn keeps its EOS
+        used += 2 + len(content.encode("utf-8"))
+    if not cut:
+        return messages, None
+    return kept, 1 + sum(2 + len((m["content"] or "").encode("utf-8")) for m in messages)
+
+
 def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | None = None,
                 facts: LineFacts | None = None) -> tuple[list[int], list[bool], bool]:
     """(ids, loss_mask, truncated) of one JSONL line; ``facts``, when given, gets its uncut length and notes.
@@ -388,6 +428,8 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
         raise UnusableLine("malformed_json", "not JSON: nested deeper than the JSON decoder's recursion limit") from exc
     messages = parse_conversation(record)
     tools = parse_tools(record)
+    messages, whole_length = cut_before_encoding(tokenizer, messages, tools, max_length)
+    cut = whole_length is not None
     options = {"tools": tools} if tools else {}
     if chat_template is not None:
         options["chat_template"] = chat_template
@@ -401,10 +443,10 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
         raise UnusableLine("template_lacks_reasoning", str(exc)) from exc
     except ValueError as exc:  # ChatTemplateError and whatever else the template raises as a value problem
         raise UnusableLine("template_error", str(exc)) from exc
-    if _supervised_pairs(mask) == 0:
+    if not cut and _supervised_pairs(mask) == 0:   # a cut conversation has assistant text (cut_before_encoding)
         raise UnusableLine("no_assistant_turn", "the assistant turns hold fewer than two tokens")
     if facts is not None:
-        facts.uncut_length = len(ids)
+        facts.uncut_length = whole_length if cut else len(ids)
     if len(ids) <= max_length:
         return ids, mask, False
     ids, mask = ids[:max_length], mask[:max_length]

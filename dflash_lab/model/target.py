@@ -46,6 +46,7 @@ from dflash_lab.data import datasets as datasets_module
 from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
+from dflash_lab.refusal import DamagedCache
 
 log = logging.getLogger(__name__)
 
@@ -354,26 +355,25 @@ def load_cached_tiny_target(directory: Path):
     against the digest recorded when it was built.
 
     Raises:
-        RuntimeError: files missing or unreadable, or weights whose digest differs from meta.json's (a damaged or
+        refusal.DamagedCache (a RuntimeError): files missing or unreadable, or weights whose digest differs from meta.json's (a damaged or
             edited cache): the message names the directory to delete so the next run pretrains it again.
     """
-    from transformers import Qwen3ForCausalLM
-
     fix = f"delete {directory} (rm -rf '{directory}') and run again to pretrain the tiny target afresh"
     missing = [name for name in ("config.json", "model.safetensors", "meta.json") if not (directory / name).is_file()]
     if missing:
-        raise RuntimeError(f"the cached tiny target {directory} lacks {', '.join(missing)}: {fix}")
+        raise DamagedCache(f"the cached tiny target {directory} lacks {', '.join(missing)}: {fix}")
+    from transformers import Qwen3ForCausalLM
     try:
         meta = json.loads((directory / "meta.json").read_text())
         model = Qwen3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
     except Exception as error:   # a torn or foreign file: say which cache to rebuild, not only what failed inside
-        raise RuntimeError(f"the cached tiny target {directory} cannot be read ({type(error).__name__}: {error}): "
+        raise DamagedCache(f"the cached tiny target {directory} cannot be read ({type(error).__name__}: {error}): "
                            f"{fix}") from error
     model.eval()
     digest = weights_digest(model)
     recorded = meta.get("target_digest")
     if recorded != digest:
-        raise RuntimeError(f"the cached tiny target {directory} has weights digest {digest}, but its meta.json "
+        raise DamagedCache(f"the cached tiny target {directory} has weights digest {digest}, but its meta.json "
                            f"records {recorded} (the weights were changed or damaged after it was built): {fix}")
     meta["path"] = str(directory)
     return model, meta

@@ -1,0 +1,292 @@
+"""A run's record is the truth (issue 23, items 3, 5-10): the data digest comes from the bytes trained on, resume
+checks every side file, records of steps that ran are replaced only with overwrite=true, a fresh start gets a new
+W&B run, refusals and a full disk are one line, and nothing is left or written through where it should not be."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from helpers import SHORT_CLI, compose_small, stop_at, train_cli, without_permission_override
+
+from dflash_lab import checkpoint as ckpt
+from dflash_lab import record
+from dflash_lab.compare import publish
+from dflash_lab.data.datasets import build_dataset
+from dflash_lab.data.jsonl import encode_line
+from dflash_lab.data.tokenizer import ByteTokenizer
+from dflash_lab.refusal import Refused
+from dflash_lab.run_lock import RunDirLock
+from dflash_lab.train import train
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def one_line_error(stderr: str) -> str:
+    """The refusal line of a command's stderr (asserting there is no traceback)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("dflash_lab.train: error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------ 3. data digest
+def test_a_damaged_cached_tokens_file_is_refused_with_the_cache_to_delete(tmp_path):
+    clean = build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200)
+    digest = clean.content_digest
+    entry = Path(clean.meta["directory"])
+    tokens = entry / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-7] ^= 0x5A   # one token id changed, size and meta.json untouched
+    tokens.write_bytes(bytes(data))
+    with pytest.raises(Refused, match=rf"cached dataset {entry} has content digest .* records {digest}.*rm -rf"):
+        build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200)
+    shutil.rmtree(entry)   # the fix the message names
+    assert build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200).content_digest == digest
+
+
+def test_a_chat_file_edited_in_place_with_its_mtime_restored_is_rebuilt(tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    line = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world!"}]}
+    chat.write_text(json.dumps(line) + "\n")
+    stat = chat.stat()
+    before = build_dataset("jsonl", path=str(chat), cache_dir=str(tmp_path / "cache"))
+    chat.write_text(json.dumps(line).replace("world!", "earth!") + "\n")   # same size
+    os.utime(chat, ns=(stat.st_atime_ns, stat.st_mtime_ns))                 # touch -r: the old mtime
+    after = build_dataset("jsonl", path=str(chat), cache_dir=str(tmp_path / "cache"))
+    assert after.content_digest != before.content_digest
+    assert "earth!" in ByteTokenizer().decode(after[0]["input_ids"].tolist())
+
+
+@pytest.mark.integration
+def test_a_run_on_a_damaged_data_cache_stops_before_step_one(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    common = ["trainer.measure_tau=false", "probes.every=0", f"data.cache_dir={cache}", "trainer.ckpt_every=2"]
+    first = train(compose_small(run_dir, "trainer.max_steps=2", *common))
+    (entry,) = [p for p in (cache / "data").iterdir() if p.is_dir()]
+    tokens = entry / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[len(data) // 2] ^= 0x21
+    tokens.write_bytes(bytes(data))
+    rows_before = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(Refused, match=rf"cached dataset {entry} has content digest .* records {first['data_digest']}"):
+        train(compose_small(run_dir, "trainer.max_steps=4", *common))
+    assert (run_dir / "metrics.jsonl").read_bytes() == rows_before   # not one step on the damaged tokens
+
+
+# ------------------------------------------------------------------------------------ 5. resume coverage
+@pytest.mark.integration
+def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_log_line(tmp_path):
+    run_dir = tmp_path / "cover"
+    common = ["trainer.measure_tau=true", "trainer.ckpt_every=10"]   # tau rows at each segment's end
+    train(compose_small(run_dir, "trainer.max_steps=10", *common))
+    old_presentations = (run_dir / "presentations.parquet").read_bytes()
+    train(compose_small(run_dir, "trainer.max_steps=20", *common))
+    assert [row["step"] for row in read_rows(run_dir / "tau.jsonl")] == [10, 20]
+    saved = {name: (run_dir / name).read_bytes() for name in record.RUN_FILES}
+
+    def restore() -> None:
+        for name, data in saved.items():
+            (run_dir / name).write_bytes(data)
+
+    # an older presentations.parquet copied back over the current one: steps 11..20 would stay missing
+    (run_dir / "presentations.parquet").write_bytes(old_presentations)
+    with pytest.raises(Refused, match=r"presentations\.parquet holds \d+ rows.*steps \[11, 12"):
+        train(compose_small(run_dir, "trainer.max_steps=30", *common))
+    restore()
+    # probes.jsonl lacking an earlier probe evaluation (step 5; the last one, 20, is there)
+    rows = read_rows(run_dir / "probes.jsonl")
+    (run_dir / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] != 5))
+    with pytest.raises(Refused, match=r"probes\.jsonl lacks the probe evaluations of steps \[5\]"):
+        train(compose_small(run_dir, "trainer.max_steps=30", *common))
+    restore()
+    # tau.jsonl torn mid-line: the row of step 10 (before the checkpoint of step 20) would be lost in silence
+    first_row = (run_dir / "tau.jsonl").read_text().splitlines()[0]
+    (run_dir / "tau.jsonl").write_text(first_row[: len(first_row) // 2])
+    with pytest.raises(Refused, match=r"tau\.jsonl lacks the tau measurements of steps \[10\]"):
+        train(compose_small(run_dir, "trainer.max_steps=30", *common))
+    assert "repaired" in (run_dir / "train_rank0.log").read_text()
+    restore()
+    # a torn last line after the checkpoint (a kill while it was written) is repaired, with a log line
+    with open(run_dir / "tau.jsonl", "a") as handle:
+        handle.write('{"step": 21, "tau": 1.')
+    log_before = (run_dir / "train_rank0.log").read_text()
+    summary = train(compose_small(run_dir, "trainer.max_steps=30", *common))
+    assert summary["status"] == "finished" and summary["steps"] == 30
+    added = (run_dir / "train_rank0.log").read_text()[len(log_before):]
+    assert "repaired" in added and "skipped 1 unusable line(s) in tau.jsonl" in added
+    assert [row["step"] for row in read_rows(run_dir / "tau.jsonl")] == [10, 20, 30]
+
+
+# ------------------------------------------------------------- 6. records protected, 7. a new W&B run id
+@pytest.mark.integration
+def test_a_stopped_run_that_lost_its_checkpoints_keeps_its_records_unless_overwrite(tmp_path):
+    run_dir = tmp_path / "lost"
+    common = ["trainer.max_steps=12", "trainer.measure_tau=false", "trainer.ckpt_every=4", "logger=wandb"]
+    with pytest.raises(ckpt.Preempted):   # stopped at step 8 with status running, as a kill -9 leaves it
+        train(compose_small(run_dir, *common), stop_at(8))
+    old_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    shutil.rmtree(run_dir / "checkpoints")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "train_rank0.log"}
+    assert json.loads(before["summary.json"])["status"] == "running"
+
+    with pytest.raises(Refused, match=r"stopped while running .*records of its 8 steps.*overwrite=true"):
+        train(compose_small(run_dir, *common))
+    with pytest.raises(FileNotFoundError, match="resume=true"):
+        train(compose_small(run_dir, *common, "resume=true"))
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "train_rank0.log"}
+    assert after == before   # a refusal writes nothing: the 8 rows and the full summary.json are kept
+
+    summary = train(compose_small(run_dir, *common, "overwrite=true"))
+    assert summary["status"] == "finished" and summary["steps"] == 12
+    new_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert new_id != old_id
+    offline = [p.name for p in (run_dir / "wandb").glob("offline-run-*")]
+    assert offline and all(name.endswith(new_id) for name in offline), offline
+
+
+@pytest.mark.integration
+def test_overwrite_starts_a_new_wandb_run(tmp_path):
+    run_dir = tmp_path / "again"
+    common = ["trainer.max_steps=3", "trainer.measure_tau=false", "probes.every=0", "logger=wandb"]
+    train(compose_small(run_dir, *common))
+    old_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    shutil.rmtree(run_dir / "checkpoints")   # overwrite=true applies where no checkpoint is left to continue from
+    train(compose_small(run_dir, *common, "overwrite=true"))
+    new_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert new_id != old_id
+    offline = [p.name for p in (run_dir / "wandb").glob("offline-run-*")]
+    assert offline and all(name.endswith(new_id) for name in offline), offline
+
+
+# --------------------------------------------------------------------------------------- 8. one line
+def test_refusals_of_damaged_caches_and_checkpoints_are_refusals(tmp_path):
+    from dflash_lab.model.target import load_cached_tiny_target
+
+    with pytest.raises(Refused, match="lacks config.json"):
+        load_cached_tiny_target(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_3.pt").write_bytes(b"torn")
+    with pytest.raises(Refused, match="no intact checkpoint"):
+        ckpt.load_run_checkpoint(tmp_path)
+
+
+@pytest.mark.integration
+def test_all_checkpoints_truncated_is_one_line_naming_the_fix(tmp_path):
+    run_dir = tmp_path / "torn"
+    first = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "trainer.max_steps=10", "trainer.ckpt_every=5")
+    assert first.returncode == 0, first.stderr[-3000:]
+    for path in (run_dir / "checkpoints").glob("step_*.pt"):
+        path.write_bytes(path.read_bytes()[:1000])
+    again = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "trainer.max_steps=20", "trainer.ckpt_every=5")
+    assert again.returncode == 2
+    assert "no intact checkpoint" in one_line_error(again.stderr)
+
+
+def test_a_symlinked_run_lock_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.lock").symlink_to(victim)
+    with pytest.raises(Refused, match=r"run\.lock is a symbolic link.*Remove the link"):
+        RunDirLock(run_dir).acquire()
+    assert victim.read_text() == "keep me\n"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("what", ["run.lock", "run directory", "sweep directory"])
+def test_a_read_only_run_directory_or_lock_is_one_line(tmp_path, what):
+    prefix = without_permission_override()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: permissions cannot be enforced")
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    if what == "run.lock":
+        (run_dir / ".hydra").mkdir()
+        (run_dir / "run.lock").write_text("")
+        (run_dir / "run.lock").chmod(0o444)
+    else:
+        run_dir.chmod(0o555)
+    where = ["-m", f"hydra.sweep.dir={run_dir / 'sweep'}", "seed=0,1"] if what == "sweep directory" else [
+        f"hydra.run.dir={run_dir}"]
+    try:
+        result = train_cli(*where, *SHORT_CLI, prefix=prefix, timeout=180)
+    finally:
+        run_dir.chmod(0o755)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_line_error(result.stderr)
+    key = "hydra.sweep.dir=" if what == "sweep directory" else "hydra.run.dir="
+    assert "Permission denied" in line and "chmod" in line and key in line
+
+
+# ----------------------------------------------------------------------------------------- 9. disk full
+@pytest.mark.integration
+def test_a_full_disk_is_named_and_keeps_the_step_count(tmp_path):
+    warm = train_cli(f"hydra.run.dir={tmp_path / 'warm'}", *SHORT_CLI, "trainer.max_steps=0")  # caches built
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    run_dir = tmp_path / "df"
+    full = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, prefix=("bash", "-c", 'ulimit -f 600; exec "$@"', "-"))
+    assert full.returncode == 1, full.stderr[-3000:]
+    line = one_line_error(full.stderr)
+    assert "disk full" in line and "File too large" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 10 and "File too large" in summary["error"]
+    assert max(row["step"] for row in read_rows(run_dir / "metrics.jsonl")) == 10
+    again = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI)
+    assert again.returncode == 2
+    line = one_line_error(again.stderr)
+    assert "failed before its first step" not in again.stderr + line and "(status failed)" in line and "records of its 10 steps" in line
+
+
+# ----------------------------------------------------------------------------------------- 10. leftovers
+def test_publish_cleans_what_a_killed_compare_left(tmp_path):
+    target = tmp_path / "report"
+    target.mkdir()
+    (target / "comparison.md").write_text("old\n")
+    (tmp_path / ".report.new-abc123").mkdir()     # killed while building
+    (tmp_path / ".report.old-def456").mkdir()     # killed after a swap, before removing the old folder
+    publish(target, lambda folder: [folder / "comparison.md"] if (folder / "comparison.md").write_text("new\n")
+            else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+    assert (target / "comparison.md").read_text() == "new\n"
+    # killed between the two renames: the previous comparison comes back before the next one is published
+    target.rename(tmp_path / ".report.old-xyz")
+    publish(target, lambda folder: [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+def test_a_huge_line_is_cut_before_it_is_encoded_with_the_same_result():
+    tokenizer = ByteTokenizer()
+    rng = random.Random(0)
+    for _ in range(200):   # the cut changes nothing of the kept tokens, their mask or the outcome
+        turns = [{"role": rng.choice(["user", "assistant", "system"]),
+                  "content": "".join(rng.choice("ab\u00e9\u4e2d\U0001f600") for _ in range(rng.randint(0, 40)))}
+                 for _ in range(rng.randint(1, 5))]
+        raw = json.dumps({"messages": turns}).encode()
+        max_length = rng.randint(2, 60)
+        ids, mask = tokenizer.encode_chat(turns)
+        try:
+            got = encode_line(tokenizer, raw, max_length=max_length)
+        except ValueError as exc:
+            got = getattr(exc, "reason", exc)
+        pairs = sum(1 for a, b in zip(mask[:-1], mask[1:]) if a and b)
+        cut_pairs = sum(1 for a, b in zip(mask[:max_length - 1], mask[1:max_length]) if a and b)
+        expected = ("no_assistant_turn" if pairs == 0 else (ids, mask, False) if len(ids) <= max_length
+                    else "too_long" if cut_pairs == 0 else (ids[:max_length], mask[:max_length], True))
+        assert got == expected, (turns, max_length)
+    huge = json.dumps({"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a" * 5_000_000}]}).encode()
+    tracemalloc.start()
+    ids, mask, truncated = encode_line(tokenizer, huge, max_length=1024)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(ids) == 1024 and truncated and all(mask[5:]) and not any(mask[:5])
+    assert peak < 40e6, f"peak {peak / 1e6:.0f} MB for a 5 MB line: it was encoded whole"
