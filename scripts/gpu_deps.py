@@ -65,13 +65,13 @@ def wheels_to_install(wheelhouse: Path) -> list[Path]:
 
 def install(wheels: list[Path], target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    has_pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
+    has_pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False).returncode == 0
     if has_pip:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
                "--disable-pip-version-check", "--no-warn-script-location", "--target", str(target),
                *map(str, wheels)]
         proc = subprocess.run(cmd, capture_output=True, text=True,
-                              env={**os.environ, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})
+                              env={**os.environ, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""}, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"pip install --no-index failed: {proc.stderr.strip()[-1500:]}")
         return
@@ -86,7 +86,7 @@ def import_errors(modules, target: Path) -> dict[str, str]:
             "        importlib.import_module(m)\n    except Exception as exc:\n"
             "        errors[m] = f'{type(exc).__name__}: {exc}'\nprint(json.dumps(errors))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         return {m: proc.stderr.strip()[-300:] for m in modules}
     import json
