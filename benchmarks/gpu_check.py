@@ -21,19 +21,20 @@ Regimes (``--regime``):
   full_random, bucketed and packed. The memory model predicts that many of these steps do not fit 96 GiB
   without checkpointing: such a step is run anyway, and if it runs out of memory it is recorded (``oom_steps``:
   its predicted peak) and the next one runs (one rank only: under DDP an out-of-memory rank would stall the
-  others). After the policies, one checkpointing-on step (``--ckpt-step``, on by default in this regime): the
-  largest timed batch, or the first one that ran out of memory, again with checkpointing, to measure its time and
-  peak against the prediction. Last, a ``comparison`` line: the measured full_random / bucketed Ktok/s ratio next
-  to the planner's prediction for the same batches (``dflash_lab.plan.cost_from_config`` with
+  others). After the policies, a ``comparison`` line: the measured full_random / bucketed Ktok/s ratio next to
+  the planner's prediction for the same batches (``dflash_lab.plan.cost_from_config`` with
   conf_plan/cost/seed.yaml and the rtx_pro_6000 preset, ``dflash_lab.plan.predict_throughput``: the FLOPs form,
-  whose ratio does not depend on the utilisation).
+  whose ratio does not depend on the utilisation). Last, one checkpointing-on step (``--ckpt-step``, on by default
+  in this regime): the first timed batch that ran out of memory, else the one with the largest predicted peak,
+  again with checkpointing, to measure its time and peak against the prediction.
 
 Modes: ``--quick``: fewer documents to plan from (8,000), two warm-up steps per policy and three timed ones on GPU
 (one and one on CPU); the default: 20,000 documents, two warm-up and six timed steps on GPU (two on CPU).
 Warm-up steps run each policy's cheapest batches (fewest executed FLOPs; two different shapes, so that
 flex_attention compiles its static and its dynamic graph there: "everything compiled once"), then the timed steps
-run the plan's first batches in order. ``--deadline-s S``: no step starts after S seconds from the start; what has
-been measured is still reported (a policy cut short says so in ``stopped``).
+run the plan's first batches in order. ``--deadline-s S``: no step starts that could not end S seconds from the start
+(as long as the longest step so far); what has been measured is still reported (a policy cut short says so in
+``stopped``).
 
 What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
 ``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides, e.g. ``gpu=h200``,
@@ -74,7 +75,7 @@ executed_tflop_per_step, executed_tflops, peak_mem_gb, peak_reserved_gb, pred_pe
 mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, loss, finite, steps,
 compiled_steps, oom_steps, flex_graphs`` (+ in the seed regime ``pred_fit_frac``: the share of the epoch plan's
 steps predicted to fit 90% of the cap, and the planner's ``planner_ktok_s``, ``planner_ktok_s_wall``); the seed
-regime's ``ckpt_step`` and ``comparison`` lines.
+regime's ``comparison`` and ``ckpt_step`` lines.
 
 Definitions. Ktok/s (``ktok_s``): real tokens of the timed steps over their summed wall time (all ranks' tokens;
 the slowest rank sets each step's time), as a multi-day run's tokens / wall time; ``ktok_s_median_step`` the
@@ -462,14 +463,16 @@ class Bench:
     peak_flops: float
     static_bytes: Callable[[], int]
     memory_cap_gb: float | None = None
+    longest_step_s: float = 0.0   # the longest step so far: a step is not started unless it could end in time
 
     def emit(self, obj: dict) -> None:
         if self.env.is_main:
             print(json.dumps(obj), flush=True)
 
     def past_deadline(self) -> bool:
-        """True (on every rank alike) once ``--deadline-s`` has passed."""
-        late = self.args.deadline_s is not None and time.perf_counter() - START > self.args.deadline_s
+        """True (on every rank alike) when a step as long as the longest so far would end after ``--deadline-s``."""
+        late = (self.args.deadline_s is not None
+                and time.perf_counter() - START + self.longest_step_s > self.args.deadline_s)
         if self.env.distributed:
             late = float(dist.all_reduce_sum(torch.tensor([float(late)], device=self.device)).item()) > 0
         return late
@@ -610,6 +613,7 @@ def run_steps(plan: PolicyPlan, global_steps: list[int], phase: str, bench: Benc
         batch = {k: (v.to(bench.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
         graphs = flex_compile_count()
         result = train_step(bench, batch, torch.Generator().manual_seed(1000 * step + env.rank))
+        bench.longest_step_s = max(bench.longest_step_s, result.seconds)
         record = {"policy": plan.name, "phase": phase, "step": int(step), "seconds": result.seconds,
                   "real": int(batch["real_tokens"]), "padded": int(batch["padded_tokens"]),
                   "docs": int(len(indices)), "block_tokens": _block_tokens(plan, indices, step_model),
@@ -960,10 +964,10 @@ def main(argv=None) -> None:
         if plan is not None:
             policy_plans[name], records[name] = plan, timed
         bench.emit(row)
-    if args.ckpt_step and policy_plans:
-        bench.emit(checkpointing_step(policy_plans, records, bench))
     if args.regime == "seed":
         bench.emit(comparison(rows))
+    if args.ckpt_step and policy_plans:
+        bench.emit(checkpointing_step(policy_plans, records, bench))
     dist.cleanup()
 
 
