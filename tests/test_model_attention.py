@@ -173,9 +173,10 @@ REAL_HEADS, REAL_KV_HEADS, REAL_DIM = 32, 8, 128
 def test_flex_gradients_equal_the_dense_oracle_on_cuda():
     """The compiled CUDA flex kernel, forward and backward, at the draft's shape class (head dim 128, bf16, 32 query
     / 8 KV heads; CUDA flex needs head dim >= 16), on a packed row of three documents with padding and on a padded
-    batch of two rows. Reference: the dense-mask SDPA in float32 on the same bf16 inputs. bf16 tolerance: flex's
-    relative error (norm) may be at most twice the bf16 dense SDPA's own error against that reference, plus 1e-3,
-    and never above 2%."""
+    batch of two rows. Reference: the dense-mask SDPA in float32 on the same bf16 values (float32 leaves, so its
+    gradients are not rounded). bf16 tolerance, as torch's own flex tests judge a compiled kernel: flex's relative
+    error (norm) against the reference at most twice the bf16 dense SDPA's own for the output and four times for
+    the gradients (long bf16 reductions over queries), plus 1e-3, and never above 2%."""
     packed = torch.tensor([[0] * 150 + [1] * 90 + [2] * 200 + [-1] * 30])
     padded = torch.tensor([[0] * 300 + [-1] * 20, [1] * 320])
     for doc_ids, num_docs in ((packed, 3), (padded, 2)):
@@ -185,13 +186,15 @@ def test_flex_gradients_equal_the_dense_oracle_on_cuda():
         scale = REAL_DIM ** -0.5
         q, k, v = _qkv_shaped(intervals.rows, intervals.q_len, intervals.kv_len, REAL_HEADS, REAL_KV_HEADS, REAL_DIM,
                               torch.bfloat16, 1, "cuda")
-        reference = _attend_with_grads(lambda *x: dense_attend(*(t.float() for t in x), cuda.dense(), scale), q, k, v)
+        reference = _attend_with_grads(lambda *x: dense_attend(*x, cuda.dense(), scale), q.float(), k.float(),
+                                       v.float())
         dense_bf16 = _attend_with_grads(lambda *x: dense_attend(*x, cuda.dense(), scale), q, k, v)
         flex = _attend_with_grads(lambda *x: flex_attend(*x, cuda.block_mask(), scale), q, k, v)
-        for name, got, bf16, want in zip(("out", "dq", "dk", "dv"), flex, dense_bf16, reference):
+        for name, factor, got, bf16, want in zip(("out", "dq", "dk", "dv"), (2, 4, 4, 4), flex, dense_bf16,
+                                                 reference):
             assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
             error, bf16_error = _relative_error(got, want), _relative_error(bf16, want)
-            assert error <= min(2 * bf16_error + 1e-3, 2e-2), (name, error, bf16_error)
+            assert error <= min(factor * bf16_error + 1e-3, 2e-2), (name, error, bf16_error)
 
 
 def test_block_mask_gradients_equal_the_dense_oracle_through_the_flex_operator_on_cpu(monkeypatch):
