@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"quick": ("attention_tests", "gpu_check_seed"), "full": ("attention_tests", "gpu_check_seed", "train")}
 # seconds per stage, by device and mode: GPU quick <= 4 min, full <= 8 min in all on one H200 (+ seconds of setup)
-TIMEOUTS = {("gpu", "quick"): {"attention_tests": 60, "gpu_check_seed": 175, "train": 150, "gpu_check_plan": 200},
+TIMEOUTS = {("gpu", "quick"): {"attention_tests": 55, "gpu_check_seed": 180, "train": 150, "gpu_check_plan": 200},
             ("gpu", "full"): {"attention_tests": 90, "gpu_check_seed": 230, "train": 150, "gpu_check_plan": 200},
             # a CPU is not lent by the minute, and a shared one can be 10x slower than when idle (a packed step's
             # compile alone: 30-100 s)
