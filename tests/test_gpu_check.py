@@ -31,12 +31,19 @@ def gpu_check():
     return module
 
 
-def _run(args: list[str], timeout: float) -> tuple[dict, list[dict]]:
+def _run_lines(args: list[str], timeout: float) -> tuple[dict, list[dict]]:
+    """The setup line and every later line (steps, policies, comparison, checkpointing step)."""
     cmd = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return lines[0]["setup"], lines[1:]
+
+
+def _run(args: list[str], timeout: float) -> tuple[dict, list[dict]]:
+    """The setup line and the policy rows."""
+    setup, lines = _run_lines(args, timeout)
+    return setup, [line for line in lines if "policy" in line]
 
 
 def test_h200_keeps_the_32k_token_budget_under_recipe_anchors(gpu_check):
@@ -166,7 +173,7 @@ def test_comparison_divides_each_figure_by_bucketed(gpu_check):
 def test_gpu_check_cpu_seed_regime_quick():
     """--regime seed --quick on CPU at the tiny shape: full_random, bucketed and packed rows with executed TFLOP
     per step and tokens-over-wall Ktok/s, one checkpointing-on step, and the comparison with the planner's ratio."""
-    setup, rows = _run(["--shape", "tiny", "--regime", "seed", "--quick", "--num-samples", "3000"], 900)
+    setup, rows = _run_lines(["--shape", "tiny", "--regime", "seed", "--quick", "--num-samples", "3000"], 900)
     assert setup["regime"] == "seed" and setup["mode"] == "quick" and setup["activation_checkpointing"] is False
     assert all(p["max_block_tokens"] is None for p in setup["memory_plan"].values())
     steps = [r["step"] for r in rows if "step" in r]
