@@ -1,10 +1,40 @@
-"""GPU check of the training step, built from the training config: Ktok/s, MFU and peak memory per policy.
+"""GPU check of the training step, built from the training config: Ktok/s, FLOPs, utilisation and peak memory per
+policy, in the memory plan's regime or in the seed run's regime.
 
     python benchmarks/gpu_check.py                                  # every local GPU (--nproc), Qwen3-8B shape
+    python benchmarks/gpu_check.py --regime seed --quick            # the seed's regime, one GPU, <= ~3 min
     python benchmarks/gpu_check.py --device cpu --shape tiny        # the same path on a CPU, tiny target
+    python benchmarks/gpu_check.py --device cpu --shape tiny --regime seed --quick   # the seed regime on a CPU
     python benchmarks/gpu_check.py --device cpu --shape medium      # CPU, hidden 512 / 32K vocabulary (~2 min)
     python benchmarks/gpu_check.py --device cpu --nproc 2 --shape tiny   # two gloo ranks under DDP
-    bash scripts/gpu_check.sh OUT.jsonl                             # this + CUDA tests + a real training
+    bash scripts/gpu_check.sh [--quick] OUT.jsonl                   # this + CUDA tests + a real training
+
+Regimes (``--regime``):
+
+* ``plan`` (default): the budgets training resolves (below): the memory plan's block budget and checkpointing
+  against the GPU's memory (or ``--gpu``'s), every policy unless ``--policies``.
+* ``seed``: the seed run's regime, the one its 25.1 Ktok/s and full_random/bucketed = 0.478 are about: one
+  rank (``--nproc 1`` unless given), memory capped at the seed's RTX PRO 6000 (``--mem-cap-gb``, default 96 GiB:
+  ``torch.cuda.set_per_process_memory_fraction``; the CUDA context is outside the cap), no draft activation
+  checkpointing, no block budget (``sampler.max_block_tokens=null``), the shape's token budget (32,768 at
+  qwen3-8b), the model config's anchors (qwen3_8b: the recipe's ``min(512, valid positions)``), policies
+  full_random, bucketed and packed. The memory model predicts that many of these steps do not fit 96 GiB
+  without checkpointing: such a step is run anyway, and if it runs out of memory it is recorded (``oom_steps``:
+  its predicted peak) and the next one runs (one rank only: under DDP an out-of-memory rank would stall the
+  others). After the policies, a ``comparison`` line: the measured full_random / bucketed Ktok/s ratio next to
+  the planner's prediction for the same batches (``dflash_lab.plan.cost_from_config`` with
+  conf_plan/cost/seed.yaml and the rtx_pro_6000 preset, ``dflash_lab.plan.predict_throughput``: the FLOPs form,
+  whose ratio does not depend on the utilisation). Last, one checkpointing-on step (``--ckpt-step``, on by default
+  in this regime): the first timed batch that ran out of memory, else the one with the largest predicted peak,
+  again with checkpointing, to measure its time and peak against the prediction.
+
+Modes: ``--quick``: fewer documents to plan from (8,000), two warm-up steps per policy and three timed ones on GPU
+(one and one on CPU); the default: 20,000 documents, two warm-up and six timed steps on GPU (two on CPU).
+Warm-up steps run each policy's cheapest batches (fewest executed FLOPs; two different shapes, so that
+flex_attention compiles its static and its dynamic graph there: "everything compiled once"), then the timed steps
+run the plan's first batches in order. ``--deadline-s S``: no step starts that could not end S seconds from the start
+(as long as the longest step so far); what has been measured is still reported (a policy cut short says so in
+``stopped``).
 
 What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
 ``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides, e.g. ``gpu=h200``,
@@ -16,37 +46,49 @@ only. Documents: the seed workload (docs/workloads.md; lengths and boundaries di
 medium; tiny scales anchors_per_doc by the same 32). Every token is supervised (random batches), so a
 document's block tokens are ``sampling.anchors.block_tokens_per_sample`` on ``l - 1`` valid positions.
 
-Budgets, as training resolves them (``dflash_lab.components.resolve_memory_plan``): the token budget stays the shape's
-``sampler.max_tokens`` (32,768 at qwen3-8b, 4,096 tiny/medium; ``--budget N`` sets it), and each policy's block
-budget (``sampler.max_block_tokens``, ``auto`` unless overridden) and draft activation checkpointing
-(``--activation-checkpointing {auto,true,false}``, else a ``trainer.activation_checkpointing=`` override, else
-auto) come from ``footprint.memory_plan`` against 90% of the memory figure: ``--gpu-mem-gb``, else ``--gpu``'s
-preset (``conf/gpu/<name>.yaml``), else the device's own; on a CPU the shape's figure (tiny ~0.11 GiB, medium
-5 GiB, so that the step is CPU-sized). Only when even the smallest objective-preserving block budget does not fit
-is ``max_tokens`` lowered (the largest granule multiple that fits every policy); documents over a lowered budget
-are truncated and counted (``truncated`` per policy), never silently. A policy no plan fits is skipped unless
-``--force``; if the weights alone do not fit, the setup line's ``notes`` say the check needs fewer target layers.
+Budgets in the plan regime, as training resolves them (``dflash_lab.components.resolve_memory_plan``): the token
+budget stays the shape's ``sampler.max_tokens`` (32,768 at qwen3-8b, 4,096 tiny/medium; ``--budget N`` sets it),
+and each policy's block budget (``sampler.max_block_tokens``, ``auto`` unless overridden) and draft activation
+checkpointing (``--activation-checkpointing {auto,true,false}``, else a ``trainer.activation_checkpointing=``
+override, else auto) come from ``footprint.memory_plan`` against 90% of the memory figure: ``--gpu-mem-gb``, else
+``--gpu``'s preset (``conf/gpu/<name>.yaml``), else the device's own; on a CPU the shape's figure (tiny ~0.11 GiB,
+medium 5 GiB, so that the step is CPU-sized). Only when even the smallest objective-preserving block budget does
+not fit is ``max_tokens`` lowered (the largest granule multiple that fits every policy); documents over a lowered
+budget are truncated and counted (``truncated`` per policy), never silently. A policy no plan fits is skipped
+unless ``--force``; if the weights alone do not fit, the setup line's ``notes`` say the check needs fewer target
+layers.
 
-Ranks: ``--nproc N`` (default: every visible GPU on CUDA, 1 on CPU) re-executes the command N times with
-torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; under torchrun it is not needed); nccl on
-GPU, gloo on CPU. Each rank times its own batch of the same step; the draft is DDP over the ranks with the
-frozen target left out, as training wraps it. Each step is training's: bf16 autocast on GPU (fp32 on CPU), global
-loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight), gradient
-clipping and AdamW.
+Ranks: ``--nproc N`` (default: every visible GPU on CUDA in the plan regime, else 1) re-executes the command N
+times with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; under torchrun it is not needed);
+nccl on GPU, gloo on CPU. Each rank times its own batch of the same step; the draft is DDP over the ranks with
+the frozen target left out, as training wraps it. Each step is training's: bf16 autocast on GPU (fp32 on CPU),
+global loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight),
+gradient clipping and AdamW.
 
-Output (rank 0): one JSON line ``setup`` (device, world size, peak FLOP/s and its source, attention path, token
-budget and its source, memory figure and its source, the checkpointing choice and its source, ``memory_plan``:
-per policy the block budget, checkpointing and the plan's reason), then one line per policy: ``policy,
-max_tokens, max_block_tokens, activation_checkpointing, truncated, ktok_s, mfu, peak_mem_gb, peak_reserved_gb,
-pred_peak_mem_gb, pred_peak_mem_gb_ckpt, mem_ratio, step_time_s, pad_eff, tflop_per_step, block_tokens_per_step,
-loss, finite, steps, compiled_steps`` (timed steps during which flex_attention compiled: left out, see
-``run_policy``).
+Output (rank 0), one JSON object per line: ``setup`` (device, world size, regime, peak FLOP/s and its source,
+attention path, token budget and its source, memory figure and cap, the checkpointing choice and its source,
+``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one ``step`` line per step as
+it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, executed TFLOP, predicted and
+measured peak, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
+activation_checkpointing, truncated, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
+executed_tflop_per_step, executed_tflops, peak_mem_gb, peak_reserved_gb, pred_peak_mem_gb, pred_peak_mem_gb_ckpt,
+mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, loss, finite, steps,
+compiled_steps, oom_steps, flex_graphs`` (+ in the seed regime ``pred_fit_frac``: the share of the epoch plan's
+steps predicted to fit 90% of the cap, and the planner's ``planner_ktok_s``, ``planner_ktok_s_wall``); the seed
+regime's ``comparison`` and ``ckpt_step`` lines.
 
-FLOPs used for MFU: ``dflash_lab.model.footprint.step_flops`` ``total`` on each timed batch (model FLOPs, padding
-and recomputation excluded; see footprint's docstring). MFU = sum over ranks of the timed steps' FLOPs / (timed
-seconds x world size x peak FLOP/s per device). Peak: ``--gpu``'s ``bf16_dense_tflops``, else the device's dense
-bf16 datasheet figure (H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s), else the measured matmul peak
-(``matmul_tflops``, always reported: bf16 8192^3 on GPU, fp32 1024^3 on CPU with the process's threads).
+Definitions. Ktok/s (``ktok_s``): real tokens of the timed steps over their summed wall time (all ranks' tokens;
+the slowest rank sets each step's time), as a multi-day run's tokens / wall time; ``ktok_s_median_step`` the
+median step's (the trainer's steady-state figure). FLOPs (``dflash_lab.model.footprint.step_flops``) on each
+timed batch: ``tflop_per_step`` model FLOPs (padding and recomputation excluded), ``executed_tflop_per_step``
+what the hardware runs (padded tokens and padding anchor slots included, + the recomputed draft forward under
+checkpointing). MFU = model FLOPs / (timed seconds x world size x peak FLOP/s); hardware FLOP utilisation ``hfu``
+= executed FLOPs / the same; ``executed_tflops`` = executed TFLOP/s per rank. Peak: ``--gpu``'s
+``bf16_dense_tflops``, else the device's dense bf16 datasheet figure (H100/H200 SXM 989, H100 PCIe 756, A100
+312 TFLOP/s), else the measured matmul peak (``matmul_tflops``, always reported: bf16 8192^3 on GPU, fp32 1024^3
+on CPU with the process's threads). Steps during which flex_attention compiled a graph
+(``attention.flex_compile_count``: flex graphs only) or that ran out of memory are left out of every number
+(all of them only when every timed step compiled).
 
 Memory: GPU: ``peak_mem_gb`` = ``torch.cuda.max_memory_allocated``, ``peak_reserved_gb`` =
 ``torch.cuda.max_memory_reserved`` over each timed step, max over steps and ranks. CPU: the process re-executes
@@ -70,8 +112,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +134,14 @@ from dflash_lab.sampling import SEED_BOUNDARIES, policy_from_config  # noqa: E40
 from dflash_lab.sampling.anchors import block_tokens_per_sample, valid_positions_from_lengths  # noqa: E402
 
 POLICIES = ("sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed")
+REGIMES = ("plan", "seed")
+SEED_POLICIES = ("full_random", "bucketed", "packed")
+SEED_MEM_CAP_GB = 96.0   # the seed's RTX PRO 6000 (conf/gpu/rtx_pro_6000.yaml memory_gb, read as GiB as the planner does)
+SEED_COST = ROOT / "conf_plan" / "cost" / "seed.yaml"
+SEED_GPU = ROOT / "conf" / "gpu" / "rtx_pro_6000.yaml"
+# (warm-up steps, timed steps, documents to plan from) per mode and device
+MODES = {("quick", "cuda"): (2, 3, 8000), ("quick", "cpu"): (1, 1, 8000),
+         ("full", "cuda"): (2, 6, 20000), ("full", "cpu"): (2, 2, 20000)}
 # The only shapes not read from conf/model: Qwen3s small enough for a CPU. tiny: deep enough for 5 evenly spaced
 # reads; medium: a CPU-sized step big enough that the memory model's large terms dominate (>= 512 hidden, 32K vocab).
 TINY_TARGET = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -114,39 +166,79 @@ GPU_PRESETS = ("none", "rtx_pro_6000", "h100", "h200")
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
+START = time.perf_counter()   # --deadline-s counts from here
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--regime", default="plan", choices=REGIMES, help="plan: the memory plan's block budget "
+                        "and checkpointing (default); seed: the seed run's regime (96 GiB cap, no checkpointing, no "
+                        "block budget, 32K-token steps, full_random/bucketed/packed, the planner's ratio beside)")
+    parser.add_argument("--quick", action="store_true", help="quick mode: 8,000 documents, 2 warm-up + 3 timed "
+                        "steps per policy on GPU (1 + 1 on CPU); default: 20,000, 2 + 6 (2 + 2 on CPU)")
     parser.add_argument("--model", default="qwen3_8b", help="conf/model/<name>.yaml (draft and objective settings)")
     parser.add_argument("--budget", default="auto", help="sampler.max_tokens per rank and step, or auto (the "
-                        "shape's: 32768 at qwen3-8b; lowered only when no block budget that keeps the objective "
-                        "fits)")
+                        "shape's: 32768 at qwen3-8b; in the plan regime lowered only when no block budget that keeps "
+                        "the objective fits)")
     parser.add_argument("--activation-checkpointing", default=None, choices=["auto", "true", "false"],
                         help="draft activation checkpointing (default: trainer.activation_checkpointing when given "
-                        "as an override, else auto: on only where the memory plan needs it)")
+                        "as an override, else auto: on only where the memory plan needs it; the seed regime: off)")
     parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default: every visible GPU on "
-                        "CUDA, 1 on CPU; gloo on CPU); ignored under torchrun")
+                        "CUDA in the plan regime, else 1; gloo on CPU); ignored under torchrun")
     parser.add_argument("--gpu", default=None, choices=GPU_PRESETS, help="conf/gpu/<name>.yaml: memory for the "
                         "memory plan and bf16_dense_tflops for MFU (default: the device's own)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default 6 GPU, 2 CPU)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--num-samples", type=int, default=20000, help="documents drawn from the seed workload")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: the mode's)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, on the policy's cheapest "
+                        "batches (compilation, allocator; default 2, 1 in quick mode on CPU)")
+    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; the seed "
+                        f"regime: {','.join(SEED_POLICIES)})")
+    parser.add_argument("--num-samples", type=int, default=None, help="documents drawn from the seed workload "
+                        "(default 20,000; 8,000 in quick mode)")
     parser.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per device for the memory plan "
                         "(default: --gpu's, else the device's; on CPU the shape's figure)")
+    parser.add_argument("--mem-cap-gb", type=float, default=None, help="seed regime: cap the CUDA allocator at this "
+                        f"many GiB (default {SEED_MEM_CAP_GB:g}, the seed's RTX PRO 6000)")
+    parser.add_argument("--ckpt-step", action=argparse.BooleanOptionalAction, default=None,
+                        help="after the policies, one step with draft activation checkpointing on (default: on in "
+                        "the seed regime)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds "
+                        "from the start; report what was measured")
     parser.add_argument("--force", action="store_true", help="also run policies no memory plan fits (smallest "
                         "objective-preserving block budget, checkpointing on)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training config, e.g. "
                         "model.anchor_density=0.0625 sampler.max_block_tokens=65536 "
                         "trainer.activation_checkpointing=true gpu=h200")
     args = parser.parse_args(argv)
+    resolve_mode(parser, args)
+    return args
+
+
+def resolve_mode(parser, args) -> None:
+    """Fill the defaults that depend on the mode, the device and the regime; refuse contradictions."""
+    warmup, steps, samples = MODES[("quick" if args.quick else "full", args.device)]
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.steps = steps if args.steps is None else args.steps
+    args.num_samples = samples if args.num_samples is None else args.num_samples
+    seed = args.regime == "seed"
+    args.policies = args.policies or ",".join(SEED_POLICIES if seed else POLICIES)
+    args.ckpt_step = seed if args.ckpt_step is None else args.ckpt_step
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     if unknown:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    return args
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if seed and args.activation_checkpointing not in (None, "false"):
+        parser.error("--regime seed runs without checkpointing (its one checkpointing-on step is --ckpt-step); "
+                     "drop --activation-checkpointing or use --regime plan")
+    if seed and args.nproc not in (None, 1):
+        parser.error("--regime seed runs one rank (a step that runs out of memory is recorded, which DDP cannot "
+                     "do); drop --nproc")
+    if args.mem_cap_gb is not None and not seed:
+        parser.error("--mem-cap-gb caps memory in the seed regime; in the plan regime use --gpu-mem-gb or --gpu")
 
 
 def compose_config(model: str, overrides: list[str]):
@@ -158,14 +250,18 @@ def compose_config(model: str, overrides: list[str]):
 
 
 def all_overrides(args) -> list[str]:
-    """The shape's model overrides, ``--gpu`` as ``gpu=<name>``, then the command line's (which win)."""
+    """The shape's model overrides, ``--gpu`` as ``gpu=<name>``, the seed regime's (no block budget), then the
+    command line's (which win)."""
     gpu = [f"gpu={args.gpu}"] if args.gpu else []
-    return [*SHAPES[args.shape]["overrides"], *gpu, *args.overrides]
+    regime = ["sampler.max_block_tokens=null"] if getattr(args, "regime", "plan") == "seed" else []
+    return [*SHAPES[args.shape]["overrides"], *gpu, *regime, *args.overrides]
 
 
 def checkpointing_choice(args, trainer_cfg) -> tuple[str | bool, str]:
-    """Draft activation checkpointing (True, False or ``auto``) and where it came from: ``--activation-
-    checkpointing``, else a ``trainer.activation_checkpointing=`` override, else auto."""
+    """Draft activation checkpointing (True, False or ``auto``) and where it came from: the seed regime (off),
+    ``--activation-checkpointing``, else a ``trainer.activation_checkpointing=`` override, else auto."""
+    if getattr(args, "regime", "plan") == "seed":
+        return False, "--regime seed"
     override = any(o.lstrip("+").startswith("trainer.activation_checkpointing=") for o in args.overrides)
     if args.activation_checkpointing is not None:
         value, source = args.activation_checkpointing, "--activation-checkpointing"
@@ -218,8 +314,14 @@ def resolve_plans(args, lengths, step_model, settings, ckpt, mem_gb, world_size)
 
     ``--budget auto`` keeps the shape's token budget; it is lowered (largest multiple of the shape's granule, the
     same for every policy) only when some policy has no objective-preserving block budget that fits at it.
-    A policy that fits at no budget gets ``{"error": ...}`` (run anyway with ``--force``)."""
+    A policy that fits at no budget gets ``{"error": ...}`` (run anyway with ``--force``). The seed regime has no
+    memory plan: the shape's budget (or ``--budget``), no block budget, no checkpointing."""
     shape = SHAPES[args.shape]
+    if getattr(args, "regime", "plan") == "seed":
+        budget = shape["budget"] if args.budget in (None, "auto") else int(args.budget)
+        plan = footprint.MemoryPlan(None, False, "the seed regime: no block budget, no checkpointing")
+        return budget, "--budget" if args.budget not in (None, "auto") else "the shape's sampler.max_tokens", {
+            name: plan for name in args.policies.split(",")}
     longest = int(np.max(lengths))
     overrides = all_overrides(args)
 
@@ -300,8 +402,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _proc_status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
+def _proc_status_kib(field_name: str) -> int:
+    return int(re.search(rf"^{field_name}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
 class PeakMemory:
@@ -339,103 +441,332 @@ def random_batch(indices: np.ndarray, lengths: np.ndarray, packed: bool, vocab: 
     return collate(samples, indices.tolist(), lengths[indices].tolist(), 0)
 
 
-def run_policy(name, memory, model, train_model, optimizer, autocast, env, device, args, budget, lengths, step_model,
-               settings, gpu_mem_gb, peak_flops, static_bytes) -> dict:
-    scale = SHAPES[args.shape]["length_scale"]
-    cfg = sampler_config(name, args.model, all_overrides(args), budget, scale, int(np.max(lengths)))
-    out = {"policy": name, "max_tokens": budget}
-    if not isinstance(memory, footprint.MemoryPlan):
-        if not args.force:
-            return {**out, "skipped": memory["error"] + " (pass --force to run it anyway)"}
-        blocks = benchmark_block_tokens(lengths, budget, step_model)
-        memory = footprint.MemoryPlan(int(blocks.max()), True, "forced: the smallest block budget that keeps the "
-                                                               "objective, checkpointing on")
-    cfg["max_block_tokens"] = memory.max_block_tokens
-    block_tokens = benchmark_block_tokens(lengths, budget, step_model)
-    policy = policy_from_config(cfg, lengths, seed=0, world_size=env.world_size, rank=env.rank,
-                                block_tokens=block_tokens if memory.max_block_tokens is not None else None)
-    model.max_block_tokens = memory.max_block_tokens
-    model.draft.activation_checkpointing = memory.activation_checkpointing
-    settings = replace(settings, activation_checkpointing=memory.activation_checkpointing)
-    out.update({"max_block_tokens": memory.max_block_tokens, "activation_checkpointing":
-                memory.activation_checkpointing, "truncated": int(policy.admission.truncated),
-                "overlong": cfg.get("overlong")})
-    plan = policy.global_plan(0)
-    total = args.warmup + args.steps
-    if plan.steps < total:
-        raise ValueError(f"{name}: the plan has {plan.steps} steps, fewer than --warmup + --steps = {total}; "
-                         f"raise --num-samples")
-    global_batches = plan.batches[: total * env.world_size]
-    anchors_of = footprint.policy_anchors(policy, step_model)
-    shapes_all = footprint.batch_shapes(global_batches, policy.lengths, packed=policy.packed, model=step_model,
-                                        anchors=anchors_of)
-    timed = slice(args.warmup * env.world_size, total * env.world_size)
-    generator = torch.Generator().manual_seed(1)
-    params = model.trainable_parameters()
-    times, peaks, reserved, real, padded, compiled, blocks = [], [], [], [], [], [], []
-    for step in range(total):
-        batch = random_batch(global_batches[step * env.world_size + env.rank], policy.lengths, policy.packed,
-                             step_model.target.vocab, generator)
-        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        anchors = torch.Generator().manual_seed(1000 * step + env.rank)
-        graphs = flex_compile_count()
-        _sync(device)
-        with PeakMemory(device, static_bytes) as memory_step:
-            start = time.perf_counter()
-            with autocast:
-                result = train_model(batch, anchors)
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+@dataclass
+class Bench:
+    """What every step needs: the process, the model and its optimizer, the step model and the figures."""
+
+    args: Any
+    env: Any
+    device: torch.device
+    model: Any
+    train_model: Any
+    optimizer: Any
+    autocast: Any
+    step_model: footprint.StepModel
+    settings: footprint.Settings
+    lengths: np.ndarray
+    budget: int
+    gpu_mem_gb: float
+    peak_flops: float
+    static_bytes: Callable[[], int]
+    memory_cap_gb: float | None = None
+    longest_step_s: float = 0.0   # the longest step so far: a step is not started unless it could end in time
+
+    def emit(self, obj: dict) -> None:
+        if self.env.is_main:
+            print(json.dumps(obj), flush=True)
+
+    def past_deadline(self) -> bool:
+        """True (on every rank alike) when a step as long as the longest so far would end after ``--deadline-s``."""
+        late = (self.args.deadline_s is not None
+                and time.perf_counter() - START + self.longest_step_s > self.args.deadline_s)
+        if self.env.distributed:
+            late = float(dist.all_reduce_sum(torch.tensor([float(late)], device=self.device)).item()) > 0
+        return late
+
+
+@dataclass
+class StepResult:
+    seconds: float
+    peak: float
+    reserved: float
+    loss: float
+    oom: str | None = None
+
+
+def train_step(bench: Bench, batch: dict, anchors: torch.Generator) -> StepResult:
+    """One training step as training runs it, timed with a device sync, and its peak memory. On one rank, an
+    out-of-memory step is caught (``oom``: the error's first line) and its memory released."""
+    params = bench.model.trainable_parameters()
+    oom = None
+    _sync(bench.device)
+    with PeakMemory(bench.device, bench.static_bytes) as memory:
+        start = time.perf_counter()
+        try:
+            with bench.autocast:
+                result = bench.train_model(batch, anchors)
             result.weighted_ce_sum.backward()
             # Global loss normalisation, as training does: d(global CE sum / global weight) on every rank.
             global_weight = dist.all_reduce_sum(result.weight_sum.detach().clone().double())
-            scale_grads = (env.world_size / global_weight.clamp_min(1e-12)).float()
+            scale_grads = (bench.env.world_size / global_weight.clamp_min(1e-12)).float()
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale_grads)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)   # a sync point on purpose: the step time must include the device's work
-            seconds = time.perf_counter() - start
-        if step >= args.warmup:
-            times.append(seconds)
-            peaks.append(memory_step.peak)
-            reserved.append(memory_step.reserved)
-            real.append(int(batch["real_tokens"]))
-            padded.append(int(batch["padded_tokens"]))
-            compiled.append(float(flex_compile_count() > graphs))
-            index = global_batches[step * env.world_size + env.rank]
-            blocks.append(float(anchors_of[index].sum() * step_model.block_size) if anchors_of is not None
-                          else float("nan"))
-    local = torch.tensor([*times, *peaks, *reserved, *real, *padded, *compiled, float(result.loss.detach())],
-                         dtype=torch.float64, device=device)
-    gathered = dist.all_gather_rows(local).cpu().numpy()
-    per_step = gathered[:, :-1].reshape(env.world_size, 6, args.steps)
-    loss = float(gathered[0, -1])
-    step_times, step_peaks, step_reserved, step_real, step_padded, step_compiled = per_step.transpose(1, 0, 2)
-    # A timed step during which some rank compiled flex_attention (a batch shape or layout no warm-up step had,
-    # e.g. the first packed row of several documents) measures the compiler, not the step: such steps are left out
-    # of every number below (all of them only when every timed step compiled; ``compiled_steps`` says how many).
-    clean = ~step_compiled.any(axis=0)
+            bench.optimizer.step()
+            loss = float(result.loss.detach())
+        except torch.cuda.OutOfMemoryError as exc:
+            if bench.env.distributed:   # the other ranks wait in a collective: stop them all
+                raise
+            oom = str(exc).splitlines()[0]
+            loss = float("nan")
+        result = None   # (drops the step's graph before the allocator is emptied)
+        bench.optimizer.zero_grad(set_to_none=True)
+        _sync(bench.device)   # a sync point on purpose: the step time must include the device's work
+        seconds = time.perf_counter() - start
+    if oom is not None and bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return StepResult(seconds, float(memory.peak), float(memory.reserved), loss, oom)
+
+
+@dataclass
+class PolicyPlan:
+    """A policy built as training builds it, its plan's batches, and the footprint model on every batch."""
+
+    name: str
+    policy: Any
+    batches: list
+    shapes: dict
+    flops: dict
+    pred_peak: np.ndarray          # bytes per batch, with the checkpointing in force
+    pred_peak_ckpt: np.ndarray     # bytes per batch, checkpointing on
+    pred_peak_plain: np.ndarray    # bytes per batch, checkpointing off
+    anchors: np.ndarray            # per sample (the plan's block tokens / block size, else the anchor rule)
+    ckpt: bool
+    out: dict = field(default_factory=dict)
+
+    def executed(self, ckpt: bool | None = None) -> np.ndarray:
+        """Executed FLOPs per batch (+ the recomputed draft forward under checkpointing)."""
+        ckpt = self.ckpt if ckpt is None else ckpt
+        return self.flops["executed"] + (self.flops["executed_draft"] / 3.0 if ckpt else 0.0)
+
+
+def build_policy_plan(name: str, memory, bench: Bench) -> PolicyPlan | dict:
+    """The policy's sampler config and memory plan applied to the model; its epoch plan and the footprint model
+    on every batch. A dict (``skipped``) when no memory plan fits and ``--force`` is not given."""
+    args, step_model = bench.args, bench.step_model
+    scale = SHAPES[args.shape]["length_scale"]
+    cfg = sampler_config(name, args.model, all_overrides(args), bench.budget, scale, int(np.max(bench.lengths)))
+    out = {"policy": name, "max_tokens": bench.budget}
+    if not isinstance(memory, footprint.MemoryPlan):
+        if not args.force:
+            return {**out, "skipped": memory["error"] + " (pass --force to run it anyway)"}
+        blocks = benchmark_block_tokens(bench.lengths, bench.budget, step_model)
+        memory = footprint.MemoryPlan(int(blocks.max()), True, "forced: the smallest block budget that keeps the "
+                                                               "objective, checkpointing on")
+    cfg["max_block_tokens"] = memory.max_block_tokens
+    block_tokens = benchmark_block_tokens(bench.lengths, bench.budget, step_model)
+    policy = policy_from_config(cfg, bench.lengths, seed=0, world_size=bench.env.world_size, rank=bench.env.rank,
+                                block_tokens=block_tokens if memory.max_block_tokens is not None else None)
+    bench.model.max_block_tokens = memory.max_block_tokens
+    bench.model.draft.activation_checkpointing = memory.activation_checkpointing
+    out.update({"max_block_tokens": memory.max_block_tokens, "activation_checkpointing":
+                memory.activation_checkpointing, "truncated": int(policy.admission.truncated),
+                "overlong": cfg.get("overlong")})
+    batches = policy.global_plan(0).batches
+    anchors = footprint.policy_anchors(policy, step_model)
+    if anchors is None:   # no block budget: the anchor rule on every valid position (as batch_shapes assumes)
+        anchors = benchmark_block_tokens(policy.lengths, bench.budget, step_model) // step_model.block_size
+    shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model, anchors=anchors)
+    peaks = {ckpt: footprint.step_memory(step_model, shapes, replace(bench.settings, activation_checkpointing=ckpt))
+             ["peak"] for ckpt in (False, True)}
+    return PolicyPlan(name, policy, batches, shapes, footprint.step_flops(step_model, shapes),
+                      peaks[memory.activation_checkpointing], peaks[True], peaks[False], anchors,
+                      memory.activation_checkpointing, out)
+
+
+def choose_steps(plan: PolicyPlan, world_size: int, warmup: int, steps: int) -> tuple[list[int], list[int]]:
+    """Global steps to warm up on and to time. Warm-up: the cheapest steps (fewest executed FLOPs on the slowest
+    rank), the first two of different padded shapes, so that both of flex_attention's graphs (static, then
+    dynamic lengths) compile there. Timed: the plan's first steps in order, warm-up ones left out."""
+    total = len(plan.batches) // world_size
+    if total < warmup + steps:
+        raise ValueError(f"{plan.name}: the plan has {total} steps, fewer than --warmup + --steps = "
+                         f"{warmup + steps}; raise --num-samples")
+    cost = plan.executed().reshape(total, world_size).max(axis=1)
+    shape = (plan.shapes["rows"] * 100_003 + plan.shapes["row_len"]).reshape(total, world_size)[:, 0]
+    order = [int(i) for i in np.argsort(cost, kind="stable")]
+    chosen: list[int] = []
+    for i in order:
+        if len(chosen) >= warmup:
+            break
+        if len(chosen) == 1 and shape[i] == shape[chosen[0]] and len(set(shape.tolist())) > 1:
+            continue
+        chosen.append(i)
+    timed = [i for i in range(total) if i not in chosen][:steps]
+    return chosen, timed
+
+
+def run_steps(plan: PolicyPlan, global_steps: list[int], phase: str, bench: Bench) -> list[dict]:
+    """Run ``global_steps`` of the plan on this rank; one record per step (and a ``step`` line on rank 0)."""
+    env, step_model = bench.env, bench.step_model
+    generator = torch.Generator().manual_seed(1)
+    records = []
+    executed = plan.executed()
+    for n, step in enumerate(global_steps):
+        if bench.past_deadline():
+            break
+        index = step * env.world_size + env.rank
+        indices = plan.batches[index]
+        batch = random_batch(indices, plan.policy.lengths, plan.policy.packed, step_model.target.vocab, generator)
+        batch = {k: (v.to(bench.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        graphs = flex_compile_count()
+        result = train_step(bench, batch, torch.Generator().manual_seed(1000 * step + env.rank))
+        bench.longest_step_s = max(bench.longest_step_s, result.seconds)
+        record = {"policy": plan.name, "phase": phase, "step": int(step), "seconds": result.seconds,
+                  "real": int(batch["real_tokens"]), "padded": int(batch["padded_tokens"]),
+                  "docs": int(len(indices)), "block_tokens": _block_tokens(plan, indices, step_model),
+                  "block_slots": int(plan.shapes["rows"][index] * plan.shapes["slots"][index] * step_model.block_size),
+                  "executed_tflop": float(executed[index]) / 1e12, "tflop": float(plan.flops["total"][index]) / 1e12,
+                  "pred_peak_gb": float(plan.pred_peak[index]) / footprint.GIB, "peak_gb": result.peak / footprint.GIB,
+                  "reserved_gb": result.reserved / footprint.GIB, "loss": result.loss,
+                  "compiled": flex_compile_count() > graphs, "oom": result.oom, "index": int(index)}
+        records.append(record)
+        bench.emit({"step": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}})
+    return records
+
+
+def _block_tokens(plan: PolicyPlan, indices: np.ndarray, step_model) -> float:
+    """Block tokens the step trains (anchors x block size)."""
+    return float(plan.anchors[indices].sum() * step_model.block_size)
+
+
+def summarize(plan: PolicyPlan, records: list[dict], bench: Bench) -> dict:
+    """The policy's row from every rank's timed steps (the slowest rank sets a step's time)."""
+    env = bench.env
+    per_rank = dist.all_gather_objects(records)
+    steps = min(len(r) for r in per_rank)
+    out = {**plan.out, "steps_run": steps, "flex_graphs": flex_compile_count()}
+    if steps < bench.args.steps:
+        out["stopped"] = f"--deadline-s {bench.args.deadline_s:g} passed after {steps} of {bench.args.steps} steps"
+    if steps == 0:
+        return {**out, "error": "no timed step ran (deadline)", "finite": False}
+    grid = [[rank[i] for rank in per_rank] for i in range(steps)]   # [step][rank]
+    compiled = np.array([any(r["compiled"] for r in step) for step in grid])
+    oom = np.array([any(r["oom"] for r in step) for step in grid])
+    out["compiled_steps"], out["oom_steps"] = int(compiled.sum()), int(oom.sum())
+    if oom.any():
+        out["oom"] = [{"step": step[0]["step"], "pred_peak_gb": round(max(r["pred_peak_gb"] for r in step), 2),
+                       "error": next(r["oom"] for r in step if r["oom"])[:200]} for step, o in zip(grid, oom) if o]
+    clean = ~compiled & ~oom
     if not clean.any():
-        clean[:] = True
-    kept = int(clean.sum())
-    elapsed = float(step_times[:, clean].max(axis=0).sum())      # the slowest rank sets each step's time
-    total_real, total_padded = step_real[:, clean].sum(), step_padded[:, clean].sum()
-    measured = float(step_peaks[:, clean].max())
-    kept_batches = np.repeat(clean, env.world_size)              # timed batches are step-major, rank-minor
-    kept_shapes = {k: v[timed][kept_batches] for k, v in shapes_all.items()}
-    pred = {ckpt: float(footprint.step_memory(step_model, kept_shapes,
-                                              replace(settings, activation_checkpointing=ckpt))["peak"].max())
-            for ckpt in (False, True)}
-    predicted = pred[settings.activation_checkpointing]
-    flops = footprint.step_flops(step_model, kept_shapes)["total"]
-    mfu = float(flops.sum()) / (elapsed * env.world_size * peak_flops)
-    return {**out, "pred_peak_mem_gb": predicted / footprint.GIB, "pred_peak_mem_gb_ckpt": pred[True] / footprint.GIB,
-            "ktok_s": ktok_per_s(total_real, elapsed), "mfu": mfu, "peak_mem_gb": measured / footprint.GIB,
-            "peak_reserved_gb": float(step_reserved[:, clean].max()) / footprint.GIB,
-            "step_time_s": elapsed / kept, "pad_eff": padding_efficiency(total_real, total_padded),
-            "mem_ratio": predicted / measured, "tflop_per_step": float(flops.sum()) / kept / env.world_size / 1e12,
-            "block_tokens_per_step": float(np.nanmean(blocks)) if blocks else None,
-            "loss": loss, "finite": bool(np.isfinite(loss)), "steps": kept,
-            "compiled_steps": int(step_compiled.any(axis=0).sum())}
+        clean = ~oom
+    if not clean.any():
+        return {**out, "error": "every timed step ran out of memory", "finite": False, "steps": 0}
+    kept = [step for step, keep in zip(grid, clean) if keep]
+    times = np.array([max(r["seconds"] for r in step) for step in kept])
+    real = np.array([sum(r["real"] for r in step) for step in kept], dtype=np.float64)
+    padded = np.array([sum(r["padded"] for r in step) for step in kept], dtype=np.float64)
+    tflop = sum(r["tflop"] for step in kept for r in step)
+    executed = sum(r["executed_tflop"] for step in kept for r in step)
+    elapsed = float(times.sum())
+    measured = max(r["peak_gb"] for step in kept for r in step)
+    indices = [r["index"] for step in kept for r in step]
+    shapes = {k: v[indices] for k, v in plan.shapes.items()}
+    pred = {ckpt: float(footprint.step_memory(bench.step_model, shapes, replace(bench.settings,
+                                                                                activation_checkpointing=ckpt))
+                        ["peak"].max()) / footprint.GIB for ckpt in (False, True)}
+    denominator = elapsed * env.world_size * bench.peak_flops
+    loss = kept[-1][0]["loss"]
+    out.update({
+        "ktok_s": ktok_per_s(real.sum(), elapsed), "ktok_s_median_step": float(np.median(real / times)) / 1e3,
+        "mfu": tflop * 1e12 / denominator, "hfu": executed * 1e12 / denominator,
+        "tflop_per_step": tflop / len(kept) / env.world_size,
+        "executed_tflop_per_step": executed / len(kept) / env.world_size,
+        "executed_tflops": executed / elapsed / env.world_size,
+        "peak_mem_gb": measured, "peak_reserved_gb": max(r["reserved_gb"] for step in kept for r in step),
+        "pred_peak_mem_gb": pred[plan.ckpt], "pred_peak_mem_gb_ckpt": pred[True],
+        "mem_ratio": pred[plan.ckpt] / measured, "step_time_s": elapsed / len(kept),
+        "pad_eff": padding_efficiency(real.sum(), padded.sum()),
+        "block_tokens_per_step": float(np.mean([r["block_tokens"] for step in kept for r in step])),
+        "block_slots_per_step": float(np.mean([r["block_slots"] for step in kept for r in step])),
+        "real_tokens_per_step": float(real.sum()) / len(kept) / env.world_size,
+        "docs_per_step": float(np.mean([r["docs"] for step in kept for r in step])),
+        "loss": loss, "finite": bool(np.isfinite(loss)), "steps": len(kept)})
+    return out
+
+
+def epoch_figures(plan: PolicyPlan, row: dict, bench: Bench) -> dict:
+    """Seed regime, from the whole epoch plan: the share of steps predicted to fit 90% of the cap, the epoch's
+    Ktok/s at the measured executed TFLOP/s, and the planner's prediction (``planner_prediction``)."""
+    world = bench.env.world_size
+    total = len(plan.batches) // world
+    cap = bench.memory_cap_gb or bench.gpu_mem_gb
+    fits = plan.pred_peak_plain.reshape(total, world).max(axis=1) <= footprint.USABLE_FRACTION * cap * footprint.GIB
+    out = {"epoch_steps": total, "pred_fit_frac": float(fits.mean()), "mem_cap_gb": cap}
+    if row.get("executed_tflops"):
+        epoch_seconds = plan.executed().reshape(total, world).max(axis=1).sum() / (row["executed_tflops"] * 1e12)
+        out["ktok_s_epoch_at_measured_tflops"] = ktok_per_s(float(plan.policy.lengths.sum()), float(epoch_seconds))
+    return {**out, **planner_prediction(plan.policy, bench)}
+
+
+def planner_prediction(policy, bench: Bench) -> dict:
+    """The planner's prediction for this policy's plan: ``cost_from_config`` (conf_plan/cost/seed.yaml, the
+    rtx_pro_6000 preset's peak) and ``predict_throughput`` (one epoch). ``planner_ktok_s`` is what the planner
+    reports; ``planner_ktok_s_wall`` the epoch's real tokens over its predicted time (tokens over wall)."""
+    from omegaconf import OmegaConf
+
+    from dflash_lab.plan import cost_from_config, predict_throughput
+
+    cost_cfg = OmegaConf.to_container(OmegaConf.load(SEED_COST), resolve=True)
+    gpu_cfg = OmegaConf.to_container(OmegaConf.load(SEED_GPU), resolve=True)
+    cost = cost_from_config(cost_cfg, None, bench.budget, 0, gpu_cfg)
+    predicted = predict_throughput(policy, cost, 1.0, step_model=bench.step_model)
+    wall = predicted["epoch_hours"] * 3600.0
+    return {"planner_ktok_s": predicted["ktok_s"],
+            "planner_ktok_s_wall": ktok_per_s(float(policy.lengths.sum()), wall) if wall > 0 else float("nan"),
+            "planner_cost": "conf_plan/cost/seed.yaml, gpu=rtx_pro_6000 (RTX PRO 6000 Ktok/s; ratios compare)"}
+
+
+def checkpointing_step(plans: dict[str, PolicyPlan], records: dict[str, list[dict]], bench: Bench) -> dict:
+    """One step with draft activation checkpointing on: the first timed batch that ran out of memory (bucketed's
+    first), else the timed batch with the largest predicted peak without checkpointing."""
+    candidates = [(name, r) for name in sorted(records, key=lambda n: n != "bucketed") for r in records[name]
+                  if r["phase"] == "timed"]
+    if not candidates:
+        return {"ckpt_step": {"error": "no timed step to repeat"}}
+    failed = [c for c in candidates if c[1]["oom"]]
+    name, record = failed[0] if failed else max(candidates, key=lambda c: plans[c[0]].pred_peak_plain[c[1]["index"]])
+    plan = plans[name]
+    ckpt_plan = replace(plan, ckpt=True, pred_peak=plan.pred_peak_ckpt)
+    bench.model.draft.activation_checkpointing = True
+    try:
+        (result,) = run_steps(ckpt_plan, [record["step"]], "ckpt", bench) or [None]
+    finally:
+        bench.model.draft.activation_checkpointing = plan.ckpt
+    if result is None:
+        return {"ckpt_step": {"error": "deadline passed before the checkpointing step"}}
+    index = record["index"]
+    row = {"policy": name, "step": record["step"], "why": "ran out of memory without" if failed else
+           "the largest predicted peak of the timed steps", "seconds": result["seconds"],
+           "seconds_without": None if record["oom"] else record["seconds"],
+           "executed_tflop": result["executed_tflop"], "hfu": result["executed_tflop"] * 1e12 /
+           (result["seconds"] * bench.peak_flops), "peak_mem_gb": result["peak_gb"],
+           "pred_peak_mem_gb_ckpt": float(plan.pred_peak_ckpt[index]) / footprint.GIB,
+           "pred_peak_mem_gb_plain": float(plan.pred_peak_plain[index]) / footprint.GIB,
+           "peak_mem_gb_without": None if record["oom"] else record["peak_gb"],
+           "compiled": result["compiled"], "oom": result["oom"]}
+    if not result["oom"]:
+        row["mem_ratio"] = row["pred_peak_mem_gb_ckpt"] / result["peak_gb"]
+    return {"ckpt_step": row}
+
+
+def comparison(rows: dict[str, dict]) -> dict:
+    """The measured full_random / bucketed (and packed / bucketed) Ktok/s ratios next to the planner's."""
+    keys = {"measured": "ktok_s", "measured_median_step": "ktok_s_median_step",
+            "epoch_at_measured_tflops": "ktok_s_epoch_at_measured_tflops", "planner": "planner_ktok_s_wall",
+            "planner_reported": "planner_ktok_s"}
+    bucketed = rows.get("bucketed", {})
+    out = {}
+    for name in ("full_random", "packed"):
+        row = rows.get(name, {})
+        out[f"{name}_over_bucketed"] = {label: row[key] / bucketed[key] if row.get(key) and bucketed.get(key)
+                                        else None for label, key in keys.items()}
+    return {"comparison": out}
+
+
+# ------------------------------------------------------------------------------------------------ the setup
 
 
 def _free_port() -> int:
@@ -475,47 +806,81 @@ def gpu_preset(cfg) -> dict:
     return preset or {}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def start_process(args):
+    """Re-execute for the CPU memory measurement, start the ranks, join the process group; (env, device)."""
     if args.device == "cpu" and os.environ.get(MMAP_ENV) is None:
         # Re-execute with a fixed mmap threshold before any allocation (see the module docstring).
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
-    nproc = args.nproc or (max(1, torch.cuda.device_count()) if args.device == "cuda" else 1)
+    default_nproc = max(1, torch.cuda.device_count()) if args.device == "cuda" and args.regime == "plan" else 1
+    nproc = args.nproc or default_nproc
     if "RANK" not in os.environ and nproc > 1:
         sys.exit(launch_ranks(nproc))
-    args.steps = args.steps or (6 if args.device == "cuda" else 2)
-    from omegaconf import OmegaConf
-
     env = dist.init_distributed(backend="gloo" if args.device == "cpu" else None)
     device = torch.device(f"cuda:{env.local_rank}" if args.device == "cuda" else "cpu")
-    on_gpu = device.type == "cuda"
-    if on_gpu:
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     elif env.distributed:   # the CPUs shared by the ranks (OMP_NUM_THREADS, when set, caps each rank)
         cap = int(os.environ.get("OMP_NUM_THREADS") or 1 << 20)
         torch.set_num_threads(max(1, min(cap, len(os.sched_getaffinity(0)) // env.world_size)))
+    return env, device
+
+
+def memory_figure(args, preset: dict, device: torch.device) -> tuple[float, str]:
+    """The memory the plan fits (GiB) and where it came from."""
+    if args.regime == "seed":
+        if device.type == "cuda":
+            return args.mem_cap_gb or SEED_MEM_CAP_GB, "--mem-cap-gb" if args.mem_cap_gb else "the seed's 96 GiB"
+        return SHAPES[args.shape]["cpu_mem_gb"], f"--shape {args.shape} on CPU (no cap)"
+    if args.gpu_mem_gb:
+        return args.gpu_mem_gb, "--gpu-mem-gb"
+    if preset.get("memory_gb"):
+        return float(preset["memory_gb"]), f"gpu={preset.get('name')}"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / footprint.GIB, "device"
+    return SHAPES[args.shape]["cpu_mem_gb"], f"--shape {args.shape} on CPU"
+
+
+def cap_memory(cap_gb: float, device: torch.device) -> float:
+    """Cap the CUDA caching allocator at ``cap_gb`` GiB (``set_per_process_memory_fraction``); the fraction set."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_gb * footprint.GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def peak_figure(preset: dict, device: torch.device) -> tuple[float, str, float]:
+    """Peak dense bf16 TFLOP/s per device, its source, and the measured matmul peak."""
+    measured = matmul_tflops(device)
+    sheet = datasheet_tflops(device)
+    if preset.get("bf16_dense_tflops"):
+        return float(preset["bf16_dense_tflops"]), f"gpu={preset.get('name')}", measured
+    if sheet:
+        return sheet, "datasheet", measured
+    return measured, "matmul", measured
+
+
+def build_bench(args, env, device):
+    """Compose the config, build the model, resolve the budgets; (Bench, the setup line's fields, the plans)."""
+    from omegaconf import OmegaConf
+
+    on_gpu = device.type == "cuda"
     cfg = compose_config(args.model, all_overrides(args))
     ckpt, ckpt_source = checkpointing_choice(args, OmegaConf.to_container(cfg.trainer, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model = build_benchmark_model(model_cfg, args.shape, device, on_gpu)
     step_model = footprint.StepModel.from_model(model)
     preset = gpu_preset(cfg)
-    if args.gpu_mem_gb:
-        gpu_mem_gb, mem_source = args.gpu_mem_gb, "--gpu-mem-gb"
-    elif preset.get("memory_gb"):
-        gpu_mem_gb, mem_source = float(preset["memory_gb"]), f"gpu={preset.get('name')}"
-    elif on_gpu:
-        gpu_mem_gb, mem_source = torch.cuda.get_device_properties(device).total_memory / footprint.GIB, "device"
-    else:
-        gpu_mem_gb, mem_source = SHAPES[args.shape]["cpu_mem_gb"], f"--shape {args.shape} on CPU"
-    scale = SHAPES[args.shape]["length_scale"]
-    lengths = reference_lengths("seed", args.num_samples, seed=0, scale=scale)
-    settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size)
+    gpu_mem_gb, mem_source = memory_figure(args, preset, device)
+    cap = None
+    if args.regime == "seed" and on_gpu:
+        cap = gpu_mem_gb
+        cap_memory(cap, device)
+    lengths = reference_lengths("seed", args.num_samples, seed=0, scale=SHAPES[args.shape]["length_scale"])
     # the draft's attention path as training picks it: flex_attention on GPU, per-document SDPA on CPU
-    settings = replace(settings, attention=footprint.attention_path(device.type, model.attention_backend))
+    settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size,
+                                  attention=footprint.attention_path(device.type, model.attention_backend))
     budget, budget_source, plans = resolve_plans(args, lengths, step_model, settings, ckpt, gpu_mem_gb,
                                                  env.world_size)
-
     train_model = model
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -527,8 +892,7 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4)   # as training builds it
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     # DDP's gradient buckets (one copy of the trainable parameters) are allocated outside the step, like weights
-    buckets = (sum(p.numel() * p.element_size() for p in model.trainable_parameters())
-               if env.distributed else 0)
+    buckets = sum(p.numel() * p.element_size() for p in model.trainable_parameters()) if env.distributed else 0
 
     def static_bytes() -> int:
         tensors = [*model.parameters(), *model.buffers()]
@@ -536,48 +900,74 @@ def main(argv=None) -> None:
             tensors.extend(v for v in state.values() if torch.is_tensor(v))
         return buckets + sum(t.numel() * t.element_size() for t in tensors)
 
-    measured_peak = matmul_tflops(device)
-    sheet = datasheet_tflops(device)
-    if preset.get("bf16_dense_tflops"):
-        peak_tflops, peak_source = float(preset["bf16_dense_tflops"]), f"gpu={preset.get('name')}"
-    elif sheet:
-        peak_tflops, peak_source = sheet, "datasheet"
-    else:
-        peak_tflops, peak_source = measured_peak, "matmul"
-    static_gb = float(footprint.step_memory(step_model, footprint.batch_shapes(
-        [np.arange(1)], np.array([2]), packed=True, model=step_model), settings)["static"][0]) / footprint.GIB
-    notes = []
-    if static_gb > footprint.USABLE_FRACTION * gpu_mem_gb:
-        notes.append(f"weights and optimizer alone ({static_gb:.1f} GiB) exceed {footprint.USABLE_FRACTION:.0%} of "
-                     f"{gpu_mem_gb:g} GiB: the check needs fewer target layers (model.target_config.num_hidden_layers)")
-    elif not any(isinstance(p, footprint.MemoryPlan) for p in plans.values()):
-        notes.append("no token budget fits: the check needs fewer target layers or a smaller shape")
-    if env.is_main:
-        print(json.dumps({"setup": {
-            "shape": args.shape, "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-            "world_size": env.world_size, "threads": torch.get_num_threads(), "precision": settings.precision,
-            "attention": settings.attention, "budget": budget, "budget_source": budget_source,
-            "gpu_mem_gb": gpu_mem_gb, "gpu_mem_source": mem_source,
-            "peak_tflops": peak_tflops, "peak_source": peak_source,
-            "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,
-            "draft_params_m": step_model.draft.params / 1e6, "static_gb": static_gb,
-            "activation_checkpointing": ckpt, "activation_checkpointing_source": ckpt_source,
-            "memory_plan": {name: ({"max_block_tokens": p.max_block_tokens,
-                                    "activation_checkpointing": p.activation_checkpointing, "reason": p.reason}
-                                   if isinstance(p, footprint.MemoryPlan) else p) for name, p in plans.items()},
-            "model": {k: model_cfg.get(k) for k in ("block_size", "draft_layers", "anchors_per_doc",
-                                                    "anchor_density", "fixed_anchors")},
-            "notes": notes, "overrides": all_overrides(args)}}), flush=True)
+    peak_tflops, peak_source, measured_peak = peak_figure(preset, device)
+    bench = Bench(args, env, device, model, train_model, optimizer, autocast, step_model, settings, lengths, budget,
+                  gpu_mem_gb, peak_tflops * 1e12, static_bytes, cap)
+    setup = {"regime": args.regime, "mode": "quick" if args.quick else "full", "shape": args.shape,
+             "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
+             "world_size": env.world_size, "threads": torch.get_num_threads(), "precision": settings.precision,
+             "attention": settings.attention, "fused_head_ce": step_model.fused_head_ce, "budget": budget,
+             "budget_source": budget_source, "gpu_mem_gb": gpu_mem_gb, "gpu_mem_source": mem_source,
+             "mem_cap_gb": cap, "peak_tflops": peak_tflops, "peak_source": peak_source,
+             "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,
+             "draft_params_m": step_model.draft.params / 1e6, "activation_checkpointing": ckpt,
+             "activation_checkpointing_source": ckpt_source, "num_samples": args.num_samples,
+             "warmup": args.warmup, "steps": args.steps, "deadline_s": args.deadline_s,
+             "model": {k: model_cfg.get(k) for k in ("block_size", "draft_layers", "anchors_per_doc",
+                                                     "anchor_density", "fixed_anchors")},
+             "overrides": all_overrides(args)}
+    return bench, setup, plans
+
+
+def setup_notes(bench: Bench, plans: dict) -> list[str]:
+    static_gb = float(footprint.step_memory(bench.step_model, footprint.batch_shapes(
+        [np.arange(1)], np.array([2]), packed=True, model=bench.step_model), bench.settings)["static"][0]) / footprint.GIB
+    if static_gb > footprint.USABLE_FRACTION * bench.gpu_mem_gb:
+        return [(f"weights and optimizer alone ({static_gb:.1f} GiB) exceed {footprint.USABLE_FRACTION:.0%} "
+                 f"of {bench.gpu_mem_gb:g} GiB: the check needs fewer target layers "
+                 f"(model.target_config.num_hidden_layers)")]
+    if not any(isinstance(p, footprint.MemoryPlan) for p in plans.values()):
+        return ["no token budget fits: the check needs fewer target layers or a smaller shape"]
+    return []
+
+
+def run_policy(name: str, memory, bench: Bench) -> tuple[dict, PolicyPlan | None, list[dict]]:
+    """Warm up, time, and summarise one policy: (its row, its plan, this rank's timed records)."""
+    plan = build_policy_plan(name, memory, bench)
+    if isinstance(plan, dict):
+        return plan, None, []
+    warm, timed = choose_steps(plan, bench.env.world_size, bench.args.warmup, bench.args.steps)
+    run_steps(plan, warm, "warmup", bench)
+    records = run_steps(plan, timed, "timed", bench)
+    row = summarize(plan, records, bench)
+    if bench.args.regime == "seed":
+        row.update(epoch_figures(plan, row, bench))
+    return row, plan, records
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    env, device = start_process(args)
+    bench, setup, plans = build_bench(args, env, device)
+    bench.emit({"setup": {**setup, "notes": setup_notes(bench, plans), "memory_plan": {
+        name: ({"max_block_tokens": p.max_block_tokens, "activation_checkpointing": p.activation_checkpointing,
+                "reason": p.reason} if isinstance(p, footprint.MemoryPlan) else p) for name, p in plans.items()}}})
+    rows, policy_plans, records = {}, {}, {}
     for name in args.policies.split(","):
         try:
-            row = run_policy(name, plans[name], model, train_model, optimizer, autocast, env, device, args, budget,
-                             lengths, step_model, settings, gpu_mem_gb, peak_tflops * 1e12, static_bytes)
-        except torch.cuda.OutOfMemoryError as exc:   # single process only: under DDP the memory plan prevents it
-            row = {"policy": name, "error": f"out of memory: {str(exc).splitlines()[0]}"}
-            optimizer.zero_grad(set_to_none=True)
+            row, plan, timed = run_policy(name, plans[name], bench)
+        except torch.cuda.OutOfMemoryError as exc:   # under DDP (one rank catches its own): the policy is lost
+            row, plan, timed = {"policy": name, "error": f"out of memory: {str(exc).splitlines()[0]}"}, None, []
+            bench.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-        if env.is_main:
-            print(json.dumps(row), flush=True)
+        rows[name] = row
+        if plan is not None:
+            policy_plans[name], records[name] = plan, timed
+        bench.emit(row)
+    if args.regime == "seed":
+        bench.emit(comparison(rows))
+    if args.ckpt_step and policy_plans:
+        bench.emit(checkpointing_step(policy_plans, records, bench))
     dist.cleanup()
 
 

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh OUT.jsonl         -- the GPU check: CUDA attention tests, gpu_check (Qwen3-8B shape,
-#                                                bucketed + packed, 32K tokens, memory-plan block budget and
-#                                                checkpointing), a 100-step model=hf training; <= 8 min on one H200
-# bash scripts/gpu_check.sh --cpu OUT.jsonl   -- the same path on a CPU at the tiny shape (a few minutes)
+# bash scripts/gpu_check.sh [--quick] OUT.jsonl   -- the GPU check on one or more GPUs (scripts/gpu_check_stages.py:
+#                                                    CUDA attention tests, the seed regime's full_random / bucketed /
+#                                                    packed steps at the Qwen3-8B shape, one checkpointing-on step, a
+#                                                    short model=hf training); full <= 8 min, --quick <= 4 min on an H200
+# bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (a few minutes)
 # One JSON object per line in OUT.jsonl, each with a "check" key; a failing stage records its error and the
-# others still run; the exit code is non-zero when any stage failed. Stages: scripts/gpu_check_stages.py.
+# others still run; the exit code is non-zero when any stage failed.
+#
+# First, before anything imports the project, scripts/gpu_deps.py installs what this Python lacks (hydra-core,
+# omegaconf, antlr4, pytest, hypothesis) from wheelhouse/ with no index into $GPU_CHECK_DEPS (default .gpu_deps/,
+# put on PYTHONPATH); it stops in seconds, exit code 2, naming what is missing if it cannot. Build the wheelhouse
+# with scripts/gpu_wheelhouse.sh where the registry can be reached (docs/gpu.md, "Running the GPU check on a lent
+# machine"). Nothing here needs W&B or submitit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline WANDB_SILENT=true PYTHONUNBUFFERED=1
-exec python scripts/gpu_check_stages.py "$@"
+PY=$(command -v python3 || command -v python)
+DEPS="${GPU_CHECK_DEPS:-$PWD/.gpu_deps}"
+export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline WANDB_SILENT=true PYTHONUNBUFFERED=1
+"$PY" scripts/gpu_deps.py --wheelhouse "${GPU_CHECK_WHEELHOUSE:-$PWD/wheelhouse}" --target "$DEPS" || exit 2
+exec "$PY" scripts/gpu_check_stages.py "$@"

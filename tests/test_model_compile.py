@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_lab.model.attention import flex_compile_count
+from dflash_lab.model.attention import dynamo_graph_count
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, layer_ops
 
 torch.set_num_threads(1)
@@ -41,11 +41,11 @@ def test_compiled_layers_match_eager_and_do_not_recompile_per_length():
     compiled = DFlashDraft(DraftConfig(**CFG), init_seed=1, compile_layers=True)
     for rows, context_len, block_len, seed in ((3, 20, 8, 0), (3, 37, 16, 1)):
         inputs = _inputs(rows, context_len, block_len, seed)
-        before = flex_compile_count()
+        before = dynamo_graph_count()
         out_eager, grads_eager = _step(eager, inputs)
         out_compiled, grads_compiled = _step(compiled, inputs)
         if seed == 1:   # another length: the token dimensions are dynamic from the first graph on
-            assert flex_compile_count() - before <= 1
+            assert dynamo_graph_count() - before <= 1
         torch.testing.assert_close(out_compiled, out_eager, rtol=1e-5, atol=1e-5)
         for a, b in zip(grads_compiled, grads_eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -32,8 +32,9 @@ mask_mod for both, so they share compiled graphs). A process compiles one static
 lengths at the second distinct shape, and no more, because every call looks the same to the compiler: batch 1,
 whole tiles (at least two), contiguous inputs (strides are guarded), four distinct [1, Q] bound tensors (aliasing is
 guarded). Batch > 1 and 1-D bound indexing both break torch 2.13's CPU code generation for dynamic shapes.
-``flex_compile_count()`` reports the graphs dynamo compiled in this process. ``TORCHINDUCTOR_CACHE_DIR`` shares
-compiled kernels across processes (the tests set it).
+``flex_compile_count()`` reports the graphs dynamo compiled for flex_attention in this process (other compiled code,
+e.g. the draft's compiled layers, is not counted; ``dynamo_graph_count()`` counts every graph).
+``TORCHINDUCTOR_CACHE_DIR`` shares compiled kernels across processes (the tests set it).
 
 Cost: flex and segments do the work of the allowed (query, key) pairs rounded up to tiles / documents; dense does
 R x Q x KV.
@@ -249,11 +250,20 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def flex_compile_count() -> int:
-    """Graphs dynamo compiled in this process (flex_attention's are the only compiled code in a training step)."""
+_FLEX_GRAPHS = [0]   # graphs dynamo compiled during flex_attend's compiled calls (this process)
+
+
+def dynamo_graph_count() -> int:
+    """Every graph dynamo compiled in this process (flex_attention's, the draft's compiled layers, anything else)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def flex_compile_count() -> int:
+    """Graphs dynamo compiled for flex_attention in this process: the graphs that appeared during
+    ``flex_attend``'s compiled calls (compilation is synchronous, so those are flex's own), and nothing else."""
+    return _FLEX_GRAPHS[0]
 
 
 def flex_supported(*tensors: torch.Tensor) -> bool:
@@ -282,8 +292,12 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
         allowed = create_mask(block_mask.mask_mod, 1, 1, q_pad, kv_pad, device=q.device)
         out = dense_attend(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), allowed, scale)
     else:
+        counting = not torch.compiler.is_compiling()   # (inside a caller's compiled graph nothing compiles here)
+        graphs_before = dynamo_graph_count() if counting else 0
         out = _compiled_flex()(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask=block_mask,
                                scale=scale, enable_gqa=heads != k.shape[1])
+        if counting:
+            _FLEX_GRAPHS[0] += dynamo_graph_count() - graphs_before
     return out[:, :, : rows * q_len].reshape(heads, rows, q_len, dim).transpose(0, 1)
 
 
