@@ -262,7 +262,7 @@ def _wait_for(predicate, timeout, what, proc=None, poll_s=1.0):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.mark.slow  # about 2-3 minutes each: two starts of the job and Slurm's requeue delay in between
+# about 2-3 minutes each: two starts of the job and Slurm's requeue delay in between
 @pytest.mark.parametrize("how", ["usr2", "scontrol_requeue"])
 def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path, how):
     name = _experiment()
