@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. trainer.num_threads=2)")
     args = parser.parse_args()
 
-    from dflash_lab.checkpoint import load_run_checkpoint
+    from dflash_lab.records.checkpoint import load_run_checkpoint
     from dflash_lab.plan import CostModel, load_plan_data, plan_block_tokens, predict_throughput
     from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
 

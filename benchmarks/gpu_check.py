@@ -46,7 +46,7 @@ only. Documents: the seed workload (docs/workloads.md; lengths and boundaries di
 medium; tiny scales anchors_per_doc by the same 32). Every token is supervised (random batches), so a
 document's block tokens are ``sampling.anchors.block_tokens_per_sample`` on ``l - 1`` valid positions.
 
-Budgets in the plan regime, as training resolves them (``dflash_lab.components.resolve_memory_plan``): the token
+Budgets in the plan regime, as training resolves them (``dflash_lab.training.components.resolve_memory_plan``): the token
 budget stays the shape's ``sampler.max_tokens`` (32,768 at qwen3-8b, 4,096 tiny/medium; ``--budget N`` sets it),
 and each policy's block budget (``sampler.max_block_tokens``, ``auto`` unless overridden) and draft activation
 checkpointing (``--activation-checkpointing {auto,true,false}``, else a ``trainer.activation_checkpointing=``
@@ -123,7 +123,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_lab import dist  # noqa: E402
+from dflash_lab.training import dist  # noqa: E402
 from dflash_lab.data import collate_packed, collate_padded  # noqa: E402
 from dflash_lab.data.lengths import reference_lengths  # noqa: E402
 from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency  # noqa: E402
@@ -604,7 +604,7 @@ def run_steps(plan: PolicyPlan, global_steps: list[int], phase: str, bench: Benc
     generator = torch.Generator().manual_seed(1)
     records = []
     executed = plan.executed()
-    for n, step in enumerate(global_steps):
+    for step in global_steps:
         if bench.past_deadline():
             break
         index = step * env.world_size + env.rank

@@ -11,4 +11,4 @@ import importlib.util as _importlib_util  # noqa: E402
 # before scripts/gpu_check.sh has installed its wheelhouse; docs/gpu.md).
 if _importlib_util.find_spec("omegaconf") is not None:
     from dflash_lab import replicates as _replicates  # noqa: E402,F401
-    from dflash_lab import run_names as _run_names  # noqa: E402,F401
+    from dflash_lab.records import run_names as _run_names  # noqa: E402,F401

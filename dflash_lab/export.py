@@ -18,7 +18,7 @@ MASK id included: an id past the tokenizer's vocabulary that has a row in the ta
 ``dflash_lab.model.build.resolve_mask_token_id``) and the target's LM head, as training does.
 
 Sources: the newest checkpoint of ``RUN_DIR/checkpoints`` (``CheckpointManager.load_latest`` of
-``dflash_lab.checkpoint``; ``--checkpoint PATH`` for another one) and the model config of
+``dflash_lab.records.checkpoint``; ``--checkpoint PATH`` for another one) and the model config of
 the checkpoint's own config (else the run's ``run_config.json``, or ``.hydra/config.yaml`` of an older run; the
 target's shape from its config.json or the tiny keys: no target weights).
 
@@ -100,7 +100,7 @@ def run_model_config(run_dir: Path, checkpoint: Mapping[str, Any]) -> dict:
     config record (``run_config.json``; ``.hydra/config.yaml`` for a run recorded before it)."""
     from omegaconf import OmegaConf
 
-    from dflash_lab.record import read_run_config
+    from dflash_lab.records.record import read_run_config
 
     if "model" in (checkpoint.get("config") or {}):
         return dict(checkpoint["config"]["model"])
@@ -154,7 +154,7 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
     """
     from safetensors.torch import save_file
 
-    from dflash_lab.checkpoint import CheckpointManager, load_checkpoint
+    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint
     from dflash_lab.model.build import draft_config_for_target, target_config_only
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)

@@ -40,7 +40,7 @@ import pandas as pd
 
 from .config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
 from .metrics.throughput import format_eta, full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
-from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
+from .records.record import METRICS_FILE, SUMMARY_FILE, read_jsonl
 from .sampling import (
     FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, resolve_auto_boundaries,
     smallest_k_for_efficiency,
@@ -902,7 +902,7 @@ def model_fingerprint(model_cfg: Mapping[str, Any] | None) -> str | None:
 
 def _run_model_config(run_dir: str | Path) -> dict | None:
     """The ``model`` section a run trained with (its ``run_config.json``, else ``.hydra/config.yaml``), or None."""
-    from dflash_lab.record import read_run_config
+    from dflash_lab.records.record import read_run_config
 
     model = read_run_config(run_dir).config.get("model")
     return model if isinstance(model, dict) else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import os
-import os
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 

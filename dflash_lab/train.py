@@ -5,16 +5,16 @@ pretrained once and cached, a few minutes on 2 cores). ``train(cfg)`` does the w
 ``main()`` is the thin Hydra wrapper.
 
 :func:`train` reads as the algorithm:
-    1. setup: the settings checked at the door (:mod:`dflash_lab.settings`), the process group, the run directory
-       claimed (:mod:`dflash_lab.run_dir`: one writer), the newest intact checkpoint, the run's parts
-       (:mod:`dflash_lab.components`: model, data, memory plan, policy, loader, AdamW, LR schedule, DDP);
+    1. setup: the settings checked at the door (:mod:`dflash_lab.training.settings`), the process group, the run directory
+       claimed (:mod:`dflash_lab.records.run_dir`: one writer), the newest intact checkpoint, the run's parts
+       (:mod:`dflash_lab.training.components`: model, data, memory plan, policy, loader, AdamW, LR schedule, DDP);
     2. resume: model, optimizer, sampler position, RNG and run totals from the checkpoint; changed settings take
        effect or are refused (``checkpoint.check_resume_config``); a finished run directory is left untouched;
-    3. the step loop (:func:`run_loop`): the step's micro-batches, one optimizer step (:mod:`dflash_lab.step`), its
-       record row, scheduled evaluation (:mod:`dflash_lab.evaluation`), checkpoints (:class:`Checkpointer`);
+    3. the step loop (:func:`run_loop`): the step's micro-batches, one optimizer step (:mod:`dflash_lab.training.step`), its
+       record row, scheduled evaluation (:mod:`dflash_lab.training.evaluation`), checkpoints (:class:`Checkpointer`);
     4. finish: final probes and checkpoint, acceptance length tau (trained vs untrained draft), ``summary.json``.
 
-Run files, their columns and the step numbering are defined in :mod:`dflash_lab.record`. Timing
+Run files, their columns and the step numbering are defined in :mod:`dflash_lab.records.record`. Timing
 (``record.TimeLedger``): the run's wall time splits into setup, compute (moving the batch to the device, forward,
 backward, scaling, clipping, the statistics sync, the optimizer step), data wait, scheduled evaluation (probes,
 tau), checkpointing and other (logging, bookkeeping), over every segment of the run; ``overhead_frac`` is the
@@ -42,23 +42,24 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from dflash_lab import checkpoint as ckpt
-from dflash_lab import dist, record
-from dflash_lab.components import Components, build_components
-from dflash_lab.evaluation import Evaluation
+from dflash_lab.records import checkpoint as ckpt
+from dflash_lab.training import dist
+from dflash_lab.records import record
+from dflash_lab.training.components import Components, build_components
+from dflash_lab.training.evaluation import Evaluation
 from dflash_lab.refusal import Refused, describe_failure, full_disk
-from dflash_lab.run_dir import RunDirectory
-from dflash_lab.run_lock import RunDirBusy
-from dflash_lab.run_logger import close_text_log, setup_text_log
-from dflash_lab.run_names import name_wandb_run
-from dflash_lab.run_records import Bookkeeping, Checkpointer, RunRecords, StepClock
-from dflash_lab.settings import RunSettings
-from dflash_lab.step import (Position, StepBatches, StepResult, StepSums, UpdateGuard, anchor_seed, gradient_sync,
+from dflash_lab.records.run_dir import RunDirectory
+from dflash_lab.records.run_lock import RunDirBusy
+from dflash_lab.records.run_logger import close_text_log, setup_text_log
+from dflash_lab.records.run_names import name_wandb_run
+from dflash_lab.training.run_records import Bookkeeping, Checkpointer, RunRecords, StepClock
+from dflash_lab.training.settings import RunSettings
+from dflash_lab.training.step import (Position, StepBatches, StepResult, StepSums, UpdateGuard, anchor_seed, gradient_sync,
                              scale_to_global_mean, to_device)
 
 FAILED_EXIT_CODE = 1
 REFUSED_EXIT_CODE = 2  # a refused config, resume or dataset (the one-line message says why and the fix)
-LOCKED_EXIT_CODE = 3   # another live run holds the run directory (dflash_lab/run_lock.py); nothing was written
+LOCKED_EXIT_CODE = 3   # another live run holds the run directory (dflash_lab/records/run_lock.py); nothing was written
 
 
 @dataclass
@@ -137,7 +138,7 @@ def open_run(settings: RunSettings, env: dist.DistEnv,
     """Claim the run directory (one writer), open its text log, arm the preemption handler and load the newest
     intact checkpoint; refuse a ``resume=true`` without one, and a fresh start over the records of a run that
     ended. Returns the log, the checkpoint manager and the checkpoint's state (None: a fresh start)."""
-    stale = directory.claim()   # before anything of the directory is opened (dflash_lab/run_lock.py)
+    stale = directory.claim()   # before anything of the directory is opened (dflash_lab/records/run_lock.py)
     log = setup_text_log(directory.path, env.rank)
     if stale:
         log.warning(f"run lock: took over a stale lock of {stale} (that process is gone)")

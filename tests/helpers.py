@@ -25,7 +25,7 @@ import pandas as pd
 import yaml
 from hydra import compose, initialize_config_module
 
-from dflash_lab import checkpoint as ckpt
+from dflash_lab.records import checkpoint as ckpt
 from dflash_lab.train import TrainHooks
 
 ROOT = Path(__file__).resolve().parents[1]

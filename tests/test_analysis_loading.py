@@ -250,8 +250,8 @@ def test_wandb_api_errors_become_problems():
 
 def _real_run_with_offline_wandb(run_dir: Path, steps: int = 40) -> Path:
     """Write a run with the trainer's own RunLogger and W&B in offline mode (local files and W&B side by side)."""
-    from dflash_lab.record import STEP_FIELDS as METRIC_FIELDS
-    from dflash_lab.run_logger import RunLogger
+    from dflash_lab.records.record import STEP_FIELDS as METRIC_FIELDS
+    from dflash_lab.records.run_logger import RunLogger
 
     config = {"sampler": {"name": "bucketed"}, "seed": 5, "experiment": "offline_test"}
     logger = RunLogger(

@@ -1,4 +1,4 @@
-"""dflash_lab.checkpoint: atomic files, keep-last pruning, fallbacks, RNG round trip, the preemption hook."""
+"""dflash_lab.records.checkpoint: atomic files, keep-last pruning, fallbacks, RNG round trip, the preemption hook."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lab import checkpoint as ckpt
+from dflash_lab.records import checkpoint as ckpt
 
 
 def test_save_prunes_and_points_at_the_newest(tmp_path):

@@ -25,7 +25,7 @@ from helpers import SMALL
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_offline_runs, load_runs
 from dflash_lab.analysis.wandb_runs import OfflineRun
-from dflash_lab.run_names import swept_keys
+from dflash_lab.records.run_names import swept_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ([0, 216, 1024], [0, 96, 304, 1024], [0, 96, 216, 412, 1024])
@@ -230,7 +230,7 @@ def _wandb_name(overrides: list[str]) -> str:
     from hydra import compose, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
 
-    from dflash_lab.run_names import name_wandb_run
+    from dflash_lab.records.run_names import name_wandb_run
 
     with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=["logger=wandb", *overrides], return_hydra_config=True)

@@ -118,7 +118,7 @@ def test_the_tiny_targets_pretraining_seed_nests_in_the_run_seed():
     from hydra import compose, initialize_config_dir
     from pathlib import Path
 
-    from dflash_lab.settings import plain_config
+    from dflash_lab.training.settings import plain_config
 
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base=None):

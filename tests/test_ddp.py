@@ -4,7 +4,7 @@ Each run executes ``dflash_lab.train.train(cfg)`` unchanged, under a small harne
 ``torchrun --nproc_per_node=2 tests/test_ddp.py OUT overrides...``) that observes it without altering it:
 
 * it records the ``sample_index`` of every batch the training DataLoader collates on that rank (a subclass of
-  the real ``Collator`` that calls it and keeps the indices, put in place of ``Collator`` in dflash_lab.components),
+  the real ``Collator`` that calls it and keeps the indices, put in place of ``Collator`` in dflash_lab.training.components),
 * it keeps a handle on the model ``build_model`` returns (the real function, wrapped the same way),
 * after ``train`` returns, each rank saves its batches, trained draft parameters and summary to
   ``OUT/harness_rank<r>.pt``; the tests compare the files.
@@ -56,7 +56,7 @@ def _harness_main(out_dir: str, overrides: list[str]) -> None:
 
     import dflash_lab.data as data_module
     import dflash_lab.model as model_module
-    import dflash_lab.components as components_module
+    import dflash_lab.training.components as components_module
     import dflash_lab.train as train_module
 
     out = Path(out_dir)

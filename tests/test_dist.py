@@ -1,4 +1,4 @@
-"""dflash_lab.dist: environment detection (torchrun, Slurm, single) and a real 2-process gloo group."""
+"""dflash_lab.training.dist: environment detection (torchrun, Slurm, single) and a real 2-process gloo group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_lab import dist
+from dflash_lab.training import dist
 
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",

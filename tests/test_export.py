@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from dflash_lab.checkpoint import CheckpointManager
+from dflash_lab.records.checkpoint import CheckpointManager
 from dflash_lab.export import export_draft, main
 from dflash_lab.model.build import draft_config_for_target, resolve_mask_token_id, target_config_only
 from dflash_lab.model.draft import DFlashDraft

@@ -87,7 +87,7 @@ def test_the_gpu_path_imports_without_omegaconf_wandb_or_submitit():
     """What the lent image runs before gpu_deps has installed anything, and what needs none of them after."""
     code = BLOCK_IMPORTS + (
         "import dflash_lab.model.attention, dflash_lab.model.head, dflash_lab.model.footprint, dflash_lab.model\n"
-        "import dflash_lab.sampling, dflash_lab.data, dflash_lab.dist, dflash_lab.metrics.throughput\n"
+        "import dflash_lab.sampling, dflash_lab.data, dflash_lab.training.dist, dflash_lab.metrics.throughput\n"
         "assert not [m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in BLOCKED]\n"
         "print('imported')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,

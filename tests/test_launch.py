@@ -1,4 +1,4 @@
-"""Launcher configs and the pre-submission checks of dflash_lab/launch.py (no cluster needed).
+"""Launcher configs and the pre-submission checks of dflash_lab/cluster/launch.py (no cluster needed).
 
 Configs are composed with Hydra's compose API from the real conf/ (and sweeps/), so a broken launcher or sweep
 file fails here; the command-line tests run the real entry point and show that a bad value stops the sweep
@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import dflash_lab.sweeps
-from dflash_lab.launch import (
+from dflash_lab.cluster.launch import (
     LaunchConfigError,
     SlurmNode,
     check_launcher,
@@ -74,7 +74,7 @@ def test_slurm_launcher_defaults_one_task_per_gpu():
     assert launcher["signal_delay_s"] > 0 and launcher["max_num_timeout"] > 0  # requeue after a time-limit hit
     assert launcher["additional_parameters"]["requeue"] is True
     assert launcher["submitit_folder"].startswith(str(cfg.hydra.sweep.dir))
-    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.launch.ValidateLaunch"
+    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.cluster.launch.ValidateLaunch"
     # tasks follow the GPU count unless set explicitly
     cfg = _compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4"])
     assert cfg.hydra.launcher.tasks_per_node == 4
@@ -279,7 +279,7 @@ def test_sweep_files_expand_to_valid_jobs(name, njobs):
     assert len(jobs) == njobs
     assert problems == []
     assert cfg.experiment == name  # own multirun folder: multirun/<name>/<time>/
-    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.launch.ValidateLaunch"
+    assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.cluster.launch.ValidateLaunch"
     text = (SWEEPS / f"{name}.yaml").read_text()
     assert text.startswith("# python -m dflash_lab.train -m --config-dir sweeps --config-name " + name)
 

@@ -1,7 +1,7 @@
 """`hydra/launcher=local` end to end: a multirun goes through submitit's local executor as 2 CPU ranks (no Slurm).
 
 This is the same path a Slurm job takes (the Hydra job is pickled by submitit, every task unpickles and runs the
-whole app, dflash_lab.dist reads rank/world from submitit's environment), so it runs on any CI machine.
+whole app, dflash_lab.training.dist reads rank/world from submitit's environment), so it runs on any CI machine.
 """
 
 from __future__ import annotations

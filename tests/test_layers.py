@@ -85,6 +85,20 @@ def test_metrics_never_import_sampling():
     assert "sampling" not in package_graph()["metrics"]
 
 
+def test_the_record_layer_sits_below_the_model_and_data():
+    """A run's records (dflash_lab/records/) import nothing of the training run, the model, the data or the policies:
+    analysis and tools read run directories without building any of them."""
+    above = {"training", "train", "model", "data", "sampling", "analysis", "plan", "cluster"}
+    assert not package_graph()["records"] & above, package_graph()["records"]
+
+
+def test_the_package_root_holds_entry_points_not_the_training_runs_modules():
+    """The training run's modules live in training/ and records/; the root keeps the command-line entry points and
+    the few modules every layer shares."""
+    root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert root == ["compare", "config_check", "export", "plan", "refusal", "replicates", "train"], root
+
+
 def test_no_import_cycle_between_the_packages_parts():
     cycle = find_cycle(package_graph())
     assert cycle is None, " -> ".join(cycle)

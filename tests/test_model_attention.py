@@ -187,10 +187,10 @@ def test_flex_gradients_equal_the_dense_oracle_on_cuda():
         scale = REAL_DIM ** -0.5
         q, k, v = _qkv_shaped(intervals.rows, intervals.q_len, intervals.kv_len, REAL_HEADS, REAL_KV_HEADS, REAL_DIM,
                               torch.bfloat16, 1, "cuda")
-        reference = _attend_with_grads(lambda *x: dense_attend(*x, cuda.dense(), scale), q.float(), k.float(),
+        reference = _attend_with_grads(lambda *x, c=cuda, s=scale: dense_attend(*x, c.dense(), s), q.float(), k.float(),
                                        v.float())
-        dense_bf16 = _attend_with_grads(lambda *x: dense_attend(*x, cuda.dense(), scale), q, k, v)
-        flex = _attend_with_grads(lambda *x: flex_attend(*x, cuda.block_mask(), scale), q, k, v)
+        dense_bf16 = _attend_with_grads(lambda *x, c=cuda, s=scale: dense_attend(*x, c.dense(), s), q, k, v)
+        flex = _attend_with_grads(lambda *x, c=cuda, s=scale: flex_attend(*x, c.block_mask(), s), q, k, v)
         for name, factor, got, bf16, want in zip(("out", "dq", "dk", "dv"), (2, 4, 4, 4), flex, dense_bf16,
                                                  reference):
             assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
@@ -226,8 +226,8 @@ def test_block_mask_gradients_equal_the_dense_oracle_through_the_flex_operator_o
                           _draft_intervals(doc_ids, doc_ids >= 0, num_docs, 5, bs)[0]):
             q, k, v = _qkv_shaped(intervals.rows, intervals.q_len, intervals.kv_len, HEADS, KV_HEADS, 16,
                                   torch.float64, 2)
-            want = _attend_with_grads(lambda *x: dense_attend(*x, intervals.dense(), 0.3), q, k, v)
-            got = _attend_with_grads(lambda *x: flex_attend(*x, intervals.block_mask(), 0.3), q, k, v)
+            want = _attend_with_grads(lambda *x, i=intervals: dense_attend(*x, i.dense(), 0.3), q, k, v)
+            got = _attend_with_grads(lambda *x, i=intervals: flex_attend(*x, i.block_mask(), 0.3), q, k, v)
             for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
             layouts_checked += 1

@@ -54,7 +54,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
     anchors, 5 layers) predicts a slower step than the CPU preset's, for the same target and data."""
     import numpy as np
 
-    from dflash_lab.components import predicted_cpu_step_s
+    from dflash_lab.training.components import predicted_cpu_step_s
     from dflash_lab.model import build_model
     from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config
@@ -97,7 +97,7 @@ def test_probe_bands_auto_follow_the_data_and_keep_the_builtin_corpus_bands():
     quantiles, ending at its longest sample, so a long-tailed file is never refused for its lengths."""
     import numpy as np
 
-    from dflash_lab.probes import DEFAULT_BANDS, ProbeSets, fitted_bands, resolve_bands
+    from dflash_lab.training.probes import DEFAULT_BANDS, ProbeSets, fitted_bands, resolve_bands
 
     lengths = np.random.default_rng(0).lognormal(6.5, 0.9, size=3000).astype(int) + 16
     assert resolve_bands("auto", lengths, builtin_corpus=True) == list(DEFAULT_BANDS)
@@ -162,7 +162,7 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
 
     import numpy as np
 
-    from dflash_lab.components import plan_facts, warn_if_slow_on_cpu
+    from dflash_lab.training.components import plan_facts, warn_if_slow_on_cpu
     from dflash_lab.model import build_model
     from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config

@@ -73,7 +73,7 @@ def _check_configs(bin_dir: Path, cwd: Path) -> None:
     assert "sampler: bucket_sequential, bucketed," in groups and "trainer: cpu" in groups
     assert "cost" not in groups and "lengths" not in groups
     sweep = _run([bin_dir / "dflash-train", "--config-name", "boundaries_grid", "--cfg", "hydra"], cwd).stdout
-    assert "[0,96,152,216,304,412,1024]" in sweep and "dflash_lab.launch.ValidateLaunch" in sweep
+    assert "[0,96,152,216,304,412,1024]" in sweep and "dflash_lab.cluster.launch.ValidateLaunch" in sweep
     mine = cwd / "my_configs"
     (mine / "sampler").mkdir(parents=True)
     (mine / "my_run.yaml").write_text("defaults:\n  - train\n  - _self_\nexperiment: mine\n")

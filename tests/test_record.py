@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_lab import record
+from dflash_lab.records import record
 from dflash_lab.analysis import load_local_run
 from dflash_lab.compare import main as compare_main
 from dflash_lab.metrics import throughput

@@ -1,4 +1,4 @@
-"""One writer per run directory (dflash_lab/run_lock.py): a second process on a live run's directory is refused
+"""One writer per run directory (dflash_lab/records/run_lock.py): a second process on a live run's directory is refused
 within seconds and writes nothing, in either order of arrival; a lock left by a killed run is taken over with a log
 line; finished, resumed and 2-rank runs keep working (the 2-rank case: tests/test_dist_train.py leaves the lock
 released)."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_lab.run_lock import LOCK_FILE, RunDirBusy, RunDirLock
+from dflash_lab.records.run_lock import LOCK_FILE, RunDirBusy, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

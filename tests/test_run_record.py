@@ -12,10 +12,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from dflash_lab import compare, record
+from dflash_lab import compare
+from dflash_lab.records import record
 from dflash_lab.analysis.local import load_local_run
-from dflash_lab.run_dir import RunDirectory
-from dflash_lab.run_lock import RunDirBusy
+from dflash_lab.records.run_dir import RunDirectory
+from dflash_lab.records.run_lock import RunDirBusy
 from helpers import SMALL, run_cli, write_run
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from helpers import SHORT_CLI, compose_small, stop_at, train_cli, without_permission_override
 
-from dflash_lab import checkpoint as ckpt
-from dflash_lab import record
+from dflash_lab.records import checkpoint as ckpt
+from dflash_lab.records import record
 from dflash_lab.compare import publish
 from dflash_lab.data.datasets import build_dataset
 from dflash_lab.data.jsonl import encode_line
 from dflash_lab.data.tokenizer import ByteTokenizer
 from dflash_lab.refusal import Refused
-from dflash_lab.run_lock import RunDirLock
+from dflash_lab.records.run_lock import RunDirLock
 from dflash_lab.train import train
 
 

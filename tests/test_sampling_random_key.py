@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from dflash_lab.checkpoint import check_resume_config
+from dflash_lab.records.checkpoint import check_resume_config
 from dflash_lab.data.lengths import reference_lengths
 from dflash_lab.sampling import bucket_ids, build_policy, policy_from_config
 from dflash_lab.sampling.stats import plan_stats

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_lab.launch import slurm_nodes, slurm_partitions
+from dflash_lab.cluster.launch import slurm_nodes, slurm_partitions
 
 ROOT = Path(__file__).resolve().parents[1]
 

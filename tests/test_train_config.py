@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from dflash_lab.metrics.throughput import format_eta
 from dflash_lab.plan import CONF_DIR
-from dflash_lab.settings import ProbeSettings, TrainerSettings
-from dflash_lab.step import LRSchedule
+from dflash_lab.training.settings import ProbeSettings, TrainerSettings
+from dflash_lab.training.step import LRSchedule
 
 CONF = CONF_DIR  # the shipped configs (package dflash_lab.conf)
 SAMPLERS = sorted(p.stem for p in (CONF / "sampler").glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_human_eta():
 
 
 def test_tiny_target_pretrains_on_a_skills_corpus_only_when_the_data_is_one():
-    from dflash_lab.components import pretrain_corpus_follows_data
+    from dflash_lab.training.components import pretrain_corpus_follows_data
 
     plain = OmegaConf.to_container(_compose([]), resolve=True)
     assert plain["data"]["band_skills"] == "none"

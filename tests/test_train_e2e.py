@@ -20,9 +20,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from dflash_lab import checkpoint as ckpt
-from dflash_lab import record
-from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
+from dflash_lab.records import checkpoint as ckpt
+from dflash_lab.records import record
+from dflash_lab.records.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 from dflash_lab.train import TrainHooks, train
 from helpers import SMALL  # tests/ is on sys.path (pytest rootdir-relative import)
 
@@ -200,7 +200,7 @@ def test_sigterm_during_tau_records_a_partial_tau_and_the_requeued_job_measures_
     run_dir = tmp_path / "tau"
     overrides = ["trainer.max_steps=3", "model.decode_num_prompts=6", "model.decode_max_new_tokens=64",
                  "probes.every=0"]
-    real_measure = __import__("dflash_lab.evaluation", fromlist=["measure_acceptance"]).measure_acceptance
+    real_measure = __import__("dflash_lab.training.evaluation", fromlist=["measure_acceptance"]).measure_acceptance
     started = threading.Event()
 
     def after_step(row):
@@ -519,7 +519,7 @@ def test_a_fresh_start_over_an_earlier_runs_records_is_refused_unless_overwrite(
 def test_summary_records_the_target_and_data_digests_the_run_trained_with(tmp_path):
     """What compare checks before it pairs runs: the digest of the very target weights the run loaded (the tiny
     target's weights_digest, as build_model computes it from the cache) and of its training data."""
-    from dflash_lab.components import pretrain_corpus_follows_data
+    from dflash_lab.training.components import pretrain_corpus_follows_data
     from dflash_lab.model import build_model
 
     cfg = compose_cfg(tmp_path / "run", "trainer.max_steps=2", "trainer.measure_tau=false", "probes.every=0",

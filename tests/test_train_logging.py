@@ -1,4 +1,4 @@
-"""dflash_lab.run_logger + dflash_lab.record: row fields, immediate appends, the one resume rule, summary, W&B guard."""
+"""dflash_lab.records.run_logger + dflash_lab.records.record: row fields, immediate appends, the one resume rule, summary, W&B guard."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from dflash_lab import record
-from dflash_lab import run_logger as rl
+from dflash_lab.records import record
+from dflash_lab.records import run_logger as rl
 
 
 def _row(step: int, **over):

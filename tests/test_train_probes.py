@@ -1,4 +1,4 @@
-"""dflash_lab.probes: fixed probe sets per band, band evaluation rows, presentation records and their resume."""
+"""dflash_lab.training.probes: fixed probe sets per band, band evaluation rows, presentation records and their resume."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_lab.sampling import bucket_ids
-from dflash_lab.probes import (
+from dflash_lab.training.probes import (
     DEFAULT_BANDS, PRESENTATION_COLUMNS, PresentationRecorder, ProbeSets, validate_bands,
 )
 

@@ -59,7 +59,7 @@ import pandas as pd
 import yaml
 
 from dflash_lab.analysis.schema import RunRecord
-from dflash_lab.record import CONFIG_FILE, RUN_CONFIG_FILE, read_run_config
+from dflash_lab.records.record import CONFIG_FILE, RUN_CONFIG_FILE, read_run_config
 
 SEED_KEY = "seed"
 NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume", "resolved")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dflash_lab import record
+from dflash_lab.records import record
 from dflash_lab.analysis.schema import (
     PRESENTATION_COLUMNS,
     PROBE_COLUMNS,
@@ -81,7 +81,7 @@ def find_run_dirs(path: Path | str) -> list[Path]:
 def read_jsonl(path: Path) -> tuple[pd.DataFrame, int]:
     """Rows of a run's JSON-lines file as a DataFrame, and the count of lines skipped as unusable.
 
-    The rule is the record's (``dflash_lab.record.read_jsonl``): a line that is not JSON, not an object, or whose
+    The rule is the record's (``dflash_lab.records.record.read_jsonl``): a line that is not JSON, not an object, or whose
     ``step`` is not a valid step number (``"abc"``, ``1e308``, negative) is skipped and counted.
 
     Example:

@@ -1,7 +1,7 @@
 """The one schema every run source (local run directory, W&B run, offline W&B run) is loaded into.
 
 A loaded run is a `RunRecord`: identity and status, the resolved config, the final summary, and three long tables
-whose columns are the run-directory contract (`dflash_lab.record`):
+whose columns are the run-directory contract (`dflash_lab.records.record`):
 
     steps          one row per logged training step   STEP_COLUMNS    (metrics.jsonl)
     probes         one row per (eval, band)           PROBE_COLUMNS   (probes.jsonl)
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_lab.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
+from dflash_lab.records.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 
 STEP_COLUMNS: tuple[str, ...] = STEP_FIELDS
 PROBE_COLUMNS: tuple[str, ...] = PROBE_FIELDS

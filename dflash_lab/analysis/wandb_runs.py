@@ -1,6 +1,6 @@
 """W&B runs -> `RunRecord`: the online public API (`wandb.Api`) and offline run directories, one mapping for both.
 
-Mapping (what `dflash_lab.run_logger` sends to W&B):
+Mapping (what `dflash_lab.records.run_logger` sends to W&B):
     run.config                         -> RunRecord.config (nested dict; W&B's {"value": ...} wrappers removed);
                                           its `overrides` list (the Hydra task overrides), if logged -> overrides
     run.summary                        -> RunRecord.summary (contract summary keys; "_"-prefixed keys dropped;
@@ -32,7 +32,7 @@ import pandas as pd
 
 from dflash_lab.analysis.local import LoadReport, read_jsonl
 from dflash_lab.analysis.schema import PRESENTATION_COLUMNS, PROBE_COLUMNS, STEP_COLUMNS, RunRecord, conform
-from dflash_lab.record import RUN_FILES
+from dflash_lab.records.record import RUN_FILES
 
 PROBE_KEY = re.compile(r"^probe/(?P<band>[^/]+)/(?P<field>loss|acc)$")
 BAND_RANGE = re.compile(r"^(?P<lo>\d+)-(?P<hi>\d+)$")

@@ -1,7 +1,7 @@
 """A run's directory, as the run that owns it sees it: who may write it, which records it holds, and what a launch
 that trains nothing leaves behind (nothing changed).
 
-- One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.run_lock`) before anything in it is opened.
+- One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.records.run_lock`) before anything in it is opened.
 - The run owns its config record, ``run_config.json`` (:data:`record.RUN_CONFIG_FILE`: the resolved config, the
   launch's task overrides and Hydra's files of that launch), written under the lock when a launch starts training
   (:meth:`RunDirectory.running`) and by nothing else: a launch refused by the lock, refused before its loop (a
@@ -33,11 +33,11 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab import record
+from dflash_lab.records import record
 from dflash_lab.refusal import Refused, describe_failure
-from dflash_lab.run_lock import RunDirLock
-from dflash_lab.run_lock import describe as describe_holder
-from dflash_lab.run_logger import load_or_create_run_id, write_json_atomic
+from dflash_lab.records.run_lock import RunDirLock
+from dflash_lab.records.run_lock import describe as describe_holder
+from dflash_lab.records.run_logger import load_or_create_run_id, write_json_atomic
 
 REFUSED_EXIT_CODE = 2   # as dflash_lab.train's refusals
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
@@ -325,7 +325,7 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
         >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {2}, 2, None, probed_steps_expected=[0, 2])
         Traceback (most recent call last):
         ...
-        dflash_lab.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks the probe evaluations of steps [0]. ...
+        dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks the probe evaluations of steps [0]. ...
     """
     problems = []
     steps = [int(row["step"]) for row in history]

@@ -18,7 +18,7 @@ module only records):
   ``StepOutput.doc_correct / doc_count``. Examples with no valid anchor position (``doc_count == 0``) have no
   accuracy and are not recorded. Rows are buffered and
   written to ``presentations.parquet`` at checkpoints and at the end; a resumed run keeps the rows of steps up to
-  its checkpoint (the step rule of ``dflash_lab.record``).
+  its checkpoint (the step rule of ``dflash_lab.records.record``).
 
 Cost: one forward per band (a few short sequences) every ``probes.every`` steps; the records are a few numpy
 appends per step. Both are counted in the trainer's overhead figure.
@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_lab.config_check import as_int
-from dflash_lab.record import PRESENTATION_COLUMNS
+from dflash_lab.records.record import PRESENTATION_COLUMNS
 from dflash_lab.sampling.boundaries import bucket_ids
 
 DEFAULT_BANDS = (0, 96, 152, 216, 304, 412, 1024)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab.record import CHECKPOINT_DIR
+from dflash_lab.records.record import CHECKPOINT_DIR
 from dflash_lab.refusal import Refused
 
 PREEMPTED_EXIT_CODE = 75

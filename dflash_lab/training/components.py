@@ -21,15 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab import dist, record
+from dflash_lab.training import dist
+from dflash_lab.records import record
 from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
-from dflash_lab.probes import resolve_bands
+from dflash_lab.training.probes import resolve_bands
 from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
-from dflash_lab.settings import ProbeSettings, RunSettings
-from dflash_lab.step import LRSchedule
+from dflash_lab.training.settings import ProbeSettings, RunSettings
+from dflash_lab.training.step import LRSchedule
 
 
 def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[str, Any]:

@@ -9,7 +9,7 @@
 - :class:`Bookkeeping`: the one call the training loop makes after each step (records, clock, scheduled evaluation,
   checkpoints, preemption).
 
-The files, their columns and the step numbering are defined in :mod:`dflash_lab.record`.
+The files, their columns and the step numbering are defined in :mod:`dflash_lab.records.record`.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from dflash_lab import checkpoint as ckpt
-from dflash_lab import dist, record
-from dflash_lab.components import Components
-from dflash_lab.evaluation import Evaluation
+from dflash_lab.records import checkpoint as ckpt
+from dflash_lab.training import dist
+from dflash_lab.records import record
+from dflash_lab.training.components import Components
+from dflash_lab.training.evaluation import Evaluation
 from dflash_lab.metrics import throughput
-from dflash_lab.probes import PresentationRecorder
-from dflash_lab.run_dir import RunDirectory, check_records_cover
-from dflash_lab.run_logger import RunLogger
-from dflash_lab.settings import RunSettings
-from dflash_lab.step import Position, StepResult
+from dflash_lab.training.probes import PresentationRecorder
+from dflash_lab.records.run_dir import RunDirectory, check_records_cover
+from dflash_lab.records.run_logger import RunLogger
+from dflash_lab.training.settings import RunSettings
+from dflash_lab.training.step import Position, StepResult
 
 
 class RunRecords:

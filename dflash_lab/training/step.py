@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab import checkpoint as ckpt
-from dflash_lab import dist, record
-from dflash_lab.settings import TrainerSettings
+from dflash_lab.records import checkpoint as ckpt
+from dflash_lab.training import dist
+from dflash_lab.records import record
+from dflash_lab.training.settings import TrainerSettings
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ``sacct``, which clusters without accounting storage do not answer).
 Example (what a user sees)::
 
     $ python -m dflash_lab.train -m hydra/launcher=slurm hydra.launcher.tasks_per_node=16
-    dflash_lab.launch.LaunchConfigError: launch config rejected before submission (1 problem):
+    dflash_lab.cluster.launch.LaunchConfigError: launch config rejected before submission (1 problem):
       - hydra.launcher.tasks_per_node=16 exceeds hydra.launcher.gpus_per_node=8: ...
 """
 
@@ -593,7 +593,7 @@ def record_sweep_protocol(config: DictConfig) -> None:
 class ValidateLaunch(Callback):
     """Hydra callback: :func:`validate_multirun` before a multirun submits anything.
 
-    Registered in config (``hydra.callbacks.validate_launch._target_: dflash_lab.launch.ValidateLaunch``) by the
+    Registered in config (``hydra.callbacks.validate_launch._target_: dflash_lab.cluster.launch.ValidateLaunch``) by the
     launcher configs and the sweep files.
     """
 

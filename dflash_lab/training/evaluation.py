@@ -1,7 +1,7 @@
 """Scheduled evaluation of the draft during a run, on rank 0: the probe bands and the acceptance length tau.
 
 - Probes (``probes.every`` steps, at step 0 and at the end): loss and accuracy of every length band of the held-out
-  probe sets (:class:`dflash_lab.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
+  probe sets (:class:`dflash_lab.training.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
   even when the schedule and the end of the run meet on it (its number is remembered across a resume).
 - Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of speculative decoding over held-out
   prompts spread over the probe bands (``model.decode_num_prompts`` in all, one band after another), so one
@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab import record
+from dflash_lab.records import record
 from dflash_lab.analysis.sizing import tau_prompt_warning
 from dflash_lab.metrics.draft_quality import acceptance_length_tau
 from dflash_lab.model import measure_acceptance
 from dflash_lab.model.decoding import banded_prompts
-from dflash_lab.probes import ProbeSets, heldout_evaluator
-from dflash_lab.settings import ProbeSettings
+from dflash_lab.training.probes import ProbeSets, heldout_evaluator
+from dflash_lab.training.settings import ProbeSettings
 
 PROGRESS_EVERY_S = 30.0   # tau progress lines at least this often (and one per tenth of the prompts)
 

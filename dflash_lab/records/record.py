@@ -15,7 +15,7 @@ Run directory (names below are the only spelling of each file):
                             of the launch that last trained it (written by the run, under its lock, when a launch
                             starts training; a launch that trains nothing never writes it): what analysis reads
     .hydra/config.yaml      Hydra's record of the latest launch (put back to the run's when a launch trains nothing)
-    checkpoints/            step_<N>.pt files and the `last.json` pointer (dflash_lab.checkpoint)
+    checkpoints/            step_<N>.pt files and the `last.json` pointer (dflash_lab.records.checkpoint)
     train_rank<r>.log       one text log per rank
     wandb_run_id.txt        the W&B run id a continuation reuses
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
-from dflash_lab.probes import validate_bands
+from dflash_lab.training.probes import validate_bands
 
 CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed",
                    "target_seeds", "resume", "overwrite", "run_dir", "experiment")

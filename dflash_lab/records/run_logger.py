@@ -3,7 +3,7 @@
 Rules:
     * only rank 0 writes run files and talks to W&B (:class:`RunLogger` is a no-op sink on other ranks);
     * every rank writes its own text log ``train_rank<r>.log`` (:func:`setup_text_log`);
-    * names and columns of every file come from :mod:`dflash_lab.record`; W&B receives the same names.
+    * names and columns of every file come from :mod:`dflash_lab.records.record`; W&B receives the same names.
 
 Exact under faults: on start, :class:`RunLogger` applies the record's one resume rule to metrics.jsonl and
 probes.jsonl (keep rows with ``step <=`` the checkpoint's step; a fresh start keeps none), dropping unusable lines
@@ -21,7 +21,7 @@ checkpoints) so a continuation reuses it (``resume="allow"``).
 
 Example:
     >>> import tempfile, pathlib
-    >>> from dflash_lab.record import STEP_FIELDS
+    >>> from dflash_lab.records.record import STEP_FIELDS
     >>> run_dir = pathlib.Path(tempfile.mkdtemp())
     >>> logger = RunLogger(run_dir, is_main=True, resume_step=None)
     >>> logger.log_step({name: 1 for name in STEP_FIELDS})
@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.record import (
+from dflash_lab.records.record import (
     METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, TAU_FIELDS, TAU_FILE,
     WANDB_ID_FILE,
     json_safe, rank_log_name, read_jsonl, rows_through,

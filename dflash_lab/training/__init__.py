@@ -1,0 +1,1 @@
+"""The training run's parts: checked settings, the built components (model, data, policy, optimizer), the optimizer step's pieces, scheduled evaluation and probes, the per-step bookkeeping, and the process group."""
