@@ -231,7 +231,7 @@ class RunLogger:
                           f"{resume_step} (they are run again)")
         if bad + bad_probes:
             self.log.warning(f"skipped {bad} unusable line(s) in {METRICS_FILE} and {bad_probes} in {PROBES_FILE}")
-        if wandb_settings is not None and wandb_settings.get("mode", "offline") != "disabled":
+        if wandb_settings is not None and wandb_settings["mode"] != "disabled":
             self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4),
                                    self.log)
 
