@@ -129,7 +129,7 @@ from dflash_lab.data.lengths import reference_lengths  # noqa: E402
 from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency  # noqa: E402
 from dflash_lab.model import footprint  # noqa: E402
 from dflash_lab.model.attention import flex_compile_count  # noqa: E402
-from dflash_lab.model.build import target_config_only, wrap_target  # noqa: E402
+from dflash_lab.model.build import DRAFT_KEYS, target_config_only, wrap_target  # noqa: E402
 from dflash_lab.sampling import SEED_BOUNDARIES, policy_from_config  # noqa: E402
 from dflash_lab.sampling.anchors import block_tokens_per_sample, valid_positions_from_lengths  # noqa: E402
 
@@ -360,7 +360,7 @@ def build_benchmark_model(model_cfg: dict, shape: str, device: torch.device, on_
     from transformers import AutoModelForCausalLM
 
     target_cfg = SHAPES[shape]["target"]
-    config = (target_config_only("hf", target_config=target_cfg) if target_cfg is not None
+    config = (target_config_only("hf", target_config=target_cfg, target_path=None) if target_cfg is not None
               else target_config_only(**model_cfg))
     config._attn_implementation = model_cfg.get("attn_implementation") or "sdpa"
     torch.manual_seed(0)
@@ -369,10 +369,9 @@ def build_benchmark_model(model_cfg: dict, shape: str, device: torch.device, on_
     target.eval()
     mask_id = model_cfg.get("mask_token_id")
     mask_id = config.vocab_size - 1 if mask_id is None else int(mask_id)  # a row past any tokenizer's vocabulary
-    keys = ("block_size", "loss_gamma", "anchors_per_doc", "anchor_density", "draft_layers", "target_layer_ids",
-            "draft_intermediate_size", "draft_init_std", "fixed_anchors")
-    return wrap_target(target, mask_token_id=mask_id, draft_init_seed=0, **{k: model_cfg[k] for k in keys
-                                                                            if k in model_cfg})
+    draft = {k: model_cfg[k] for k in DRAFT_KEYS}
+    return wrap_target(target, mask_token_id=mask_id, **{**draft, "draft_init_seed": 0},
+                       activation_checkpointing=False)
 
 
 def matmul_tflops(device: torch.device) -> float:

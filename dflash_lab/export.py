@@ -121,7 +121,7 @@ def run_mask_token_id(model_cfg: Mapping[str, Any], target_config: Any) -> int:
     from dflash_lab.data.tokenizer import ByteTokenizer
     from dflash_lab.model.build import resolve_mask_token_id
 
-    if model_cfg.get("kind", "tiny") == "tiny":
+    if model_cfg["kind"] == "tiny":
         return ByteTokenizer.mask_token_id
     configured = model_cfg.get("mask_token_id")
     if configured is None and not model_cfg.get("target_path"):
@@ -166,13 +166,13 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
         raise ValueError(f"{run_dir / 'checkpoints'} holds no checkpoint: train first, or pass --checkpoint PATH")
     model_cfg = run_model_config(run_dir, state)
     target_config = target_config_only(**model_cfg)
-    draft_cfg = draft_config_for_target(target_config, draft_layers=int(model_cfg.get("draft_layers", 1)),
-                                        target_layer_ids=model_cfg.get("target_layer_ids"),
-                                        draft_intermediate_size=model_cfg.get("draft_intermediate_size"))
+    draft_cfg = draft_config_for_target(target_config, draft_layers=int(model_cfg["draft_layers"]),
+                                        target_layer_ids=model_cfg["target_layer_ids"],
+                                        draft_intermediate_size=model_cfg["draft_intermediate_size"])
     draft = DFlashDraft(draft_cfg)
     draft.load_state_dict(state["model"])   # strict: the checkpoint must be this config's draft
     mask_id = int(mask_token_id) if mask_token_id is not None else run_mask_token_id(model_cfg, target_config)
-    config = reference_config(draft_cfg, target_config, block_size=int(model_cfg.get("block_size", 8)),
+    config = reference_config(draft_cfg, target_config, block_size=int(model_cfg["block_size"]),
                               mask_token_id=mask_id, dtype=dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(reference_state_dict(draft.state_dict(), DTYPES[dtype]), str(out_dir / "model.safetensors"),

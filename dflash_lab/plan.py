@@ -202,7 +202,7 @@ def calibrate_cost(
     from .data import collate_padded
     from .model import build_model
 
-    model, tokenizer = build_model(**dict(model_cfg))
+    model, tokenizer = build_model(**dict(model_cfg), activation_checkpointing=False)
     model.train()
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(seed)
@@ -437,7 +437,8 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     model config gives no target shape (``model=hf`` without ``target_config`` or ``target_path``).
 
     Example:
-        >>> memory_inputs({"model": {"kind": "tiny"}, "world_size": 8})["settings"].world_size
+        >>> from dflash_lab.presets import preset
+        >>> memory_inputs({"model": preset("model", "tiny"), "world_size": 8})["settings"].world_size
         8
     """
     from .model.footprint import ATTENTION_PATHS, Settings, StepModel
@@ -884,7 +885,8 @@ def model_fingerprint(model_cfg: Mapping[str, Any] | None) -> str | None:
     when the model config gives no shape (``model=hf`` without ``target_path`` / ``target_config``).
 
     Example:
-        >>> model_fingerprint({"kind": "tiny", "draft_layers": 1, "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> model_fingerprint(preset("model", "tiny"))
         'hidden 64, layers 4, heads 4/2, intermediate 192, vocab 264; draft layers 1, block 8'
     """
     from .model.build import target_config_only
@@ -926,10 +928,10 @@ def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str
         source = "cost.from_run=" + ",".join(run for run, dims in fitted.items() if dims != planned)
         others = {dims for dims in fitted.values() if dims != planned}
     elif cost_cfg.get("calibrated_for"):
-        from omegaconf import OmegaConf
+        from .presets import preset as model_preset
 
         preset = str(cost_cfg["calibrated_for"])
-        preset_cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml"), resolve=False)
+        preset_cfg = model_preset("model", preset)   # with the presets it extends (qwen3_8b: hf's kind and keys)
         source = f"the cost config (calibrated for model={preset})"
         others = {model_fingerprint(preset_cfg)} - {planned}
     else:

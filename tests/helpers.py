@@ -306,9 +306,9 @@ def tiny_dflash_model(block_size=4, anchors_per_doc=64, anchor_density=None, dra
     draft = DFlashDraft(DraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                                     intermediate_size=64, target_layer_ids=ids), init_seed=draft_seed,
                         activation_checkpointing=checkpointing)
-    model = DFlashModel(target, draft, mask_token_id=TOK.mask_token_id, block_size=block_size,
-                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, fixed_anchors=fixed_anchors,
-                        attention_backend=backend)
+    model = DFlashModel(target, draft, mask_token_id=TOK.mask_token_id, block_size=block_size, loss_gamma=None,
+                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, draft_init_seed=draft_seed,
+                        fixed_anchors=fixed_anchors, attention_backend=backend)
     model.stop_token_ids = TOK.stop_token_ids
     return model
 

@@ -18,15 +18,16 @@ from dflash_lab.model.draft import DFlashDraft
 
 torch.set_num_threads(1)
 MODEL_CFG = {"kind": "tiny", "hidden_size": 32, "num_layers": 6, "num_heads": 4, "num_kv_heads": 2,
-             "intermediate_size": 48, "block_size": 4, "draft_layers": 2, "draft_intermediate_size": 40,
-             "draft_init_seed": "${seed}"}
+             "intermediate_size": 48, "max_position_embeddings": 2048, "block_size": 4, "draft_layers": 2,
+             "target_layer_ids": None, "draft_intermediate_size": 40, "draft_init_seed": "${seed}"}
 
 
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory as training leaves it: .hydra/config.yaml and a checkpoint of a (perturbed) draft."""
     target_config = target_config_only(**MODEL_CFG)
-    draft = DFlashDraft(draft_config_for_target(target_config, draft_layers=2, draft_intermediate_size=40),
+    draft = DFlashDraft(draft_config_for_target(target_config, draft_layers=2, target_layer_ids=None,
+                                                draft_intermediate_size=40),
                         init_seed=3)
     with torch.no_grad():  # norms away from 1 so that a misplaced norm weight shows in the logits
         for name, param in draft.named_parameters():

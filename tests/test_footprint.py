@@ -12,6 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_lab.data import collate_packed, collate_padded
 from dflash_lab.model.build import wrap_target
+from dflash_lab.presets import preset
 from dflash_lab.model.footprint import (
     GIB, USABLE_FRACTION, PreflightError, Settings, StepModel, TargetDims, batch_shapes, largest_fitting_max_tokens,
     plan_peak_bytes, preflight, step_flops, step_memory,
@@ -28,8 +29,10 @@ def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False):
                          tie_word_embeddings=tied, attn_implementation="sdpa")
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(config).eval()
-    return wrap_target(target, mask_token_id=3, block_size=16, anchors_per_doc=anchors_per_doc, anchor_density=None,
-                       draft_layers=draft_layers, draft_intermediate_size=96)
+    return wrap_target(target, mask_token_id=3, block_size=16, loss_gamma=None, anchors_per_doc=anchors_per_doc,
+                       anchor_density=None, draft_layers=draft_layers, target_layer_ids=None,
+                       draft_intermediate_size=96, draft_init_seed=0, draft_init_std=None, fixed_anchors=8,
+                       compile_layers="auto", activation_checkpointing=False)
 
 
 def make_batch(packed: bool):
@@ -119,8 +122,8 @@ def test_matmul_flops_match_torch_flop_counter():
 
 
 def test_memory_grows_with_the_budget_and_checkpointing_saves():
-    step = StepModel.from_model_config({"kind": "tiny", "block_size": 16, "draft_layers": 2, "num_layers": 8,
-                                        "anchors_per_doc": 512, "anchor_density": None})
+    step = StepModel.from_model_config(preset("model", "tiny", block_size=16, draft_layers=2, num_layers=8,
+                                               anchors_per_doc=512, anchor_density=None, fixed_anchors=8))
     lengths = np.full(64, 200)
     peaks = [plan_peak_bytes(lengths, {"name": "packed", "max_tokens": b}, step, Settings(), seed=0, world_size=1)
              for b in (512, 1024, 2048)]
@@ -131,8 +134,8 @@ def test_memory_grows_with_the_budget_and_checkpointing_saves():
 
 
 def test_largest_fitting_budget_and_preflight_message():
-    step = StepModel.from_model_config({"kind": "tiny", "block_size": 16, "draft_layers": 2, "num_layers": 8,
-                                        "anchors_per_doc": 512, "anchor_density": None})
+    step = StepModel.from_model_config(preset("model", "tiny", block_size=16, draft_layers=2, num_layers=8,
+                                               anchors_per_doc=512, anchor_density=None, fixed_anchors=8))
     lengths = np.random.default_rng(0).integers(50, 400, 400)
     cfg = {"name": "bucketed", "max_tokens": 8192, "boundaries": [0, 100, 200, 400]}
     settings = Settings(precision="fp32")
@@ -200,14 +203,10 @@ def test_memory_plan_resolves_auto_block_budget_and_checkpointing():
     from dflash_lab.model.footprint import PreflightError, memory_plan
     from dflash_lab.sampling.anchors import block_tokens_per_sample, valid_positions_from_lengths
 
-    from omegaconf import OmegaConf
-
     from dflash_lab.data.lengths import reference_lengths
-    from dflash_lab.plan import CONF_DIR
 
-    preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "qwen3_8b.yaml"))
-    m = StepModel.from_model_config({"kind": "hf", "target_config": preset["target_config"], "block_size": 16,
-                                     "anchors_per_doc": 512, "anchor_density": None, "draft_layers": 5})
+    m = StepModel.from_model_config(preset("model", "qwen3_8b", block_size=16, anchors_per_doc=512,
+                                           anchor_density=None, draft_layers=5))
     lengths = reference_lengths("seed", 2000, seed=0)
     blocks = block_tokens_per_sample(valid_positions_from_lengths(lengths), block_size=16, anchors_per_doc=512,
                                      anchor_density=None)

@@ -42,9 +42,10 @@ def hf_dir(tmp_path_factory):
 def test_hf_model_and_chat_template_data(hf_dir, tmp_path):
     from dflash_lab.data import Collator, build_dataset
     from dflash_lab.model import build_model, measure_acceptance
+    from dflash_lab.presets import preset
 
-    model, tok = build_model("hf", target_path=str(hf_dir), device="cpu", block_size=4, draft_layers=2,
-                             cache_dir=str(tmp_path))
+    model, tok = build_model(**preset("model", "hf", target_path=str(hf_dir), device="cpu", block_size=4,
+                                      draft_layers=2), activation_checkpointing=False)
     assert model.target_layer_ids == [1, 3]          # evenly spaced in [1, L-3] for 6 layers
     from dflash_lab.model.target import checkpoint_digest   # the files' digest: 16 GB are never hashed at start
     assert len(model.target_digest) == 16 and model.target_digest == checkpoint_digest(hf_dir)

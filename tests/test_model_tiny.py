@@ -12,6 +12,7 @@ from dflash_lab.data import Collator, build_dataset
 from dflash_lab.data.cache import build_once
 from dflash_lab.model import build_model
 from dflash_lab.model import target as target_module
+from dflash_lab.presets import preset
 
 torch.set_num_threads(1)
 
@@ -20,9 +21,15 @@ SMALL = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermed
              pretrain_data={"kind": "synthetic", "num_samples": 80, "seed": 0}, block_size=4)
 
 
+def tiny(cache_dir, **overrides):
+    """A tiny model built from conf/model/tiny.yaml with ``overrides`` (the preset gives every other key)."""
+    return build_model(**preset("model", "tiny", cache_dir=str(cache_dir), **overrides),
+                       activation_checkpointing=False)
+
+
 @pytest.mark.integration
 def test_tiny_target_is_pretrained_once_then_loaded_from_cache(tmp_path, monkeypatch):
-    model, tok = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    model, tok = tiny(tmp_path, **SMALL)
     meta = model.target.dflash_meta
     assert meta["pretrain_stats"]["steps"] == 4 and np.isfinite(meta["pretrain_stats"]["loss"])
     assert model.target.config.hidden_size == 32 and tok.vocab_size == model.target.config.vocab_size
@@ -31,12 +38,12 @@ def test_tiny_target_is_pretrained_once_then_loaded_from_cache(tmp_path, monkeyp
         raise AssertionError("pretrained again although the cache exists")
 
     monkeypatch.setattr(target_module, "pretrain_tiny_target", boom)
-    again, _ = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    again, _ = tiny(tmp_path, **SMALL)
     assert again.target.dflash_meta["path"] == meta["path"]
     for a, b in zip(model.target.parameters(), again.target.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(AssertionError, match="pretrained again"):
-        build_model("tiny", cache_dir=str(tmp_path), **{**SMALL, "pretrain_steps": 5})   # new key: new target
+        tiny(tmp_path, **{**SMALL, "pretrain_steps": 5})   # new key: new target
 
 
 def test_build_once_runs_the_builder_once_under_concurrency(tmp_path):
@@ -69,27 +76,21 @@ def test_failed_build_leaves_no_cache(tmp_path):
 @pytest.mark.integration
 def test_bad_model_config_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="model.kind"):
-        build_model("big", cache_dir=str(tmp_path))
+        build_model("big", activation_checkpointing=False)
     with pytest.raises(ValueError, match="model.target_path"):
-        build_model("hf", cache_dir=str(tmp_path))
+        build_model(**preset("model", "hf"), activation_checkpointing=False)
+    with pytest.raises(ValueError, match=r"unknown model key\(s\) \['blok_size'\] for model.kind=tiny; valid keys: "
+                                         r".*block_size"):
+        build_model(**preset("model", "tiny"), blok_size=8, activation_checkpointing=False)
+    with pytest.raises(ValueError, match=r"unknown model key\(s\) \['target_path'\] for model.kind=tiny"):
+        build_model(**preset("model", "tiny"), target_path="/models/x", activation_checkpointing=False)
+    without_block_size = {k: v for k, v in preset("model", "tiny").items() if k != "block_size"}
+    with pytest.raises(ValueError, match=r"model.kind=tiny lacks model.block_size: the presets"):
+        build_model(**without_block_size, activation_checkpointing=False)
     with pytest.raises(ValueError, match="model.block_size"):
-        build_model("tiny", cache_dir=str(tmp_path), **{**SMALL, "block_size": 1})
-    with pytest.raises(ValueError, match=r"unknown model key\(s\) \['blok_size'\]; valid keys: .*block_size"):
-        build_model("tiny", cache_dir=str(tmp_path), blok_size=8, decode_num_prompts=4)   # decode_* are valid
+        tiny(tmp_path, **{**SMALL, "block_size": 1})
     with pytest.raises(ValueError, match="model.fixed_anchors"):
-        build_model("tiny", cache_dir=str(tmp_path), fixed_anchors=-1)
-
-
-def test_every_model_config_key_is_a_valid_key():
-    from hydra import compose, initialize_config_dir
-
-    from dflash_lab.model.build import valid_model_keys
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    for kind in ("tiny", "hf"):
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=[f"model={kind}"])
-        assert set(cfg.model) <= set(valid_model_keys()), set(cfg.model) - set(valid_model_keys())
+        tiny(tmp_path, **{**SMALL, "fixed_anchors": -1})
 
 
 @pytest.mark.integration
@@ -98,7 +99,7 @@ def test_a_few_hundred_draft_steps_lower_the_loss_and_beat_the_baseline_tau(tmp_
 
     config = {**SMALL, "pretrain_steps": 150, "pretrain_tokens_per_step": 1024, "pretrain_window": 128,
               "pretrain_data": {"kind": "synthetic", "num_samples": 400, "seed": 0}, "anchor_density": 0.125}
-    model, tok = build_model("tiny", cache_dir=str(tmp_path), **config)
+    model, tok = tiny(tmp_path, **config)
     train, heldout = build_dataset("synthetic", tokenizer=tok, num_samples=400, cache_dir=str(tmp_path)).split()
     collate = Collator(tok.pad_token_id, packed=True)
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
@@ -134,14 +135,14 @@ def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tm
     leaves the caller's threads and RNG as they were (a run goes on the same whether it built the cache or not)."""
     config = {**SMALL, "pretrain_steps": 5}
     torch.manual_seed(123)
-    first, _ = build_model("tiny", cache_dir=str(tmp_path / "a"), **config)   # pretrains
+    first, _ = tiny(tmp_path / "a", **config)   # pretrains
     draw_after_pretraining = torch.rand(3)
     torch.manual_seed(123)
-    build_model("tiny", cache_dir=str(tmp_path / "a"), **config)   # loads
+    tiny(tmp_path / "a", **config)   # loads
     assert torch.equal(torch.rand(3), draw_after_pretraining)
     torch.set_num_threads(2)
     try:
-        second, _ = build_model("tiny", cache_dir=str(tmp_path / "b"), **config)
+        second, _ = tiny(tmp_path / "b", **config)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
@@ -149,7 +150,7 @@ def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tm
     assert len(first.target_digest) == 16 and first.target_digest == second.target_digest
     assert first.target.dflash_meta["target_digest"] == first.target_digest
     assert target_module.weights_digest(first.target) == first.target_digest
-    other_seed, _ = build_model("tiny", cache_dir=str(tmp_path / "a"), **{**config, "pretrain_seed": 1})
+    other_seed, _ = tiny(tmp_path / "a", **{**config, "pretrain_seed": 1})
     assert other_seed.target_digest != first.target_digest
 
 
@@ -157,7 +158,7 @@ def test_two_fresh_caches_pretrain_the_same_weights_whatever_the_thread_count(tm
 def test_a_tampered_cached_target_is_refused_naming_the_directory_to_delete(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    model, _ = build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+    model, _ = tiny(tmp_path, **SMALL)
     directory = Path(model.target.dflash_meta["path"])
     weights = load_file(directory / "model.safetensors")
     name = sorted(weights)[0]
@@ -166,10 +167,10 @@ def test_a_tampered_cached_target_is_refused_naming_the_directory_to_delete(tmp_
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=rf"cached tiny target {directory} has weights digest \w+, but its "
                                            rf"meta.json records {model.target_digest}.*rm -rf"):
-        build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+        tiny(tmp_path, **SMALL)
     (directory / "model.safetensors").unlink()
     with pytest.raises(RuntimeError, match="lacks model.safetensors.*run again to pretrain"):
-        build_model("tiny", cache_dir=str(tmp_path), **SMALL)
+        tiny(tmp_path, **SMALL)
 
 
 def test_checkpoint_digest_reads_names_sizes_ends_and_config(tmp_path):

@@ -56,6 +56,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
 
     from dflash_lab.training.components import predicted_cpu_step_s
     from dflash_lab.model import build_model
+    from dflash_lab.presets import preset
     from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config
 
@@ -65,7 +66,7 @@ def test_cpu_step_prediction_grows_with_the_draft_objective():
                                            draft_layers=1),
                             "cpu": dict(block_size=8, anchors_per_doc=64, anchor_density=0.0625,
                                         draft_layers=1)}.items():
-        model, _ = build_model("tiny", **objective)
+        model, _ = build_model(**preset("model", "tiny", **objective), activation_checkpointing=False)
         policy = policy_from_config({"name": "bucketed", "max_tokens": 4096, "boundaries": [0, 256, 1024]},
                                     lengths, seed=0)
         times[name] = predicted_cpu_step_s(StepModel.from_model(model), policy, grad_accum=1, flops_per_s=1e10)
@@ -164,6 +165,7 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
 
     from dflash_lab.training.components import plan_facts, warn_if_slow_on_cpu
     from dflash_lab.model import build_model
+    from dflash_lab.presets import preset
     from dflash_lab.model.footprint import StepModel
     from dflash_lab.sampling import policy_from_config
 
@@ -176,8 +178,9 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
     handler.emit = records.append   # the logger's own handler: whatever other tests did to the logging tree
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    recipe, _ = build_model("tiny", block_size=16, anchors_per_doc=512, anchor_density=None)
-    cpu_sized, _ = build_model("tiny", block_size=8, anchors_per_doc=64, anchor_density=0.0625)
+    recipe, _ = build_model(**preset("model", "tiny", block_size=16, anchors_per_doc=512, anchor_density=None),
+                            activation_checkpointing=False)
+    cpu_sized, _ = build_model(**preset("model", "tiny"), activation_checkpointing=False)   # 8, 64, 0.0625
     try:
         for model in (recipe, cpu_sized):
             warn_if_slow_on_cpu(model, StepModel.from_model(model), policy, plan, 1, threshold_s=1e9, log=log)

@@ -284,11 +284,9 @@ def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(
 
 # ---- the cost model's calibration: a warning when it was fitted on another model ------------------------------------
 def _model(name, **changes):
-    from omegaconf import OmegaConf
+    from dflash_lab.presets import preset
 
-    from dflash_lab.plan import CONF_DIR
-
-    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"), resolve=False), **changes}
+    return preset("model", name, **changes)
 
 
 def _hf_target(path: Path, hidden: int) -> Path:

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from dflash_lab.metrics.throughput import format_eta
 from dflash_lab.plan import CONF_DIR
+from dflash_lab.presets import preset
 from dflash_lab.training.settings import ProbeSettings, TrainerSettings
 from dflash_lab.training.step import LRSchedule
 
@@ -59,7 +60,14 @@ def test_overrides_tools_rely_on():
 
 def test_unknown_trainer_key_is_refused():
     with pytest.raises(ValueError, match="unknown trainer key"):
-        TrainerSettings.from_dict({"epochz": 2})
+        TrainerSettings.from_dict({**preset("trainer", "cpu"), "epochz": 2})
+
+
+def test_a_missing_trainer_key_is_refused_naming_it_and_the_preset():
+    values = preset("trainer", "cpu")
+    del values["grad_clip"]
+    with pytest.raises(ValueError, match=r"trainer lacks trainer\.grad_clip: conf/trainer/cpu\.yaml gives every"):
+        TrainerSettings.from_dict(values)
 
 
 @pytest.mark.parametrize("values, key", [({"epochs": 0}, "trainer.epochs"), ({"grad_accum": 0}, "trainer.grad_accum"),
@@ -71,7 +79,7 @@ def test_unknown_trainer_key_is_refused():
                                          ({"betas": [0.9]}, "trainer.betas")])
 def test_bad_trainer_values_name_the_key(values, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        TrainerSettings.from_dict(values)
+        TrainerSettings.from_dict(preset("trainer", "cpu", **values))
 
 
 def test_schedule_warmup_then_cosine():
@@ -86,10 +94,14 @@ def test_schedule_warmup_then_cosine():
 
 
 def test_probe_settings_refuse_unknown_keys_and_bad_values():
+    probes = OmegaConf.to_container(_compose([]).probes)
     with pytest.raises(ValueError, match="unknown probes key"):
-        ProbeSettings.from_dict({"per_bands": 3})
+        ProbeSettings.from_dict({**probes, "per_bands": 3})
     with pytest.raises(ValueError, match=r"probes\.per_band"):
-        ProbeSettings.from_dict({"per_band": 0})
+        ProbeSettings.from_dict({**probes, "per_band": 0})
+    del probes["seed"]
+    with pytest.raises(ValueError, match=r"probes lacks probes\.seed: conf/train\.yaml gives every probes key"):
+        ProbeSettings.from_dict(probes)
 
 
 def test_human_eta():

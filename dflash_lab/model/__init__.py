@@ -4,9 +4,10 @@ API (stable; the training loop is written against it):
 
     from dflash_lab.model import build_model, DFlashModel, StepOutput, measure_acceptance
 
-    model, tokenizer = build_model(**model_cfg)   # plain keys of conf/model/<kind>.yaml ("tiny" | "hf");
-    # unknown keys are refused; activation_checkpointing=True recomputes draft layers in backward
-    # "tiny" pretrains (or loads from cache) a small Qwen3 target on the built-in corpus; "hf" loads a local dir.
+    model, tokenizer = build_model(**model_cfg, activation_checkpointing=False)   # a whole model section:
+    # every key of conf/model/<preset>.yaml (dflash_lab.presets.preset("model", "tiny") reads one); a missing or
+    # unknown key is refused; activation_checkpointing=True recomputes draft layers in backward.
+    # kind "tiny" pretrains (or loads from cache) a small Qwen3 target on the built-in corpus; "hf" loads a local dir.
     model.to(device)                               # target frozen (requires_grad False); draft trainable
     params = model.trainable_parameters()          # the draft's parameters only: give these to the optimizer
     g = torch.Generator().manual_seed(seed)        # CPU generator: anchor sampling is reproducible / resumable

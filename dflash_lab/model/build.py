@@ -1,9 +1,17 @@
-"""``build_model(**model_cfg) -> (DFlashModel, tokenizer)``: the model config's plain keys -> a ready model.
+"""``build_model(kind, activation_checkpointing=..., **model_cfg) -> (DFlashModel, tokenizer)``: the model config's
+plain keys -> a ready model, through one builder per target kind, each taking only its own keys.
 
-``kind=tiny``: ByteTokenizer + the cached, self-pretrained tiny Qwen3 target (dflash_lab.model.target).
-``kind=hf``: a local HF causal LM + its tokenizer (HFTokenizerAdapter), frozen, bf16 on GPU.
-Then a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers`` layers) reading the
-target layers ``target_layer_ids`` (default spacing rule: dflash_lab.model.draft.default_target_layer_ids).
+The defaults live in the presets (conf/model/*.yaml, read by ``dflash_lab.presets.preset``): every builder keyword
+is required, and ``build_model`` refuses a section that lacks a key or holds one its kind does not take, naming it.
+
+``kind=tiny`` (``build_tiny_model``): ByteTokenizer + the cached, self-pretrained tiny Qwen3 target
+(dflash_lab.model.target); its keys: the tiny target's shape, pretraining and cache.
+``kind=hf`` (``build_hf_model``): a local HF causal LM + its tokenizer (HFTokenizerAdapter), frozen, bf16 on GPU;
+its keys: where the target is and how it loads.
+Both then call ``wrap_target``: a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers``
+layers) reading the target layers ``target_layer_ids`` (default spacing rule:
+dflash_lab.model.draft.default_target_layer_ids), with the DFlash objective's keys (``DRAFT_KEYS``, shared by every
+kind). The ``decode_*`` keys (``DECODE_KEYS``) belong to every kind's section too; the trainer reads them.
 ``target_config_only`` and ``draft_config_for_target`` give the same shapes without weights (planner, export).
 ``model.target_digest`` names the target's weights (tiny: ``weights_digest`` of the weights themselves, checked
 against the cache's record; hf: ``checkpoint_digest`` of the checkpoint files); runs record it in summary.json.
@@ -16,39 +24,172 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from dflash_lab.config_check import as_bool, as_int, refuse_unknown_keys
+from dflash_lab.config_check import as_bool, as_choice, as_int
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, check_compile_layers, default_target_layer_ids
 from dflash_lab.model.target import checkpoint_digest, load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
-KINDS = ("tiny", "hf")
 DECODE_KEYS = ("decode_num_prompts", "decode_max_new_tokens", "decode_max_prompt_tokens")  # read by the trainer
+# Accepted and unused: ``model.cache_dir`` (the tiny target's cache) stays in conf/model/hf.yaml so that command
+# lines written before the builders were split per kind (``model=hf model.cache_dir=...``) still compose.
+IGNORED_KEYS = {"tiny": (), "hf": ("cache_dir",)}
 
-_TINY_PRETRAIN_CORPUS = {"kind": "synthetic", "num_samples": 3000, "seed": 0}
 
-
-def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | None = None,
-                anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
-                target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
-                draft_init_seed: int = 0, draft_init_std: float | None = None, cache_dir: str | None = None,
-                hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                intermediate_size: int = 192, max_position_embeddings: int = 2048,
-                pretrain_steps: int = 400, pretrain_tokens_per_step: int = 2048, pretrain_lr: float = 1e-2,
-                pretrain_window: int = 256, pretrain_seed: int = 0, pretrain_max_seconds: float | None = None,
-                pretrain_data: dict | None = None,
-                target_path: str | None = None, target_config: str | dict | None = None, dtype: str = "auto",
-                device: str | None = None, attn_implementation: str = "sdpa", mask_token_id: int | None = None,
-                fixed_anchors: int = 8, activation_checkpointing: bool = False, compile_layers: bool | str = "auto",
-                **other):
-    """Build the DFlash model and the target's tokenizer from plain config values.
+def build_tiny_model(*, cache_dir: str | None, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                     intermediate_size: int, max_position_embeddings: int, pretrain_steps: int,
+                     pretrain_tokens_per_step: int, pretrain_lr: float, pretrain_window: int, pretrain_seed: int,
+                     pretrain_max_seconds: float | None, pretrain_data: Mapping[str, Any],
+                     **draft: Any) -> tuple[DFlashModel, ByteTokenizer]:
+    """The tiny target (pretrained by our own code once, then loaded from the cache) and its draft.
 
     Args:
-        kind: ``tiny`` or ``hf``.
+        cache_dir: cache root of the tiny target (None: ``$DFLASH_LAB_CACHE`` or ``~/.cache/dflash_lab``).
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings: its shape.
+        pretrain_steps, pretrain_tokens_per_step, pretrain_lr, pretrain_window, pretrain_seed,
+            pretrain_max_seconds: its pretraining (dflash_lab.model.target.pretrain_tiny_target).
+        pretrain_data: its corpus (``build_dataset`` keys).
+        **draft: ``wrap_target``'s keys (``DRAFT_KEYS`` and ``activation_checkpointing``).
+    """
+    tokenizer = ByteTokenizer()
+    arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
+            "num_kv_heads": int(num_kv_heads), "intermediate_size": int(intermediate_size),
+            "max_position_embeddings": int(max_position_embeddings)}
+    pretrain = {"steps": int(pretrain_steps), "tokens_per_step": int(pretrain_tokens_per_step),
+                "lr": float(pretrain_lr), "window": int(pretrain_window), "seed": int(pretrain_seed),
+                "max_seconds": pretrain_max_seconds}
+    target, meta = load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain,
+                                             corpus=dict(pretrain_data), cache_dir=cache_dir)
+    log.info("tiny target: %s (pretrain loss %.3f, weights digest %s)", meta["path"],
+             meta["pretrain_stats"]["loss"], meta["target_digest"])
+    target.dflash_meta = meta
+    model = wrap_target(target, mask_token_id=tokenizer.mask_token_id, **draft)
+    model.stop_token_ids = list(tokenizer.stop_token_ids)
+    model.target_digest = meta["target_digest"]
+    return model, tokenizer
+
+
+def build_hf_model(*, target_path: str | None, target_config: str | Mapping | None, dtype: str, device: str | None,
+                   attn_implementation: str, mask_token_id: int | None,
+                   **draft: Any) -> tuple[DFlashModel, HFTokenizerAdapter]:
+    """A local Hugging Face causal LM (frozen) with its tokenizer, and its draft.
+
+    Args:
+        target_path: local directory with config.json, weights and tokenizer (required to train).
+        target_config: a config.json (path or fields) giving the target's shape without weights: the planner's
+            (``target_config_only``); refused here without ``target_path``.
+        dtype, device, attn_implementation: how the target loads (``load_hf_target``).
+        mask_token_id: MASK id (None: the tokenizer's mask token, else an id added past its vocabulary, as the
+            DFlash reference does; see ``resolve_mask_token_id``).
+        **draft: ``wrap_target``'s keys (``DRAFT_KEYS`` and ``activation_checkpointing``).
+    """
+    if not target_path:
+        if target_config:
+            raise ValueError("model.target_config gives a target's shape for the planner only; training needs its "
+                             "weights: set model.target_path=/path/to/hf/model")
+        raise ValueError("model.target_path is not set: set model.target_path=/path/to/hf/model (a local directory "
+                         "with config.json, weights and tokenizer)")
+    target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
+                                          attn_implementation=attn_implementation)
+    rows = target.get_input_embeddings().weight.shape[0]
+    mask_id = resolve_mask_token_id(hf_tokenizer, mask_token_id, rows)
+    tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_id)
+    model = wrap_target(target, mask_token_id=mask_id, **draft)
+    model.stop_token_ids = list(tokenizer.stop_token_ids)
+    model.target_digest = checkpoint_digest(target_path)   # the files, not 16 GB of weights: see target.py
+    return model, tokenizer
+
+
+MODEL_BUILDERS: dict[str, Callable[..., tuple[DFlashModel, Any]]] = {"tiny": build_tiny_model, "hf": build_hf_model}
+
+
+def _own_keys(builder: Callable) -> list[str]:
+    """A builder's own keys: its keyword-only parameters (the draft's come through ``**draft``)."""
+    return [p.name for p in inspect.signature(builder).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+
+def model_keys(kind: str) -> list[str]:
+    """Every key the model section of ``kind`` holds (each required): its builder's own, ``DRAFT_KEYS``,
+    ``DECODE_KEYS`` and ``kind``.
+
+    Example:
+        >>> [k for k in model_keys("hf") if k not in DRAFT_KEYS + DECODE_KEYS]
+        ['attn_implementation', 'cache_dir', 'device', 'dtype', 'kind', 'mask_token_id', 'target_config', 'target_path']
+    """
+    builder = MODEL_BUILDERS[as_choice("model.kind", kind, list(MODEL_BUILDERS))]
+    return sorted({"kind", *_own_keys(builder), *DRAFT_KEYS, *DECODE_KEYS, *IGNORED_KEYS[kind]})
+
+
+def check_model_section(model_cfg: Mapping[str, Any]) -> str:
+    """The section's ``kind`` once it holds exactly that kind's keys; ValueError naming the missing or unknown ones.
+
+    Example:
+        >>> from dflash_lab.presets import preset
+        >>> check_model_section(preset("model", "qwen3_8b"))
+        'hf'
+        >>> check_model_section({**preset("model", "tiny"), "target_path": "/m"})
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model key(s) ['target_path'] for model.kind=tiny; valid keys: ...
+    """
+    if "kind" not in model_cfg:
+        raise ValueError("the model section lacks model.kind: choose a preset (model=tiny | hf | hf_cpu | qwen3_8b)")
+    kind = as_choice("model.kind", model_cfg["kind"], list(MODEL_BUILDERS))
+    valid = model_keys(kind)
+    unknown = sorted(set(model_cfg) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown model key(s) {unknown} for model.kind={kind}; valid keys: {', '.join(valid)}")
+    missing = [k for k in valid if k not in model_cfg]
+    if missing:
+        raise ValueError(f"model.kind={kind} lacks {', '.join('model.' + k for k in missing)}: the presets "
+                         f"(conf/model/*.yaml) give every key; compose one (model=<preset>) or complete the section "
+                         f"with dflash_lab.presets.preset('model', '<preset>', ...)")
+    return kind
+
+
+def build_model(kind: str, *, activation_checkpointing: bool, **model_cfg: Any):
+    """Build the DFlash model and the target's tokenizer from a whole model section (``conf/model/<preset>.yaml``).
+
+    Args:
+        kind: ``tiny`` or ``hf``: selects the builder (``MODEL_BUILDERS``).
+        activation_checkpointing: recompute draft layers in the backward pass (``trainer.activation_checkpointing``).
+        **model_cfg: the section's other keys, every one required (``model_keys(kind)``).
+
+    Returns:
+        (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter; ``model.target_digest``
+        names the target's weights (module docstring).
+
+    Raises:
+        ValueError: a missing or unknown key, or a bad value (the message names the key).
+
+    Example:
+        >>> from dflash_lab.presets import preset
+        >>> model, tok = build_model(**preset("model", "tiny"), activation_checkpointing=False)   # doctest: +SKIP
+    """
+    kind = check_model_section({"kind": kind, **model_cfg})
+    builder = MODEL_BUILDERS[kind]
+    return builder(**{k: model_cfg[k] for k in (*_own_keys(builder), *DRAFT_KEYS)},
+                   activation_checkpointing=activation_checkpointing)
+
+
+def wrap_target(target, *, mask_token_id: int, block_size: int, loss_gamma: float | None,
+                anchors_per_doc: int | None, anchor_density: float | None, draft_layers: int,
+                target_layer_ids: list[int] | None, draft_intermediate_size: int | None,
+                draft_init_seed: int, draft_init_std: float | None, fixed_anchors: int,
+                compile_layers: bool | str, activation_checkpointing: bool) -> DFlashModel:
+    """A DFlashModel around an already built (frozen) HF causal-LM target: a draft shaped like the target.
+
+    Every model kind's builder ends here; ``benchmarks/gpu_check.py`` uses it on a randomly initialised
+    real-size target.
+
+    Args:
+        target: the frozen HF causal LM.
+        mask_token_id: the MASK id (a row of the target's embedding).
         block_size: tokens per draft block (16 on GPU as in DFlash, 8 on CPU).
         loss_gamma: slot-weight decay constant (None: 7 for bs 16, 5 for 10, 4 for 8).
         anchors_per_doc: anchors per document (cap when anchor_density is set).
@@ -58,93 +199,15 @@ def build_model(kind: str = "tiny", *, block_size: int = 8, loss_gamma: float | 
         draft_intermediate_size: MLP width of the draft (None: the target's).
         draft_init_seed: seed of the draft initialisation.
         draft_init_std: std of the draft's linear weights (None: hidden_size ** -0.5, see DFlashDraft).
-        cache_dir: cache root for the tiny target and its corpus.
-        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings: tiny shape.
-        pretrain_steps, pretrain_tokens_per_step, pretrain_lr, pretrain_window, pretrain_seed,
-            pretrain_max_seconds: tiny pretraining (dflash_lab.model.target.pretrain_tiny_target).
-        pretrain_data: corpus of the tiny target (``build_dataset`` keys; default synthetic, 3000 samples).
-        target_path, dtype, device, attn_implementation: hf target loading.
-        mask_token_id: hf: MASK id (None: the tokenizer's mask token, else an id added past its vocabulary,
-            as the DFlash reference does; see ``resolve_mask_token_id``).
-        target_config: hf: a config.json (path or dict) giving the target's shape without weights; read by the
-            planner's memory model (``target_config_only``), not used to build a trainable model.
         fixed_anchors: blocks per document scored at anchors drawn once from the example id (per-example
             accuracy and probes; 0: off). See DFlashModel.
+        compile_layers: torch.compile the draft layers' RMSNorm, rope and MLP: true, false or ``auto`` (on CUDA,
+            off on CPU where each graph takes ~20 s to compile). See dflash_lab.model.draft.
         activation_checkpointing: recompute draft layers in the backward pass (``trainer.activation_checkpointing``).
-        compile_layers: torch.compile the draft layers' RMSNorm, rope and MLP: true, false or ``auto`` (the default
-            when the key is absent: on CUDA, off on CPU where each graph takes ~20 s to compile). See
-            dflash_lab.model.draft.
-        **other: the model config's ``decode_*`` keys (read by the trainer); any other key is refused.
-
-    Returns:
-        (DFlashModel, tokenizer) with ``tokenizer`` a ByteTokenizer or HFTokenizerAdapter; ``model.target_digest``
-        names the target's weights (module docstring).
-
-    Raises:
-        ValueError: an unknown key (the message lists the valid ones) or a bad value.
-
-    Example:
-        >>> model, tok = build_model("tiny", block_size=8)   # doctest: +SKIP
     """
-    refuse_unknown_keys("model", other, valid_model_keys())
-    fixed_anchors = as_int("model.fixed_anchors", fixed_anchors, minimum=0, example=8)
+    fixed_anchors = as_int("model.fixed_anchors", fixed_anchors, minimum=0, example=4)
     activation_checkpointing = as_bool("trainer.activation_checkpointing", activation_checkpointing)
     compile_layers = check_compile_layers(compile_layers)
-    if kind == "tiny":
-        tokenizer = ByteTokenizer()
-        arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
-                "num_kv_heads": int(num_kv_heads), "intermediate_size": int(intermediate_size),
-                "max_position_embeddings": int(max_position_embeddings)}
-        pretrain = {"steps": int(pretrain_steps), "tokens_per_step": int(pretrain_tokens_per_step),
-                    "lr": float(pretrain_lr), "window": int(pretrain_window), "seed": int(pretrain_seed),
-                    "max_seconds": pretrain_max_seconds}
-        corpus = dict(pretrain_data) if pretrain_data else dict(_TINY_PRETRAIN_CORPUS)
-        target, meta = load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain, corpus=corpus,
-                                                 cache_dir=cache_dir)
-        log.info("tiny target: %s (pretrain loss %.3f, weights digest %s)", meta["path"],
-                 meta["pretrain_stats"]["loss"], meta["target_digest"])
-        target.dflash_meta = meta
-        target_digest = meta["target_digest"]
-        mask_id = tokenizer.mask_token_id
-    elif kind == "hf":
-        if not target_path and target_config:
-            raise ValueError("model.target_config gives a target's shape for the planner only; training needs its "
-                             "weights: set model.target_path=/path/to/hf/model")
-        target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
-                                              attn_implementation=attn_implementation)
-        target_digest = checkpoint_digest(target_path)   # the files, not 16 GB of weights: see target.py
-        rows = target.get_input_embeddings().weight.shape[0]
-        mask_id = resolve_mask_token_id(hf_tokenizer, mask_token_id, rows)
-        tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_id)
-    else:
-        raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
-
-    model = wrap_target(target, mask_token_id=mask_id, block_size=block_size, loss_gamma=loss_gamma,
-                        anchors_per_doc=anchors_per_doc, anchor_density=anchor_density, draft_layers=draft_layers,
-                        target_layer_ids=target_layer_ids, draft_intermediate_size=draft_intermediate_size,
-                        draft_init_seed=draft_init_seed, draft_init_std=draft_init_std, fixed_anchors=fixed_anchors,
-                        activation_checkpointing=activation_checkpointing, compile_layers=compile_layers)
-    model.stop_token_ids = list(tokenizer.stop_token_ids)
-    model.target_digest = target_digest
-    return model, tokenizer
-
-
-def valid_model_keys() -> list[str]:
-    """Keys a model config section may hold: ``build_model``'s keyword arguments and the trainer's decode keys."""
-    params = inspect.signature(build_model).parameters.values()
-    return [p.name for p in params if p.kind is not p.VAR_KEYWORD] + list(DECODE_KEYS)
-
-
-def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: float | None = None,
-                anchors_per_doc: int | None = 64, anchor_density: float | None = 0.0625, draft_layers: int = 1,
-                target_layer_ids: list[int] | None = None, draft_intermediate_size: int | None = None,
-                draft_init_seed: int = 0, draft_init_std: float | None = None, fixed_anchors: int = 8,
-                activation_checkpointing: bool = False, compile_layers: bool | str = "auto") -> DFlashModel:
-    """A DFlashModel around an already built (frozen) HF causal-LM target: a draft shaped like the target.
-
-    ``build_model`` uses it for both kinds; ``benchmarks/gpu_check.py`` uses it on a randomly initialised
-    real-size target. Arguments as in ``build_model``.
-    """
     target.requires_grad_(False)
     rows = target.get_input_embeddings().weight.shape[0]
     if not 0 <= int(mask_token_id) < rows:
@@ -162,13 +225,19 @@ def wrap_target(target, *, mask_token_id: int, block_size: int = 8, loss_gamma: 
     return model
 
 
-def draft_config_for_target(config, *, draft_layers: int = 1, target_layer_ids: list[int] | None = None,
-                            draft_intermediate_size: int | None = None) -> DraftConfig:
+# The draft's and objective's keys, shared by every model kind (``wrap_target``'s, less what the builders supply).
+DRAFT_KEYS = tuple(p.name for p in inspect.signature(wrap_target).parameters.values()
+                   if p.kind is p.KEYWORD_ONLY and p.name not in ("mask_token_id", "activation_checkpointing"))
+
+
+def draft_config_for_target(config, *, draft_layers: int, target_layer_ids: list[int] | None,
+                            draft_intermediate_size: int | None) -> DraftConfig:
     """The draft's shape for a target HF config: same hidden size, heads, norm eps and RoPE base as the target.
 
     Example:
         >>> from transformers import Qwen3Config
-        >>> cfg = draft_config_for_target(Qwen3Config(num_hidden_layers=36), draft_layers=5)
+        >>> cfg = draft_config_for_target(Qwen3Config(num_hidden_layers=36), draft_layers=5, target_layer_ids=None,
+        ...                               draft_intermediate_size=None)
         >>> cfg.target_layer_ids
         [1, 9, 17, 25, 33]
     """
@@ -188,39 +257,35 @@ def draft_config_for_target(config, *, draft_layers: int = 1, target_layer_ids: 
     )
 
 
-def target_config_only(kind: str = "tiny", *, target_config: str | dict | None = None, target_path: str | None = None,
-                       hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                       intermediate_size: int = 192, max_position_embeddings: int = 2048, **unused):
-    """The target's HF config without its weights (planning, export): from the model config's plain keys.
+def tiny_target_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                       intermediate_size: int, max_position_embeddings: int):
+    """The tiny target's HF config (its shape keys; the ByteTokenizer's vocabulary and special ids)."""
+    from dflash_lab.model.target import tiny_qwen3_config
 
-    ``kind=hf``: ``target_config`` (a config.json path or its fields inline, e.g. the ``qwen3_8b`` preset), else
-    ``target_path``/config.json. ``kind=tiny``: the tiny shape keys.
+    tokenizer = ByteTokenizer()
+    return tiny_qwen3_config(tokenizer.vocab_size, hidden_size=int(hidden_size), num_layers=int(num_layers),
+                             num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                             intermediate_size=int(intermediate_size),
+                             max_position_embeddings=int(max_position_embeddings),
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+
+
+def hf_target_config(*, target_config: str | Mapping | None, target_path: str | None):
+    """An HF target's config: ``target_config`` (a config.json path, or its fields inline as in the ``qwen3_8b``
+    preset), else ``target_path``/config.json.
 
     Raises:
-        ValueError: ``kind=hf`` with neither key set, or a path without a config.json.
-
-    Example:
-        >>> target_config_only("hf", target_config={"model_type": "qwen3", "hidden_size": 128}).hidden_size
-        128
+        ValueError: neither key set, inline fields without ``model_type``, or a path without a config.json.
     """
-    del unused
-    if kind == "tiny":
-        from dflash_lab.model.target import tiny_qwen3_config
-
-        tokenizer = ByteTokenizer()
-        return tiny_qwen3_config(tokenizer.vocab_size, hidden_size=int(hidden_size), num_layers=int(num_layers),
-                                 num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                                 intermediate_size=int(intermediate_size),
-                                 max_position_embeddings=int(max_position_embeddings),
-                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-    if kind != "hf":
-        raise ValueError(f"model.kind={kind!r}: choose one of {', '.join(KINDS)}")
     from transformers import AutoConfig
 
     if isinstance(target_config, Mapping):
         fields = dict(target_config)
-        return AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+        if "model_type" not in fields:
+            raise ValueError("model.target_config lacks model_type: add it (e.g. model.target_config.model_type=qwen3,"
+                             " as in config.json)")
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     source = target_config or target_path
     if not source:
         raise ValueError("model=hf needs the target's shape: set model.target_config=/path/to/config.json "
@@ -230,6 +295,31 @@ def target_config_only(kind: str = "tiny", *, target_config: str | dict | None =
     if not path.is_file():
         raise ValueError(f"model.target_config={source!r}: no config.json there; point it at a HF config.json")
     return AutoConfig.from_pretrained(path)
+
+
+TARGET_SHAPES: dict[str, Callable[..., Any]] = {"tiny": tiny_target_config, "hf": hf_target_config}
+
+
+def target_config_only(kind: str | None = None, **model_cfg: Any):
+    """The target's HF config without its weights (planning, export), from the shape keys of a model section
+    (``tiny_target_config``'s or ``hf_target_config``'s, by ``kind``; the section's other keys are not read).
+
+    Raises:
+        ValueError: an unknown kind, a shape key missing (named), or the reader's own errors.
+
+    Example:
+        >>> target_config_only("hf", target_config={"model_type": "qwen3", "hidden_size": 128},
+        ...                    target_path=None).hidden_size
+        128
+    """
+    if kind is None:
+        raise ValueError("the model section lacks model.kind: choose a preset (model=tiny | hf | hf_cpu | qwen3_8b)")
+    reader = TARGET_SHAPES[as_choice("model.kind", kind, list(TARGET_SHAPES))]
+    missing = [k for k in _own_keys(reader) if k not in model_cfg]
+    if missing:
+        raise ValueError(f"model.kind={kind} lacks {', '.join('model.' + k for k in missing)}: the presets "
+                         f"(conf/model/*.yaml) give every key")
+    return reader(**{k: model_cfg[k] for k in _own_keys(reader)})
 
 
 def resolve_mask_token_id(hf_tokenizer, configured: int | None, embedding_rows: int) -> int:

@@ -174,11 +174,10 @@ class DFlashModel(nn.Module):
 
     CE_CHUNK_ELEMENTS = 1 << 27   # logits elements the LM head holds at once (chunks above it; fused: chunk size)
 
-    def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int = 8,
-                 loss_gamma: float | None = None, anchors_per_doc: int | None = 64,
-                 anchor_density: float | None = 0.0625, draft_init_seed: int = 0, fixed_anchors: int = 8,
-                 attention_backend: str = "auto", max_block_tokens: int | None = None,
-                 fused_head_ce: bool | str = "auto"):
+    def __init__(self, target: nn.Module, draft: DFlashDraft, *, mask_token_id: int, block_size: int,
+                 loss_gamma: float | None, anchors_per_doc: int | None, anchor_density: float | None,
+                 draft_init_seed: int, fixed_anchors: int, attention_backend: str = "auto",
+                 max_block_tokens: int | None = None, fused_head_ce: bool | str = "auto"):
         super().__init__()
         if block_size < 2:
             raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one prediction")

@@ -197,7 +197,8 @@ class StepModel:
         """From the plain keys of ``conf/model/<name>.yaml``; the target needs only its config (no weights).
 
         Example:
-            >>> m = StepModel.from_model_config({"kind": "tiny", "draft_layers": 1, "block_size": 8})
+            >>> from dflash_lab.presets import preset
+            >>> m = StepModel.from_model_config(preset("model", "tiny"))
             >>> m.target.hidden, m.draft.layers, m.draft.target_layer_ids
             (64, 1, (2,))
         """
@@ -205,14 +206,13 @@ class StepModel:
 
         config = target_config_only(**dict(model_cfg))
         draft_cfg = draft_config_for_target(
-            config, draft_layers=int(model_cfg.get("draft_layers", 1)),
-            target_layer_ids=model_cfg.get("target_layer_ids"),
-            draft_intermediate_size=model_cfg.get("draft_intermediate_size"))
+            config, draft_layers=int(model_cfg["draft_layers"]), target_layer_ids=model_cfg["target_layer_ids"],
+            draft_intermediate_size=model_cfg["draft_intermediate_size"])
         return cls(TargetDims.from_hf_config(config), DraftDims.from_draft_config(draft_cfg),
-                   block_size=int(model_cfg.get("block_size", 8)),
-                   anchors_per_doc=_optional_int(model_cfg.get("anchors_per_doc", 64)),
-                   anchor_density=_optional_float(model_cfg.get("anchor_density", 0.0625)),
-                   fixed_anchors=int(model_cfg.get("fixed_anchors", 8) or 0))
+                   block_size=int(model_cfg["block_size"]),
+                   anchors_per_doc=_optional_int(model_cfg["anchors_per_doc"]),
+                   anchor_density=_optional_float(model_cfg["anchor_density"]),
+                   fixed_anchors=int(model_cfg["fixed_anchors"]))
 
     @classmethod
     def from_model(cls, model: Any) -> "StepModel":
@@ -290,8 +290,9 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
         ``segment_pairs`` and keys copied per layer ``segment_keys``.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 4, "anchors_per_doc": 2,
-        ...                                  "anchor_density": None})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny", block_size=4, anchors_per_doc=2,
+        ...                                        anchor_density=None))
         >>> s = batch_shapes([np.array([0, 1])], np.array([10, 3]), packed=False, model=m)
         >>> int(s["rows"][0]), int(s["row_len"][0]), int(s["slots"][0]), int(s["anchors"][0])
         (2, 10, 2, 4)
@@ -359,7 +360,8 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     """Bytes per term of the module docstring, and ``peak``, for each batch in ``shapes``.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> s = batch_shapes([np.arange(4)], np.full(4, 100), packed=True, model=m)
         >>> mem = step_memory(m, s, Settings(precision="fp32"))
         >>> bool(mem["peak"][0] > mem["static"][0] > 0)
@@ -463,7 +465,8 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
     (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``).
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> s = batch_shapes([np.arange(4)], np.full(4, 100), packed=True, model=m)
         >>> fl = step_flops(m, s)
         >>> bool(fl["total"][0] == sum(fl[k][0] for k in ("target", "draft", "fc", "head", "fixed")))
@@ -517,7 +520,8 @@ def policy_anchors(policy: Any, model: StepModel) -> np.ndarray | None:
 
     Example:
         >>> from dflash_lab.sampling import build_policy
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> p = build_policy("packed", np.array([50, 60]), max_tokens=128, block_tokens=np.array([16, 400]))
         >>> policy_anchors(p, m).tolist()
         [2, 50]
@@ -538,7 +542,8 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
 
     Example:
         >>> from dflash_lab.sampling import build_policy
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> plan_footprint(build_policy("packed", np.full(64, 100), max_tokens=1024), m, Settings(),
         ...                gpu_mem_gb=80)["fits"]
         'yes'
@@ -560,7 +565,8 @@ def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: 
     """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> peak = plan_peak_bytes(np.full(64, 100), {"name": "packed", "max_tokens": 1024}, m, Settings(), seed=0,
         ...                        world_size=1)
         >>> 0 < peak / GIB < 1
@@ -586,7 +592,8 @@ def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, An
     Bisection over budgets: each probe re-plans the epoch (peak memory grows with the budget).
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> largest_fitting_max_tokens(np.full(500, 100), {"name": "packed", "max_tokens": 4096}, m, Settings(),
         ...                            budget_gb=80, seed=0, world_size=1)
         4096
@@ -627,7 +634,8 @@ def largest_fitting_block_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, 
     ``None``-free: the token budget binds first. Bisection in BLOCK_GRANULARITY steps; each probe re-plans.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8, "anchor_density": None})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny", anchor_density=None))
         >>> blocks = np.full(500, 8 * 64)
         >>> largest_fitting_block_tokens(np.full(500, 100), {"name": "packed", "max_tokens": 4096}, m, Settings(),
         ...                              budget_gb=80, seed=0, world_size=1, block_tokens=blocks)
@@ -679,7 +687,8 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
             checkpointing is off and would fit, ``trainer.activation_checkpointing=true``.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny"))
         >>> cfg = {"name": "packed", "max_tokens": 1024}
         >>> round(preflight(m, np.full(64, 100), cfg, Settings(), gpu_mem_gb=80, seed=0)["budget_gb"])
         72
@@ -766,7 +775,8 @@ def memory_plan(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str,
         PreflightError: nothing fits; the message names the settings tried.
 
     Example:
-        >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8, "anchor_density": None})
+        >>> from dflash_lab.presets import preset
+        >>> m = StepModel.from_model_config(preset("model", "tiny", anchor_density=None))
         >>> blocks = np.full(64, 8 * 64)
         >>> plan = memory_plan(m, np.full(64, 100), {"name": "packed", "max_tokens": 1024, "max_block_tokens": "auto"},
         ...                    Settings(), activation_checkpointing="auto", gpu_mem_gb=80, seed=0, block_tokens=blocks)

@@ -238,7 +238,7 @@ class RunLogger:
             self.log.warning("repaired (e.g. a line torn by a kill): "
                              + "; ".join(f"skipped {count} unusable line(s) in {name}, removed from the file"
                                          for name, count in repaired.items()))
-        if wandb_settings is not None and wandb_settings.get("mode", "offline") != "disabled":
+        if wandb_settings is not None and wandb_settings["mode"] != "disabled":
             self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4),
                                    self.log)
 

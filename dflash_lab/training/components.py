@@ -43,8 +43,8 @@ def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[
     Every other run keeps ``model.pretrain_data`` as configured, hence the same cached target.
     """
     model_cfg = dict(model_cfg)
-    if (model_cfg.get("kind", "tiny") == "tiny" and data_cfg.get("kind") == "synthetic"
-            and data_cfg.get("band_skills", "none") != "none"):
+    if (model_cfg["kind"] == "tiny" and data_cfg["kind"] == "synthetic"
+            and data_cfg["band_skills"] != "none"):
         keys = ("kind", "num_samples", "seed", "min_length", "probe_fraction", "band_skills", "skill_bands")
         model_cfg["pretrain_data"] = {k: data_cfg[k] for k in keys if k in data_cfg}
     return model_cfg
@@ -229,7 +229,7 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
                     f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
-    if device.type == "cpu" and config["model"].get("kind", "tiny") != "tiny":
+    if device.type == "cpu" and config["model"]["kind"] != "tiny":
         warn_if_slow_on_cpu(model, step_model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
     optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
                                   weight_decay=trainer.weight_decay)

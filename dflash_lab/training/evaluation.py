@@ -66,11 +66,11 @@ class Evaluation:
                             f"probes.bands={self.probe_sets.bands}")
         self.evaluate_batch = heldout_evaluator(model, heldout_ds, pad_id, device, autocast)
         self.prompts, self.prompt_bands = banded_prompts(
-            heldout_ds, probes.bands, num_prompts=int(model_cfg.get("decode_num_prompts", 16)),
-            max_prompt_tokens=int(model_cfg.get("decode_max_prompt_tokens", 128)))
+            heldout_ds, probes.bands, num_prompts=int(model_cfg["decode_num_prompts"]),
+            max_prompt_tokens=int(model_cfg["decode_max_prompt_tokens"]))
         self.num_bands = len(probes.bands) - 1
-        self.new_tokens = int(model_cfg.get("decode_max_new_tokens", 64))
-        short = tau_prompt_warning(len(self.prompts), int(model_cfg.get("decode_num_prompts", 16)), len(heldout_ds))
+        self.new_tokens = int(model_cfg["decode_max_new_tokens"])
+        short = tau_prompt_warning(len(self.prompts), int(model_cfg["decode_num_prompts"]), len(heldout_ds))
         if short and is_main:
             log.warning(short)
 

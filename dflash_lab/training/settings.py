@@ -1,11 +1,15 @@
 """The training run's settings, checked at the door: every section of the composed config becomes a typed object
-(unknown keys and badly typed values are refused with a message naming the key and the fix), and nothing past
-:meth:`RunSettings.from_config` reads a DictConfig."""
+(unknown keys, missing keys and badly typed values are refused with a message naming the key and the fix), and
+nothing past :meth:`RunSettings.from_config` reads a DictConfig.
+
+One home per default: the values live in the YAML presets (conf/train.yaml, conf/trainer/*.yaml, conf/logger/*.yaml;
+``dflash_lab.presets`` reads them for code that holds a section in part); the settings here declare each key's type
+(a dataclass field with no default) and its one check (``SPEC``), never a value."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +23,16 @@ CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "prob
                    "target_seeds", "resume", "overwrite", "run_dir", "experiment")
 
 
-def _checked(section: str, values: Mapping[str, Any], spec: dict[str, Callable[[str, Any], Any]]) -> dict[str, Any]:
-    """Refuse unknown keys, then check each given value with its checker (named ``section.key`` in errors)."""
+def _checked(section: str, values: Mapping[str, Any], spec: dict[str, Callable[[str, Any], Any]],
+             preset: str) -> dict[str, Any]:
+    """Refuse unknown and missing keys, then check each value with its checker (named ``section.key`` in errors);
+    ``preset`` names the file that gives every key of the section."""
     refuse_unknown_keys(section, values, spec)
+    missing = [k for k in spec if k not in values]
+    if missing:
+        raise ValueError(f"{section} lacks {', '.join(f'{section}.{k}' for k in missing)}: {preset} gives every "
+                         f"{section} key; compose the config, or complete the section with "
+                         f"dflash_lab.presets.preset({section!r}, ...)")
     return {k: spec[k](f"{section}.{k}", v) for k, v in values.items()}
 
 
@@ -47,36 +58,36 @@ def _signals(key: str, value: Any) -> list[str]:
 
 @dataclass
 class TrainerSettings:
-    """The ``trainer`` section (conf/trainer/cpu.yaml, gpu.yaml explain each key)."""
+    """The ``trainer`` section (conf/trainer/cpu.yaml gives and explains every key; gpu.yaml changes some)."""
 
-    device: str = "cpu"
-    precision: str = "fp32"
-    epochs: int = 2
-    max_steps: int | None = None
-    grad_accum: int = 1
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    global_loss_norm: bool = True
-    skip_nonfinite: bool = False
-    max_consecutive_skips: int = 10   # skipped updates in a row after which the run fails (a diverged run)
-    activation_checkpointing: bool | str = False   # auto: on where the preflight says the step needs it
-    gpu_mem_gb: float | None = None
-    num_threads: int | None = None
-    cpu_step_warn_s: float = 5.0   # model=hf on a CPU: a predicted step above this is announced
-    num_workers: int = 0
-    log_every: int = 50
-    ckpt_every: int = 100
-    keep_checkpoints: int = 2
-    progress: bool = True
-    steady_warmup_steps: int = 10
-    tau_every: int = 0
-    measure_tau: bool = True
-    preempt_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])
-    dist_backend: str | None = None
+    device: str
+    precision: str
+    epochs: int
+    max_steps: int | None
+    grad_accum: int
+    lr: float
+    min_lr_ratio: float
+    warmup_frac: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    global_loss_norm: bool
+    skip_nonfinite: bool
+    max_consecutive_skips: int   # skipped updates in a row after which the run fails (a diverged run)
+    activation_checkpointing: bool | str   # auto: on where the preflight says the step needs it
+    gpu_mem_gb: float | None
+    num_threads: int | None
+    cpu_step_warn_s: float   # model=hf on a CPU: a predicted step above this is announced
+    num_workers: int
+    log_every: int
+    ckpt_every: int
+    keep_checkpoints: int
+    progress: bool
+    steady_warmup_steps: int
+    tau_every: int
+    measure_tau: bool
+    preempt_signals: list[str]
+    dist_backend: str | None
 
     SPEC = {
         "device": lambda k, v: v if isinstance(v, str) and (v == "cpu" or v.startswith("cuda"))
@@ -98,7 +109,7 @@ class TrainerSettings:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainerSettings:
         """Build from the config section; unknown keys and badly typed values are refused, naming the key."""
-        settings = cls(**_checked("trainer", values, cls.SPEC))
+        settings = cls(**_checked("trainer", values, cls.SPEC, "conf/trainer/cpu.yaml"))
         if settings.precision == "bf16" and not settings.device.startswith("cuda"):
             raise ValueError("trainer.precision=bf16 is for GPUs; on CPU use trainer.precision=fp32 (or trainer=gpu)")
         if settings.device.startswith("cuda") and not torch.cuda.is_available():
@@ -108,14 +119,14 @@ class TrainerSettings:
 
 @dataclass
 class ProbeSettings:
-    """The ``probes`` section of conf/train.yaml."""
+    """The ``probes`` section of conf/train.yaml (which gives and explains every key)."""
 
-    every: int = 50
-    bands: list[int] | str = "auto"   # auto: the built-in corpus's bands, else the data's length quantiles
-    per_band: int = 24
-    seed: int = 0
-    max_tokens: int = 4096
-    presentations: bool = True
+    every: int
+    bands: list[int] | str   # auto: the built-in corpus's bands, else the data's length quantiles
+    per_band: int
+    seed: int
+    max_tokens: int
+    presentations: bool
 
     SPEC = {"every": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v), "per_band": _int(1),
             "seed": _int(0),
@@ -123,7 +134,7 @@ class ProbeSettings:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> ProbeSettings:
-        return cls(**_checked("probes", values, cls.SPEC))
+        return cls(**_checked("probes", values, cls.SPEC, "conf/train.yaml"))
 
 
 
@@ -133,10 +144,14 @@ LOGGER_KEYS = {"none": ("kind",),
 
 def logger_settings(values: Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``logger`` section checked (kind none | wandb, known keys only); the W&B settings, or None."""
-    kind = as_choice("logger.kind", values.get("kind", "none"), list(LOGGER_KEYS))
+    if "kind" not in values:
+        raise ValueError("the logger section lacks logger.kind: choose a preset (logger=none | wandb)")
+    kind = as_choice("logger.kind", values["kind"], list(LOGGER_KEYS))
     refuse_unknown_keys("logger", values, LOGGER_KEYS[kind])
     if kind == "wandb":
-        as_choice("logger.mode", values.get("mode", "offline"), ["offline", "online", "disabled"])
+        if "mode" not in values:
+            raise ValueError("the logger section lacks logger.mode: conf/logger/wandb.yaml gives it (logger=wandb)")
+        as_choice("logger.mode", values["mode"], ["offline", "online", "disabled"])
         return dict(values)
     return None
 
@@ -168,14 +183,18 @@ class RunSettings:
         path)."""
         config = plain_config(cfg)
         refuse_unknown_keys("top-level config", config, CONFIG_SECTIONS)
-        as_int("target_seeds", config.get("target_seeds", 1), minimum=1)
+        missing = [k for k in CONFIG_SECTIONS if k not in config]
+        if missing:
+            raise ValueError(f"the config lacks {', '.join(missing)}: conf/train.yaml gives every top-level key; "
+                             f"compose it (python -m dflash_lab.train, or hydra.compose(config_name='train'))")
+        as_int("target_seeds", config["target_seeds"], minimum=1)
         return cls(config=config,
-                   trainer=TrainerSettings.from_dict(config.get("trainer") or {}),
-                   probes=ProbeSettings.from_dict(config.get("probes") or {}),
-                   wandb=logger_settings(config.get("logger") or {}),
-                   seed=as_int("seed", config.get("seed", 0), minimum=0),
-                   resume=as_bool("resume", config.get("resume", False)),
-                   overwrite=as_bool("overwrite", config.get("overwrite", False)),
+                   trainer=TrainerSettings.from_dict(config["trainer"]),
+                   probes=ProbeSettings.from_dict(config["probes"]),
+                   wandb=logger_settings(config["logger"]),
+                   seed=as_int("seed", config["seed"], minimum=0),
+                   resume=as_bool("resume", config["resume"]),
+                   overwrite=as_bool("overwrite", config["overwrite"]),
                    run_dir=Path(config["run_dir"]))
 
     def gpu_memory_gb(self, device: torch.device) -> float | None:
