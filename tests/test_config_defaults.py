@@ -31,7 +31,7 @@ DFLASH_MODEL_CONFIG_KEYS = ("block_size", "loss_gamma", "anchors_per_doc", "anch
 # Fallbacks on config keys not converted yet, each with the reason (file -> keys). The sampler section's library API
 # (``build_policy`` keyword defaults) and the planner's own section keep theirs for now: see docs/settings.md.
 KNOWN_FALLBACKS = {
-    "launch.py": {"name"},                                    # a message placeholder ("the sampler"), not a default
+    "cluster/launch.py": {"name"},                            # a message placeholder ("the sampler"), not a default
     "sampling/build.py": {"drop_last", "overlong"},           # build_policy's library defaults (sampler section)
     "model/footprint.py": {"overlong"},                       # the sampler section, as build_policy reads it
     "plan.py": {"activation_checkpointing", "gpu_mem_gb", "precision", "attention", "sweep_method", "policies",

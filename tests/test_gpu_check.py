@@ -129,7 +129,9 @@ def _tiny_plan(gpu_check, name="bucketed"):
     from dflash_lab.model import footprint
     from dflash_lab.sampling import build_policy
 
-    step_model = footprint.StepModel.from_model_config({"kind": "tiny", "draft_layers": 1, "block_size": 8})
+    from dflash_lab.presets import preset
+
+    step_model = footprint.StepModel.from_model_config(preset("model", "tiny", draft_layers=1, block_size=8))
     lengths = np.random.default_rng(0).integers(20, 400, 300)
     policy = build_policy(name, lengths, max_tokens=1024, seed=0, boundaries=[0, 100, 200, 400])
     batches = policy.global_plan(0).batches

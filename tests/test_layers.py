@@ -96,7 +96,7 @@ def test_the_package_root_holds_entry_points_not_the_training_runs_modules():
     """The training run's modules live in training/ and records/; the root keeps the command-line entry points and
     the few modules every layer shares."""
     root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert root == ["compare", "config_check", "export", "plan", "refusal", "replicates", "train"], root
+    assert root == ["compare", "config_check", "export", "plan", "presets", "refusal", "replicates", "train"], root
 
 
 def test_no_import_cycle_between_the_packages_parts():
