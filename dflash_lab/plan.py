@@ -854,6 +854,36 @@ def _run_model_config(run_dir: str | Path) -> dict | None:
     return OmegaConf.to_container(config.model, resolve=False) if "model" in config else None
 
 
+def model_preset_config(preset: str) -> dict[str, Any]:
+    """The ``model`` section that ``model=<preset>`` gives, composed by Hydra with the preset's defaults list (a
+    bare ``OmegaConf.load`` of ``conf/model/qwen3_8b.yaml`` would miss the keys it takes from ``model=hf``).
+
+    Works inside a running Hydra app (the planner's CLI) as outside it: the global Hydra state is set aside for
+    the composition and restored after it.
+
+    Example:
+        >>> model_preset_config("qwen3_8b")["block_size"], model_preset_config("qwen3_8b")["kind"]
+        (16, 'hf')
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+    from omegaconf import OmegaConf
+
+    outer = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+            cfg = compose("plan", overrides=[f"model={preset}"])
+    except MissingConfigException as error:
+        raise ValueError(f"cost.calibrated_for={preset!r}: not a model preset (conf/model/); name the model the "
+                         f"coefficients were measured on, e.g. cost.calibrated_for=qwen3_8b, or null") from error
+    finally:
+        restore_gh_from_backup(outer)
+    return OmegaConf.to_container(cfg.model, resolve=True)
+
+
 def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None) -> str | None:
     """A warning when the cost model was calibrated on another model than the one planned (its ETA is then a
     guess), naming both and the fix; None when they match or the calibration's model is unknown.
@@ -871,12 +901,9 @@ def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str
         source = "cost.from_run=" + ",".join(run for run, dims in fitted.items() if dims != planned)
         others = {dims for dims in fitted.values() if dims != planned}
     elif cost_cfg.get("calibrated_for"):
-        from omegaconf import OmegaConf
-
         preset = str(cost_cfg["calibrated_for"])
-        preset_cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml"), resolve=False)
         source = f"the cost config (calibrated for model={preset})"
-        others = {model_fingerprint(preset_cfg)} - {planned}
+        others = {model_fingerprint(model_preset_config(preset))} - {planned}
     else:
         return None
     if not others:

@@ -281,11 +281,14 @@ def test_seed_cost_reproduces_the_seeds_throughput_under_the_recipe_anchor_rule(
 
 # ---- the cost model's calibration: a warning when it was fitted on another model ------------------------------------
 def _model(name, **changes):
+    """The ``model`` section of ``python -m dflash_lab.plan model=<name>``, composed by Hydra as the CLI composes it
+    (its defaults list included: qwen3_8b is model=hf's keys plus the target's shape)."""
+    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from dflash_lab.plan import CONF_DIR
-
-    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"), resolve=False), **changes}
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        cfg = compose("plan", overrides=[f"model={name}"])
+    return {**OmegaConf.to_container(cfg.model, resolve=True), **changes}
 
 
 def _hf_target(path: Path, hidden: int) -> Path:
@@ -311,6 +314,8 @@ def test_the_planner_warns_when_the_cost_model_was_calibrated_on_another_model(t
         assert f"model={cost['calibrated_for']}" in warning and f"model={model['kind']}" in warning
     assert cost_calibration_warning({**tiny_cost, "calibrate": True}, hf) is None   # timed on this model
     assert cost_calibration_warning({**tiny_cost, "calibrated_for": None}, hf) is None   # the user's coefficients
+    with pytest.raises(ValueError, match=r"cost\.calibrated_for='nope': not a model preset \(conf/model/\)"):
+        cost_calibration_warning({**tiny_cost, "calibrated_for": "nope"}, hf)
     # cost.from_run: the runs' own .hydra/config.yaml says what they trained
     for name, model in (("run_hf", hf), ("run_tiny", _model("tiny"))):
         (tmp_path / name / ".hydra").mkdir(parents=True)
