@@ -37,7 +37,9 @@ import numpy as np
 import pandas as pd
 
 from .config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
-from .metrics.throughput import format_eta, full_run_eta_seconds, ktok_per_s, steady_state_ktok_s, token_counts
+from .metrics.throughput import (
+    format_eta, full_run_eta_seconds, ktok_per_s, ktok_s_over_time, steady_state_ktok_s, token_counts,
+)
 from .record import METRICS_FILE, SUMMARY_FILE, read_jsonl
 from .sampling import (
     FIT_METHODS, POLICIES, Policy, fit_boundaries, policy_from_config, policy_keys, resolve_auto_boundaries,
@@ -57,6 +59,10 @@ BUCKET_KEYS = ("boundaries", "num_buckets", "fit_method", "bucket_by")
 MAX_SWEEP_K = 256  # more buckets than this is no longer bucketing
 
 
+# Where the target's forward runs (cost.target): on the trainer GPUs every step (this trainer; SpecForge's online
+# mode), or off them: hidden states read from disk (offline) or sent by a separate inference server (disaggregated,
+# SpecForge with an SGLang server). Off the trainer GPUs a step does no target forward.
+TARGET_MODES = ("online", "offline", "disaggregated")
 TRIM_ROUNDS = 3     # CostModel.fit: refits after dropping stalled steps
 TRIM_SIGMAS = 2.5   # a step slower than the fit by more than this many robust standard deviations is a stall
 
@@ -75,6 +81,9 @@ class CostModel:
       counts what padded batches also run: padded tokens and padding anchor slots) and ``peak`` the GPU's dense
       BF16 FLOP/s (a ``gpu`` preset). Used when ``utilisation`` is set: the share of the peak that executed
       FLOPs run at (hardware FLOP utilisation); MFU (``pred_mfu``) counts model FLOPs only, so it is lower.
+      ``target`` (TARGET_MODES) says where the target's forward runs: ``online`` counts it in every step;
+      ``offline`` and ``disaggregated`` (off the trainer GPUs) leave it out. The linear form is fitted on this
+      trainer's runs, which run the target online, so it is online only.
     """
 
     c0: float
@@ -84,6 +93,14 @@ class CostModel:
     c4: float = 0.0   # per document of a packed row: the CPU draft attends per document (one SDPA each), GPU ~0
     utilisation: float | None = None
     peak_tflops: float | None = None
+    target: str = "online"
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGET_MODES:
+            raise ValueError(f"cost.target={self.target!r}: choose one of {', '.join(TARGET_MODES)}")
+        if self.target != "online" and self.utilisation is None:
+            raise ValueError(f"cost.target={self.target}: only the FLOPs form (cost.utilisation, e.g. cost=seed) "
+                             f"can take the target's forward out; the linear coefficients were fitted with it online")
 
     def step_time(self, padded: np.ndarray, attention: np.ndarray, blocks: np.ndarray | float = 0.0,
                   packed_documents: np.ndarray | float = 0.0) -> np.ndarray:
@@ -229,16 +246,27 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
                        step_model: Any = None, recompute: bool = False) -> dict[str, float]:
     """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks).
 
-    Ktok/s is predicted with the trainer's definition (``throughput.steady_state_ktok_s``: the median over steps of
-    a step's real tokens / its time), so prediction and measurement compare like with like; ETA sums step times.
+    ``ktok_s`` is Ktok/s over time (``throughput.ktok_s_over_time``: the epoch's real tokens over the sum of its
+    step times), the rate the ETA implies and the one a run's tokens over its wall time measure; ``ktok_s_median``
+    is the trainer's summary definition (``throughput.steady_state_ktok_s``: the median over steps of a step's real
+    tokens / its time), which a fitted run's summary can be checked against. The two part when step costs spread
+    (a bucketed plan: one cost per bucket). ETA sums step times.
     Block tokens per batch come from the policy's own (``Admission.block_tokens``; none: 0). The FLOPs form of
     the cost model (``cost.utilisation``) needs ``step_model`` (``model.footprint.StepModel``) and also reports
-    ``pred_mfu`` (model FLOPs over the run's time at the preset's peak); ``recompute`` (draft activation
-    checkpointing) adds the draft forward that checkpointing runs again in backward.
+    ``mfu`` (model FLOPs on the trainer GPUs over the run's time at the preset's peak), ``target_flop_share`` (the
+    target forward's share of the executed FLOPs when it runs online) and ``ktok_s_target_online`` /
+    ``ktok_s_target_off`` (Ktok/s with the target on the trainer GPUs, and off them: ``cost.target``);
+    ``recompute`` (draft activation checkpointing) adds the draft forward that checkpointing runs again in backward.
     """
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
     _, per_batch_blocks = batch_block_tokens(policy, plan.batches)   # block slots run, padding slots included
+    step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
+
+    def step_times_of(per_batch: np.ndarray) -> np.ndarray:
+        return per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
+
+    flop_extras: dict[str, float] = {}
     flops = None
     if cost.utilisation is not None:
         from .model.footprint import batch_shapes, policy_anchors, step_flops
@@ -249,27 +277,37 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
         shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=step_model,
                               anchors=policy_anchors(policy, step_model))
         counted = step_flops(step_model, shapes)
-        flops = counted["total"]
-        executed = counted["executed"] + (counted["executed_draft"] / 3.0 if recompute else 0.0)
+        online = counted["executed"] + (counted["executed_draft"] / 3.0 if recompute else 0.0)
+        off = online - counted["executed_target"]
+        executed = online if cost.target == "online" else off
+        flops = counted["total"] - (0.0 if cost.target == "online" else counted["target"])
         per_batch = cost.flop_step_time(executed)
+        if plan.steps:
+            flop_extras = {
+                "target_flop_share": float(counted["executed_target"].sum() / online.sum()),
+                "ktok_s_target_online": ktok_s_over_time(step_real, step_times_of(cost.flop_step_time(online))),
+                "ktok_s_target_off": ktok_s_over_time(step_real, step_times_of(cost.flop_step_time(off))),
+            }
     else:
         documents = (np.fromiter((b.size for b in plan.batches), np.float64, count=len(plan.batches))
                      if policy.packed else np.zeros(len(plan.batches)))
         per_batch = cost.step_time(padding["per_batch_padded"], padding["per_batch_attention"], per_batch_blocks,
                                    documents)
-    step_times = per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
-    step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
+    step_times = step_times_of(per_batch)
     if not step_times.size:
-        return {"step_time_s": float("nan"), "ktok_s": float("nan"), "epoch_hours": float("nan"),
-                "eta_s": float("nan"), "eta_days": float("nan")}
+        return {"step_time_s": float("nan"), "ktok_s": float("nan"), "ktok_s_median": float("nan"),
+                "epoch_hours": float("nan"), "eta_s": float("nan"), "eta_days": float("nan")}
     mean_step = float(step_times.mean())
     eta = full_run_eta_seconds(epochs, plan.steps, mean_step)
     out = {
         "step_time_s": mean_step,
-        "ktok_s": steady_state_ktok_s([ktok_per_s(r, t) for r, t in zip(step_real, step_times)], warmup_steps=0),
+        "ktok_s": ktok_s_over_time(step_real, step_times),
+        "ktok_s_median": steady_state_ktok_s([ktok_per_s(r, t) for r, t in zip(step_real, step_times)],
+                                             warmup_steps=0),
         "epoch_hours": float(step_times.sum()) / 3600.0,
         "eta_s": eta,
         "eta_days": eta / 86400.0,
+        **flop_extras,
     }
     if flops is not None:  # model FLOPs of every rank over the epoch's time at world_size x peak
         out["mfu"] = float(flops.sum() / (step_times.sum() * policy.world_size * cost.peak_tflops * 1e12))
@@ -353,9 +391,11 @@ def plan_table(
         step_model = memory["model"] if memory else None
         predicted = predict_throughput(policy, cost, epochs, step_model=step_model,
                                        recompute=bool(chosen is not None and chosen.activation_checkpointing))
+        stats = plan_stats(policy, bands=bands)
         rows.append(
             {
-                **plan_stats(policy, bands=bands),
+                **stats,
+                "padded_tokens_per_step": stats["padded_tokens"] / max(1, stats["batches_per_epoch"]),
                 **{f"pred_{k}": v for k, v in predicted.items()},
                 **(memory_columns(policy, lengths, sampler_cfg, seed=seed, block_tokens=block_tokens,
                                   **{**memory, "settings": chosen}) if memory else {}),
@@ -624,12 +664,26 @@ class Column:
     legend: str = ""
 
 
-NARROW_COLUMNS = (
+# The printed plan is two narrow tables: what one rank's step holds and how fast the plan runs (the regime the
+# prediction is for), then how diverse its batches are and whether its worst step fits in memory.
+STEP_COLUMNS = (
     Column("pad_eff", "pad_eff %", _number(1, 100), "real / padded tokens of the epoch plan (100 = no padding)"),
     Column("steps_per_epoch", "steps/epoch", _number(0), "optimizer steps per epoch (every rank steps together)"),
+    Column("mean_samples_per_batch", "docs", _number(1), "documents per rank and step (mean of the epoch plan)"),
+    Column("real_tokens_per_step", "real tok", _number(0), "real (non-pad) tokens per rank and step (mean)"),
+    Column("padded_tokens_per_step", "padded tok", _number(0),
+           "padded tokens per rank and step (rows x longest row; a packed row: its used length; mean)"),
+    Column("block_tokens", "blk slots", _number(0),
+           "block slots per rank and step: block tokens (anchors x block size, the draft's work) with padding slots "
+           "(mean; its bound, sampler.max_block_tokens, is in plan.csv)"),
     Column("pred_ktok_s", "Ktok/s", _number(1),
-           "predicted real (non-pad) tokens per second over all ranks, in thousands (median step)"),
+           "predicted real tokens per second over all ranks, in thousands: the epoch's real tokens over its summed "
+           "step times (the rate the ETA implies, a run's tokens over its wall time)"),
+    Column("pred_ktok_s_median", "med Ktok/s", _number(1),
+           "the same on the median step (the trainer's summary ktok_s); above Ktok/s when a few steps are slow"),
     Column("pred_eta_s", "ETA", format_eta, "predicted wall time of the configured run (epochs x steps x step time)"),
+)
+DIVERSITY_COLUMNS = (
     Column("composition_repeat", "repeat", _number(2),
            "share of the next epoch's batches identical to one of this epoch's (1 = same batches every epoch)"),
     Column("within_batch_spread", "spread CV", _number(2),
@@ -637,19 +691,18 @@ NARROW_COLUMNS = (
            "(0 = every batch one length)"),
     Column("adjacent_length_corr", "order r", _number(2),
            "correlation of consecutive batches' mean lengths (near 1 = a sorted, drifting order)"),
-    Column("block_tokens", "blk/step", _number(0),
-           "block tokens (anchors x block size: the draft's work) per rank and step, padding slots included, "
-           "mean of the epoch plan (its bound, sampler.max_block_tokens, is in plan.csv)"),
     Column("pred_peak_mem_gb", "peak GiB", _gib, "predicted peak GPU memory per rank, worst step"),
     Column("fits", "fits", str, "yes | ckpt (only with activation checkpointing) | no, against 90% of gpu_mem_gb"),
 )
+NARROW_COLUMNS = STEP_COLUMNS + DIVERSITY_COLUMNS
 FULL_COLUMNS = (
-    "bucket_by", "pad_eff", "budget_fill", "real_tokens_per_step", "steps_per_epoch", "mean_samples_per_batch",
-    "max_samples_per_batch",
+    "bucket_by", "pad_eff", "budget_fill", "real_tokens_per_step", "padded_tokens_per_step", "steps_per_epoch",
+    "mean_samples_per_batch", "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
-    "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_eta_s",
+    "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_ktok_s_median", "pred_eta_s",
     "block_tokens", "block_tokens_max", "block_pad_eff", "block_per_token", "thinned", "max_block_tokens",
-    "max_block_tokens_fit", "pred_mfu",
+    "max_block_tokens_fit", "pred_mfu", "pred_target_flop_share", "pred_ktok_s_target_online",
+    "pred_ktok_s_target_off",
     "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "ckpt", "fits", "max_tokens_fit",
 )
 
@@ -695,8 +748,8 @@ def legend(table: pd.DataFrame, columns: Sequence[Column] = NARROW_COLUMNS) -> s
     """One line per shown column: its header and what it measures.
 
     Example:
-        >>> print(legend(pd.DataFrame({"pred_ktok_s": [1.0]})))
-        - Ktok/s: predicted real (non-pad) tokens per second over all ranks, in thousands (median step)
+        >>> print(legend(pd.DataFrame({"pred_eta_s": [1.0]})))
+        - ETA: predicted wall time of the configured run (epochs x steps x step time)
     """
     return "\n".join(f"- {c.header}: {c.legend}" for c in columns if c.name in table.columns and c.legend)
 
@@ -796,9 +849,17 @@ def plan_keys() -> list[str]:
 def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int,
                      gpu_cfg: Mapping[str, Any] | None = None) -> CostModel:
     """The cost model ``cost.*`` asks for: fitted on a run, calibrated by a micro-benchmark, the FLOPs form at a
-    FLOP utilisation (``cost.utilisation``, with the ``gpu`` preset's peak), or given coefficients."""
+    FLOP utilisation (``cost.utilisation``, with the ``gpu`` preset's peak), or given coefficients; ``cost.target``
+    says where the target's forward runs (TARGET_MODES; off the trainer GPUs needs the FLOPs form)."""
     valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
     refuse_unknown_keys("cost", cost_cfg, valid)
+    target = as_choice("cost.target", cost_cfg.get("target", "online"), TARGET_MODES)
+    return replace(_cost_model(cost_cfg, model_cfg, max_tokens, seed, gpu_cfg), target=target)
+
+
+def _cost_model(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: int, seed: int,
+                gpu_cfg: Mapping[str, Any] | None) -> CostModel:
+    """``cost_from_config``'s model before ``cost.target`` is applied (online)."""
     from_run = cost_cfg.get("from_run")
     runs = [from_run] if isinstance(from_run, str) else from_run
     if runs is not None and (not isinstance(runs, (list, tuple)) or not all(isinstance(r, str) for r in runs)):
@@ -977,7 +1038,11 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
-        + to_markdown(table, NARROW_COLUMNS) + "\n\n" + legend(table) + "\n\n" + describe_block_budgets(table)
+        + "Per rank and step (means of the epoch plan), and predicted speed:\n\n"
+        + to_markdown(table, STEP_COLUMNS) + "\n\n" + describe_relative_speed(table)
+        + describe_target_mode(table, cost)
+        + "Diversity and memory:\n\n" + to_markdown(table, DIVERSITY_COLUMNS) + "\n\n"
+        + legend(table) + "\n\n" + describe_block_budgets(table)
         + describe_bucket_keying(table)
         + (f"Supervision share per length band (block tokens of an epoch in each band):\n\n"
            f"{to_markdown(table, [Column(c, c.removeprefix('share '), _number(3)) for c in shares])}\n\n"
@@ -1041,16 +1106,60 @@ def describe_bucket_keying(table: pd.DataFrame) -> str:
             f"length buckets' sizes, members independent of length (their bucket run length counts the groups)\n\n")
 
 
+def describe_relative_speed(table: pd.DataFrame, baseline: str = "bucketed") -> str:
+    """One line giving each policy's predicted Ktok/s as a share of ``baseline``'s, over time and on the median
+    step (empty without the baseline or another policy).
+
+    Example:
+        >>> t = pd.DataFrame({"pred_ktok_s": [19.4, 25.7], "pred_ktok_s_median": [20.3, 32.0]},
+        ...                  index=["full_random", "bucketed"])
+        >>> print(describe_relative_speed(t).strip())
+        Ktok/s relative to bucketed, over time (median step): full_random 0.755 (0.634)
+    """
+    if baseline not in table.index or len(table.index) < 2:
+        return ""
+    over_time, median = table.at[baseline, "pred_ktok_s"], table.at[baseline, "pred_ktok_s_median"]
+    parts = [f"{name} {row['pred_ktok_s'] / over_time:.3f} ({row['pred_ktok_s_median'] / median:.3f})"
+             for name, row in table.iterrows() if name != baseline]
+    return f"Ktok/s relative to {baseline}, over time (median step): " + "; ".join(parts) + "\n\n"
+
+
+def describe_target_mode(table: pd.DataFrame, cost: CostModel) -> str:
+    """One line saying where the cost model runs the target's forward and what the other place would give
+    (FLOPs form only: empty for the linear one, which is fitted with the target online).
+
+    Example:
+        >>> t = pd.DataFrame({"pred_target_flop_share": [0.35], "pred_ktok_s_target_online": [25.1],
+        ...                   "pred_ktok_s_target_off": [39.6]}, index=["bucketed"])
+        >>> print(describe_target_mode(t, CostModel(0.0, utilisation=0.3, peak_tflops=500)).strip())
+        target online (cost.target): its forward runs on the trainer GPUs every step, on every padded token
+        (bucketed 35% of the executed FLOPs). Off them (cost.target=offline or disaggregated: hidden states from disk
+        or another server) Ktok/s would be bucketed 39.6
+    """
+    if cost.utilisation is None or "pred_ktok_s_target_off" not in table.columns:
+        return ""
+    shares = ", ".join(f"{name} {row['pred_target_flop_share']:.0%}" for name, row in table.iterrows())
+    if cost.target == "online":
+        other = ", ".join(f"{name} {row['pred_ktok_s_target_off']:.1f}" for name, row in table.iterrows())
+        return (f"target online (cost.target): its forward runs on the trainer GPUs every step, on every padded "
+                f"token ({shares} of the executed FLOPs). Off them (cost.target=offline or disaggregated: hidden "
+                f"states from disk or another server) Ktok/s would be {other}\n\n")
+    other = ", ".join(f"{name} {row['pred_ktok_s_target_online']:.1f}" for name, row in table.iterrows())
+    return (f"target {cost.target} (cost.target): the trainer GPUs run no target forward (memory columns still hold "
+            f"the target's weights and features). With it online (cost.target=online: {shares} of the executed "
+            f"FLOPs) Ktok/s would be {other}\n\n")
+
+
 def describe_cost(cost: CostModel) -> str:
     """One line naming the cost model's form and coefficients.
 
     Example:
         >>> describe_cost(CostModel(0.0, utilisation=0.2, peak_tflops=500))
-        'cost model: step = executed FLOPs / (0.2 x 500 TFLOP/s) + 0 s'
+        'cost model: step = executed FLOPs (target online) / (0.2 x 500 TFLOP/s) + 0 s'
     """
     if cost.utilisation is not None:
-        return (f"cost model: step = executed FLOPs / ({cost.utilisation:g} x {cost.peak_tflops:g} TFLOP/s) + "
-                f"{cost.c0:g} s")
+        return (f"cost model: step = executed FLOPs (target {cost.target}) / ({cost.utilisation:g} x "
+                f"{cost.peak_tflops:g} TFLOP/s) + {cost.c0:g} s")
     return (f"cost model: step = {cost.c0:g} + {cost.c1:g} x padded + {cost.c2:g} x attention + {cost.c3:g} x "
             f"block slots + {cost.c4:g} x packed documents")
 

@@ -460,7 +460,9 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
     """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``, ``fixed``), their
     ``total``, ``attention``: the part of the total that is attention (query-key pairs), for reference, and
     ``executed``: the FLOPs the hardware runs, padding tokens and padding anchor slots of padded batches included
-    (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``).
+    (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``), and its parts
+    ``executed_draft`` (draft layers, forward + backward) and ``executed_target`` (the target's forward over the
+    layers the draft reads: what a target run off the trainer GPUs, offline or disaggregated, takes away).
 
     Example:
         >>> m = StepModel.from_model_config({"kind": "tiny", "block_size": 8})
@@ -502,6 +504,7 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
     executed_layer = (2.0 * slots * bs * d.layer_matmul_params + 4.0 * d.hidden * d.kv_heads * d.head_dim * padded
                       + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + slots * bs * bs))
     out["executed_draft"] = 3.0 * d.layers * executed_layer   # forward + backward; checkpointing reruns 1 of 3
+    out["executed_target"] = executed_target   # the target's forward: none on the trainer GPUs when it runs off them
     out["executed"] = (executed_target + out["executed_draft"] + 2.0 * 2.0 * d.fc_params * padded
                        + out["head"] + out["fixed"])
     out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
