@@ -1,11 +1,14 @@
 """Planner: what each batching policy will cost *before* any GPU-day is spent.
 
 ``python -m dflash_lab.plan`` composes the same ``conf/`` as training, builds every policy's epoch plan on the
-configured data (or a reference length workload, ``data=lengths``), and prints a narrow table, one row per policy:
-padding efficiency, steps per epoch, predicted Ktok/s and ETA of the configured run (``epochs``, ``world_size``;
-ETA in days and hours), the diversity diagnostics of ``sampling.stats`` (composition repeat, within-batch spread,
+configured data (or a reference length workload, ``data=lengths``), and prints two narrow tables, one row per
+policy. The first says which regime the prediction is for and what it predicts: padding efficiency, steps per
+epoch, documents, real tokens, padded tokens and block slots per rank and step, predicted Ktok/s over time and on
+the median step, ETA of the configured run (``epochs``, ``world_size``; days and hours); lines under it give each
+policy's Ktok/s relative to bucketed and, for the FLOPs form, what a target off the trainer GPUs changes. The
+second has the diversity diagnostics of ``sampling.stats`` (composition repeat, within-batch spread,
 adjacent-length correlation) and, when memory is known, the predicted peak memory and whether it fits; a legend
-under the table says what each column measures, and one line recommends the fastest policy that clears the
+says what each column measures, and one line recommends the fastest policy that clears the
 ``recommend.*`` diversity floors (and fits). It writes ``plan.csv`` (every column, full precision), ``plan.json``
 (the same, the recommendation in ``meta``) and ``plan.md`` (the printed text, then every column) to its output
 directory; ``sweep_k=[lo,hi]`` adds a bucket-count sweep (``k_sweep.csv`` and
@@ -22,8 +25,10 @@ Cost model (explicit, per rank and step; a step lasts as long as its slowest ran
 with the token counts of ``metrics.throughput.batch_token_counts`` (the trainer logs the same numbers). Coefficients
 come from config (``conf_plan/cost/``), are fitted by non-negative least squares on a run's ``metrics.jsonl``
 (``cost.from_run=RUN_DIR``), or are calibrated by a short micro-benchmark of the configured model
-(``cost.calibrate=true``). Predicted Ktok/s uses the trainer's definition (median over steps of real tokens / step
-time); ETA = epochs x steps per epoch x mean step time.
+(``cost.calibrate=true``); ``cost.target`` (online | offline | disaggregated) says whether the FLOPs form prices
+the target's forward. Predicted Ktok/s is Ktok/s over time (the epoch's real tokens over its summed step times,
+``throughput.ktok_s_over_time``: what a run's tokens over its wall time measure); the median-step figure (the
+trainer's summary definition) is its second column; ETA = epochs x steps per epoch x mean step time.
 """
 
 from __future__ import annotations
