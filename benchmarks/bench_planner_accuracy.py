@@ -11,7 +11,8 @@ rows shows only in a packed run) and predicts every policy's Ktok/s with ``plan.
 ``density`` is the tiny model's default (one anchor per 16 valid positions, at most 64 per document); ``recipe``
 is the DFlash recipe's per-document rule (min(64, valid positions) anchors, every position of a short document)
 under a block budget of 4,096 block tokens per step, which binds. Measured and predicted Ktok/s use the one
-definition (``metrics.throughput.steady_state_ktok_s``: median over steps of real tokens / step time). The table
+definition (``metrics.throughput.steady_state_ktok_s``: median over steps of real tokens / step time; the
+planner's ``ktok_s_median``, not its headline Ktok/s over time). The table
 goes to stdout and, with ``--out``, to a markdown file with the command and the machine's load.
 """
 
@@ -78,7 +79,7 @@ def main() -> None:
                                                   builtin_corpus=run_cfg["data"].get("kind") == "synthetic")
             plan_policy = policy_from_config(sampler_cfg, lengths, seed=run_cfg["seed"],
                                              block_tokens=plan_block_tokens(valid, run_cfg["model"]))
-            predicted = predict_throughput(plan_policy, cost, epochs=1)["ktok_s"]
+            predicted = predict_throughput(plan_policy, cost, epochs=1)["ktok_s_median"]
             measured = summaries[policy]["ktok_s"]
             rows.append((policy, measured, predicted, predicted / measured - 1.0))
         sections += [

@@ -34,8 +34,10 @@ KNOWN_FALLBACKS = {
     "cluster/launch.py": {"name"},                            # a message placeholder ("the sampler"), not a default
     "sampling/build.py": {"drop_last", "overlong"},           # build_policy's library defaults (sampler section)
     "model/footprint.py": {"overlong"},                       # the sampler section, as build_policy reads it
-    "plan.py": {"activation_checkpointing", "gpu_mem_gb", "precision", "attention", "sweep_method", "policies",
-                "kind", "seed"},                              # the planner's own section (conf/plan.yaml)
+    # the planner's own section (conf/plan.yaml)
+    "planning/config.py": {"kind", "seed"},
+    "planning/cost.py": {"kind"},
+    "planning/table.py": {"activation_checkpointing", "gpu_mem_gb", "precision", "attention"},
 }
 
 

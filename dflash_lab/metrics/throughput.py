@@ -8,6 +8,8 @@ Formulas (every caller in training, planner and analysis uses these functions):
     padding efficiency        = sum(real) / sum(padded)                      over a window or an epoch plan
     Ktok/s                    = real input tokens per second, summed over all ranks, / 1000
                                 live: EMA over steps; reported: median over the steady state (after warm-up)
+    Ktok/s over time          = total real tokens / total step time / 1000 (the rate a run's ETA implies; the
+                                planner's headline: with steps of unequal cost the median step can be far off it)
     ETA                       = remaining steps x EMA(step time)
     full-run ETA              = epochs x steps per epoch x step time
     ETA shown to people       = days and hours, hours and minutes, ... (format_eta: "4d 17h")
@@ -120,6 +122,20 @@ def steady_state_ktok_s(ktok_s_per_step: Sequence[float] | np.ndarray, warmup_st
         return float("nan")
     steady = values[warmup_steps:] if values.size > warmup_steps else values
     return float(np.median(steady))
+
+
+def ktok_s_over_time(real_tokens_per_step: Sequence[float] | np.ndarray,
+                     step_seconds: Sequence[float] | np.ndarray) -> float:
+    """Ktok/s over time: the steps' real tokens (all ranks) summed over their times summed, / 1000.
+
+    Example:
+        >>> ktok_s_over_time([1000, 1000, 1000], [1.0, 1.0, 8.0])   # the median step says 1.0
+        0.3
+    """
+    seconds = float(np.sum(step_seconds))
+    if seconds <= 0:
+        return float("nan")
+    return float(np.sum(real_tokens_per_step)) / seconds / 1000.0
 
 
 def eta_seconds(remaining_steps: int, step_time_s: float) -> float:

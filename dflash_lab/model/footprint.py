@@ -42,13 +42,21 @@ it (autocast makes no activation copies).
               + (R [Q (2(f+c) + 2c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
                    + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
                 extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
-              + R Q (H (f + c) + f)                          final norm
-              + head: S H c (the hidden slots; fused head: nothing more, no logits),
-                      reference head with S V <= CE_CHUNK_ELEMENTS: + the saved log-probabilities 4 S V
-              + max(head transient, one layer's backward transient [, segments: M boolean run masks, forward only])
-                head transient: fused s V f (one chunk's logits, s = min(S, CE_CHUNK_ELEMENTS / V) rows);
-                reference: s V (2c + 4f) chunked, S V (2c + 3f) whole (bf16; 4f and 3f in fp32)
+              + max(head moment, layer moment)               (autograd frees a node's saved tensors once it ran)
+                head moment (up to the head's backward):
+                  R Q (H (f + c) + f)                        final norm
+                  + head: S H c (the hidden slots; fused head: nothing more, no logits),
+                          reference head with S V <= CE_CHUNK_ELEMENTS: + the saved log-probabilities 4 S V
+                  + max(head transient, segments: the M boolean run masks of the forward)
+                  head transient: fused s V f (one chunk's logits, s = min(S, CE_CHUNK_ELEMENTS / V) rows);
+                  reference: s V (2c + 4f) chunked, S V (2c + 3f) whole (bf16; 4f and 3f in fp32)
+                layer moment (a draft layer's backward; the head's and final norm's tensors freed):
+                  [checkpointing: the layer's saved tensors, recomputed] + its backward transient
+                  R max(Q (2 I + 2 H) c, K (H + 2 g d) c)   (MLP first: the product's and its factors' grads
+                                                              with the product released; then attention)
     checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
+    Checked against the CPU allocator's peak of real fp32 steps, with and without checkpointing
+    (tests/test_footprint.py::test_predicted_peak_is_within_10_percent_of_the_allocators).
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
     peak      = static + max(target, draft)
@@ -413,8 +421,8 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
                        + 2 * f * Q * d.heads + 2 * f * Q + c * K * H + (f + c) * K * gd + f * K * d.kv_heads
                        + whole_kv) + attention_extra
     layer_inputs = R * Q * H * c
-    if settings.activation_checkpointing:
-        layers = d.layers * layer_inputs + layer_saved
+    if settings.activation_checkpointing:   # one layer's recomputed tensors: at its backward (layer_moment)
+        layers = d.layers * layer_inputs
     else:
         layers = d.layers * layer_saved - R * Q * H * f  # the first layer's input (embeddings) needs no grad
     vocab = t.vocab
@@ -432,7 +440,11 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
         per_logit = 2 * c + 4 * f if autocast else 3 * f
         head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
         head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
-    layer_backward = R * (Q * (3 * I + 2 * H) * c + K * (H + 2 * gd) * c)
+    # A layer's backward runs its MLP first, then its attention: the two transients are not alive together. MLP:
+    # the grads of the SwiGLU product and of its two factors (3 Q I) while down_proj's backward has already
+    # released the product it saved (- Q I), and the block hidden states' grads (2 Q H); attention: the grads of
+    # the keys/values and of [context ; block] (K (H + 2 g d)).
+    layer_backward = R * np.maximum(Q * (2 * I + 2 * H) * c, K * (H + 2 * gd) * c)
     if dense:
         layer_backward = layer_backward + R * Q * K * c
     terms["grads_and_casts"] = d.params * 4.0 + (2.0 * (d.layers * d.layer_matmul_params + d.fc_params)
@@ -446,8 +458,15 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     terms["draft_layers"] = layers
     terms["final_norm_and_head"] = R * Q * (H * (f + c) + f) + head_saved
     terms["backward_transient"] = np.maximum(head_transient, layer_backward)
+    # Two moments can hold the draft's peak. Up to the head's backward: every layer's saved tensors (checkpointed:
+    # their inputs), the final norm's and head's, and the larger of the forward's run masks and the head's
+    # transient. At a layer's backward the head and final norm have freed theirs (autograd frees a node's saved
+    # tensors once it ran); the layer's own saved tensors are there (checkpointed: recomputed for it) with its
+    # backward transient. Summing both moments' terms over-predicted the checkpointed tiny step by ~25%.
+    terms["head_moment"] = terms["final_norm_and_head"] + np.maximum(terms["attention_masks"], head_transient)
+    terms["layer_moment"] = (layer_saved if settings.activation_checkpointing else 0.0) + layer_backward
     draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
-                   + terms["final_norm_and_head"] + np.maximum(terms["attention_masks"], terms["backward_transient"]))
+                   + np.maximum(terms["head_moment"], terms["layer_moment"]))
     terms["static"] = static
     terms["draft_phase"] = draft_phase
     terms["peak"] = static + np.maximum(terms["target_phase"], draft_phase)
@@ -462,7 +481,9 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
     """Model FLOPs per term of the module docstring (``target``, ``draft``, ``fc``, ``head``, ``fixed``), their
     ``total``, ``attention``: the part of the total that is attention (query-key pairs), for reference, and
     ``executed``: the FLOPs the hardware runs, padding tokens and padding anchor slots of padded batches included
-    (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``).
+    (equal to ``total`` for packed rows; the step-time model prices these, MFU counts ``total``), and its parts
+    ``executed_draft`` (draft layers, forward + backward) and ``executed_target`` (the target's forward over the
+    layers the draft reads: what a target run off the trainer GPUs, offline or disaggregated, takes away).
 
     Example:
         >>> from dflash_lab.presets import preset
@@ -505,6 +526,7 @@ def step_flops(model: StepModel, shapes: Mapping[str, np.ndarray]) -> dict[str, 
     executed_layer = (2.0 * slots * bs * d.layer_matmul_params + 4.0 * d.hidden * d.kv_heads * d.head_dim * padded
                       + 4.0 * d.heads * d.head_dim * (shapes["context_pairs"] + slots * bs * bs))
     out["executed_draft"] = 3.0 * d.layers * executed_layer   # forward + backward; checkpointing reruns 1 of 3
+    out["executed_target"] = executed_target   # the target's forward: none on the trainer GPUs when it runs off them
     out["executed"] = (executed_target + out["executed_draft"] + 2.0 * 2.0 * d.fc_params * padded
                        + out["head"] + out["fixed"])
     out["attention"] = (model.layers_read * target_attention + 3.0 * d.layers * layer_attention
