@@ -35,6 +35,7 @@ KNOWN_FALLBACKS = {
     "sampling/build.py": {"drop_last", "overlong"},           # build_policy's library defaults (sampler section)
     "model/footprint.py": {"overlong"},                       # the sampler section, as build_policy reads it
     # the planner's own section (conf/plan.yaml)
+    "plan.py": {"policies", "sweep_method"},
     "planning/config.py": {"kind", "seed"},
     "planning/cost.py": {"kind"},
     "planning/table.py": {"activation_checkpointing", "gpu_mem_gb", "precision", "attention"},
