@@ -161,13 +161,13 @@ def test_checkpointing_adds_the_recomputed_draft_forward_to_executed_flops(gpu_c
 
 def test_comparison_divides_each_figure_by_bucketed(gpu_check):
     rows = {"full_random": {"ktok_s": 6.0, "ktok_s_median_step": 8.0, "planner_ktok_s_wall": 3.0,
-                            "planner_ktok_s": 4.0},
+                            "planner_ktok_s": 4.0, "planner_ktok_s_median_step": 3.5},
             "bucketed": {"ktok_s": 10.0, "ktok_s_median_step": 10.0, "planner_ktok_s_wall": 5.0,
-                         "planner_ktok_s": 5.0}}
+                         "planner_ktok_s": 5.0, "planner_ktok_s_median_step": 5.0}}
     out = gpu_check.comparison(rows)["comparison"]
     assert out["full_random_over_bucketed"] == {"measured": 0.6, "measured_median_step": 0.8,
                                                 "epoch_at_measured_tflops": None, "planner": 0.6,
-                                                "planner_reported": 0.8}
+                                                "planner_reported": 0.8, "planner_median_step": 0.7}
     assert all(v is None for v in out["packed_over_bucketed"].values())
 
 
