@@ -49,7 +49,7 @@ from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_effic
 # The planner's parts live in dflash_lab.planning; every name is re-exported here, the module the CLI runs and
 # callers import (``from dflash_lab.plan import CostModel, predict_throughput``).
 from .planning.config import (  # noqa: F401
-    BUCKET_KEYS, CONF_DIR, MAX_SWEEP_K, PLAN_CONF_DIR, SHARED_KEYS, conf_keys, data_keys, load_lengths,
+    BUCKET_KEYS, CONF_DIR, MAX_SWEEP_K, PLAN_CONF_DIR, SHARED_KEYS, conf_keys, data_keys,
     load_plan_data, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
 )
 from .planning.cost import (  # noqa: F401

@@ -303,7 +303,7 @@ def test_offline_wandb_run_reads_back_to_the_same_schema_as_the_local_files(tmp_
     assert np.allclose(merged["loss_local"], merged["loss_wandb"])
     assert np.allclose(merged["acc_local"], merged["acc_wandb"])
     # the offline folder is also accepted directly as a compare PATH
-    report = load_runs([run_dir / "wandb"])
+    report = load_runs([run_dir / "wandb"], offline_wandb=True)
     assert [r.source for r in report.runs] == ["wandb_offline"]
     # a log cut short (crash, or read while still being written) is read up to the cut and flagged
     torn = tmp_path / "torn" / offline_dirs[0].name

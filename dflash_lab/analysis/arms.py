@@ -274,36 +274,43 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
     overrides = {r.run_id: recorded_overrides(r) for r in records}
     parsed = {run_id: dict(override_key(o) for o in items) if items is not None else None
               for run_id, items in overrides.items()}
-    if any(items is not None for items in parsed.values()):
-        source = "overrides"
-        candidates = list(dict.fromkeys(k for items in parsed.values() if items for k in items if _is_setting(k)))
-        # an override that selects a `_global_` config file (e.g. `+arm=aligned_bucketed` of a sweep's arm group)
-        # names no config key: it stands for the keys that file sets, found as the config differences
-        opaque = [k for k in candidates if k != "sampler" and not any(_has_key(r.config, k) for r in records)]
-        if opaque:
-            source = "overrides+config"
-            candidates = [k for k in candidates if k not in opaque]
-            candidates += [k for k in _config_keys(records) if k not in candidates]
-    else:
-        source = "config"
-        candidates = _config_keys(records)
+    source, candidates = _candidate_keys(records, parsed)
     rows = {}
     for record in records:
         given = parsed[record.run_id] or {}
         rows[record.run_id] = {key: _value(record, key, given.get(key)) for key in ["sampler", *candidates]}
     values = pd.DataFrame.from_dict(rows, orient="index", columns=list(dict.fromkeys(["sampler", *candidates])))
     values = values.fillna(UNSET)
-    varied = []
-    for key in (k for k in values.columns if k != "sampler" and values[k].nunique() > 1):
-        # a key that only restates an earlier one (model.pretrain_data.band_skills follows data.band_skills)
-        # adds no setting: same partition of the runs
-        if not any(_same_partition(values[key], values[earlier]) for earlier in varied):
-            varied.append(key)
+    varied = _varied_keys(values)
     # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
     keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
     values = values[keys]
     overridden = {run_id: {k for k in (items or {}) if k in keys} for run_id, items in parsed.items()}
     return Sweep(keys=keys, values=values, overridden=overridden, source=source)
+
+
+def _candidate_keys(records: list[RunRecord], parsed: dict[str, dict | None]) -> tuple[str, list[str]]:
+    """Where the candidate keys come from ("overrides", "overrides+config" or "config") and the keys."""
+    if not any(items is not None for items in parsed.values()):
+        return "config", _config_keys(records)
+    candidates = list(dict.fromkeys(k for items in parsed.values() if items for k in items if _is_setting(k)))
+    # an override that selects a `_global_` config file (e.g. `+arm=aligned_bucketed` of a sweep's arm group)
+    # names no config key: it stands for the keys that file sets, found as the config differences
+    opaque = [k for k in candidates if k != "sampler" and not any(_has_key(r.config, k) for r in records)]
+    if not opaque:
+        return "overrides", candidates
+    candidates = [k for k in candidates if k not in opaque]
+    return "overrides+config", candidates + [k for k in _config_keys(records) if k not in candidates]
+
+
+def _varied_keys(values: pd.DataFrame) -> list[str]:
+    """The keys (sampler aside) whose values differ between runs, less those that only restate an earlier one
+    (model.pretrain_data.band_skills follows data.band_skills: the same partition of the runs adds no setting)."""
+    varied: list[str] = []
+    for key in (k for k in values.columns if k != "sampler" and values[k].nunique() > 1):
+        if not any(_same_partition(values[key], values[earlier]) for earlier in varied):
+            varied.append(key)
+    return varied
 
 
 def _same_partition(a: pd.Series, b: pd.Series) -> bool:

@@ -151,11 +151,97 @@ def slurm_nodes(timeout_s: float = 30.0) -> list[SlurmNode]:
     return parse_sinfo_nodes(out.stdout) if out.returncode == 0 else []
 
 
-def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[str]:
-    """Problems when no partition the job may use has enough nodes that hold its per-node request.
+KEY = "hydra.launcher."
 
-    Per node the job asks ``tasks_per_node x cpus_per_task`` CPUs (Slurm's default: 1 per task), ``mem_gb`` and
-    ``gpus_per_node``; it may use the named partitions (comma-separated), else the default one.
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """What a job asks of each node: ``tasks_per_node x cpus_per_task`` CPUs (Slurm's default: 1 per task),
+    ``gpus_per_node`` GPUs, ``mem_gb`` (None: the partition's default), on ``nodes`` nodes."""
+
+    tasks: int
+    cpus_per_task: int
+    gpus: int
+    nodes: int
+    mem_gb: float | None
+
+    @classmethod
+    def of(cls, launcher_cfg: Any) -> NodeRequest:
+        mem_gb = _get(launcher_cfg, "mem_gb")
+        return cls(tasks=int(_get(launcher_cfg, "tasks_per_node", 1)),
+                   cpus_per_task=int(_get(launcher_cfg, "cpus_per_task", 1)),
+                   gpus=int(_get(launcher_cfg, "gpus_per_node", 0)), nodes=int(_get(launcher_cfg, "nodes", 1)),
+                   mem_gb=None if mem_gb is None else float(mem_gb))
+
+    @property
+    def cpus(self) -> int:
+        return self.tasks * self.cpus_per_task
+
+    @property
+    def mem_mb(self) -> float | None:
+        return None if self.mem_gb is None else self.mem_gb * 1024
+
+    def fits(self, node: SlurmNode) -> bool:
+        return node.cpus >= self.cpus and node.gpus >= self.gpus and (self.mem_mb is None or node.mem_mb >= self.mem_mb)
+
+
+def _have(values: list, unit: str = "") -> str:
+    most = max(values)
+    return f"{'' if min(values) == most else 'at most '}{most:g}{unit}"
+
+
+def _cpu_problem(want: NodeRequest, partition: str, members: list[SlurmNode], nodes) -> str | None:
+    cpus = [n.cpus for n in members]
+    if max(cpus) >= want.cpus:
+        return None
+    fix = (f"set {KEY}cpus_per_task={max(cpus) // want.tasks}" if max(cpus) >= want.tasks
+           else f"set {KEY}tasks_per_node={max(cpus)} {KEY}cpus_per_task=1")
+    return (f"{KEY}tasks_per_node={want.tasks} x {KEY}cpus_per_task={want.cpus_per_task} asks {want.cpus} CPUs per "
+            f"node; nodes in partition {partition} have {_have(cpus)}: {fix} (or choose a partition with bigger "
+            f"nodes: {KEY}partition=...)")
+
+
+def _gpu_problem(want: NodeRequest, partition: str, members: list[SlurmNode], nodes) -> str | None:
+    gpus = [n.gpus for n in members]
+    if max(gpus) >= want.gpus:
+        return None
+    with_gpus = sorted({n.partition for n in nodes if n.gpus >= want.gpus})
+    fix = (f"{KEY}gpus_per_node=0 {KEY}tasks_per_node=N for a CPU run" if max(gpus) == 0
+           else f"{KEY}gpus_per_node={max(gpus)}")
+    return (f"{KEY}gpus_per_node={want.gpus} asks {want.gpus} GPUs per node; nodes in partition {partition} have "
+            f"{_have(gpus)}: set {fix}" + (f", or {KEY}partition={with_gpus[0]} (has such nodes)" if with_gpus else ""))
+
+
+def _memory_problem(want: NodeRequest, partition: str, members: list[SlurmNode], nodes) -> str | None:
+    mems = [n.mem_mb / 1024 for n in members]
+    if want.mem_mb is None or max(mems) * 1024 >= want.mem_mb:
+        return None
+    return (f"{KEY}mem_gb={want.mem_gb:g} asks {want.mem_gb:g} GB per node; nodes in partition {partition} have "
+            f"{_have([round(m, 1) for m in mems], ' GB')}: set {KEY}mem_gb={int(max(mems))} or less (or "
+            f"{KEY}mem_gb=null for the partition's default)")
+
+
+def _together_problem(want: NodeRequest, partition: str, members: list[SlurmNode], nodes) -> str | None:
+    """Each resource fits some node, but not enough nodes hold all of them together."""
+    if any(check(want, partition, members, nodes) for check in (_cpu_problem, _gpu_problem, _memory_problem)):
+        return None
+    fitting = sum(map(want.fits, members))
+    asked = f"{want.cpus} CPUs and {want.gpus} GPUs" + (f" and {want.mem_gb:g} GB" if want.mem_mb else "")
+    if fitting:
+        return (f"{KEY}nodes={want.nodes} asks {want.nodes} nodes with {asked} each; partition {partition} has "
+                f"{fitting} such node(s): set {KEY}nodes={fitting}")
+    return (f"the job asks {asked} on one node; no node of partition {partition} has all of them: lower "
+            f"{KEY}cpus_per_task, {KEY}gpus_per_node or {KEY}mem_gb")
+
+
+# one check per resource, in the order the messages are reported
+NODE_CHECKS = (_cpu_problem, _gpu_problem, _memory_problem, _together_problem)
+
+
+def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[str]:
+    """Problems when no partition the job may use has enough nodes that hold its per-node request
+    (:class:`NodeRequest`); it may use the named partitions (comma-separated), else the default one. Each partition
+    is checked by :data:`NODE_CHECKS`.
 
     Example:
         >>> (problem,) = check_node_resources({"tasks_per_node": 2, "cpus_per_task": 8, "gpus_per_node": 0},
@@ -164,11 +250,7 @@ def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[
         hydra.launcher.tasks_per_node=2 x hydra.launcher.cpus_per_task=8 asks 16 CPUs per node; nodes in
         partition debug have 2: set hydra.launcher.cpus_per_task=1 (or choose a partition with bigger nodes: ...)
     """
-    key = "hydra.launcher."
-    tasks, per_task = int(_get(launcher_cfg, "tasks_per_node", 1)), int(_get(launcher_cfg, "cpus_per_task", 1))
-    want_cpus, want_gpus = tasks * per_task, int(_get(launcher_cfg, "gpus_per_node", 0))
-    want_nodes, mem_gb = int(_get(launcher_cfg, "nodes", 1)), _get(launcher_cfg, "mem_gb")
-    want_mb = None if mem_gb is None else float(mem_gb) * 1024
+    want = NodeRequest.of(launcher_cfg)
     named = _get(launcher_cfg, "partition")
     if named:
         allowed = [p.strip() for p in str(named).split(",")]
@@ -176,56 +258,103 @@ def check_node_resources(launcher_cfg: Any, nodes: Sequence[SlurmNode]) -> list[
         allowed = sorted({n.partition for n in nodes if n.default}) or sorted({n.partition for n in nodes})
     by_partition = {p: [n for n in nodes if n.partition == p] for p in allowed}
     by_partition = {p: members for p, members in by_partition.items() if members}  # unknown: reported elsewhere
-
-    def fits(node: SlurmNode) -> bool:
-        return (node.cpus >= want_cpus and node.gpus >= want_gpus
-                and (want_mb is None or node.mem_mb >= want_mb))
-
-    def have(values: list, unit: str = "") -> str:
-        most = max(values)
-        return f"{'' if min(values) == most else 'at most '}{most:g}{unit}"
-
-    if not by_partition or any(sum(map(fits, members)) >= want_nodes for members in by_partition.values()):
+    if not by_partition or any(sum(map(want.fits, members)) >= want.nodes for members in by_partition.values()):
         return []
-    problems = []
-    for partition, members in by_partition.items():
-        cpus = [n.cpus for n in members]
-        if max(cpus) < want_cpus:
-            if max(cpus) >= tasks:
-                fix = f"set {key}cpus_per_task={max(cpus) // tasks}"
-            else:
-                fix = f"set {key}tasks_per_node={max(cpus)} {key}cpus_per_task=1"
-            problems.append(f"{key}tasks_per_node={tasks} x {key}cpus_per_task={per_task} asks {want_cpus} CPUs per "
-                            f"node; nodes in partition {partition} have {have(cpus)}: {fix} (or choose a partition "
-                            f"with bigger nodes: {key}partition=...)")
-        gpus = [n.gpus for n in members]
-        if max(gpus) < want_gpus:
-            with_gpus = sorted({n.partition for n in nodes if n.gpus >= want_gpus})
-            fix = (f"{key}gpus_per_node=0 {key}tasks_per_node=N for a CPU run" if max(gpus) == 0
-                   else f"{key}gpus_per_node={max(gpus)}")
-            problems.append(f"{key}gpus_per_node={want_gpus} asks {want_gpus} GPUs per node; nodes in partition "
-                            f"{partition} have {have(gpus)}: set {fix}"
-                            + (f", or {key}partition={with_gpus[0]} (has such nodes)" if with_gpus else ""))
-        mems = [n.mem_mb / 1024 for n in members]
-        if want_mb is not None and max(mems) * 1024 < want_mb:
-            problems.append(f"{key}mem_gb={mem_gb:g} asks {mem_gb:g} GB per node; nodes in partition {partition} "
-                            f"have {have([round(m, 1) for m in mems], ' GB')}: set {key}mem_gb={int(max(mems))} "
-                            f"or less (or {key}mem_gb=null for the partition's default)")
-        fitting = sum(map(fits, members))
-        if (max(cpus) >= want_cpus and max(gpus) >= want_gpus
-                and (want_mb is None or max(mems) * 1024 >= want_mb)):  # each fits somewhere, not all together
-            asked = f"{want_cpus} CPUs and {want_gpus} GPUs" + (f" and {mem_gb:g} GB" if want_mb else "")
-            problems.append(
-                f"{key}nodes={want_nodes} asks {want_nodes} nodes with {asked} each; partition {partition} has "
-                f"{fitting} such node(s): set {key}nodes={fitting}" if fitting else
-                f"the job asks {asked} on one node; no node of partition {partition} has all of them: lower "
-                f"{key}cpus_per_task, {key}gpus_per_node or {key}mem_gb")
-    return problems
+    return [problem for partition, members in by_partition.items() for check in NODE_CHECKS
+            if (problem := check(want, partition, members, nodes))]
+
+
+@dataclass(frozen=True)
+class LauncherValues:
+    """The launcher keys the checks read (None: absent, or not an integer where one is needed)."""
+
+    kind: str
+    nodes: int | None
+    tasks: int | None
+    gpus: int | None
+    cpus: int | None
+    timeout_min: int | None
+    mem_gb: Any
+    signal_delay_s: Any
+    max_num_timeout: Any
+
+
+def _tasks_fix(v: LauncherValues) -> str:
+    if v.gpus == 0:
+        return (f"{KEY}tasks_per_node=N (with {KEY}gpus_per_node=0 the task count no longer follows the GPU count; "
+                f"CPU DDP on one machine: {KEY}tasks_per_node=2)")
+    return f"{KEY}tasks_per_node=1 or more"
+
+
+def _positive(x) -> bool:
+    return x is not None and x >= 1
+
+
+# (applies, message): each rule reads the checked values, in the order the problems are reported
+LAUNCHER_RULES = (
+    (lambda v: v.nodes is not None and v.nodes < 1,
+     lambda v: f"{KEY}nodes={v.nodes}: a job needs at least one node. Fix: {KEY}nodes=1"),
+    (lambda v: v.kind == "local" and v.nodes is not None and v.nodes > 1,
+     lambda v: f"{KEY}nodes={v.nodes}: hydra/launcher=local runs on this machine only. "
+               f"Fix: {KEY}nodes=1, or hydra/launcher=slurm for several nodes"),
+    (lambda v: v.gpus is not None and v.gpus < 0,
+     lambda v: f"{KEY}gpus_per_node={v.gpus} is negative. Fix: {KEY}gpus_per_node=0 for a CPU run"),
+    (lambda v: v.tasks is not None and v.tasks < 1,
+     lambda v: f"{KEY}tasks_per_node={v.tasks}: every job needs at least one task (one rank). Fix: {_tasks_fix(v)}"),
+    (lambda v: v.tasks is not None and v.gpus is not None and 0 < v.gpus < v.tasks,
+     lambda v: f"{KEY}tasks_per_node={v.tasks} exceeds {KEY}gpus_per_node={v.gpus}: each task is one rank that drives "
+               f"one GPU, so {v.tasks - v.gpus} rank(s) per node would have no GPU. Fix: {KEY}tasks_per_node={v.gpus} "
+               f"(or raise {KEY}gpus_per_node), or {KEY}gpus_per_node=0 for a CPU run with {v.tasks} tasks"),
+    (lambda v: v.cpus is not None and v.cpus < 1,
+     lambda v: f"{KEY}cpus_per_task={v.cpus}: must be at least 1. Fix: {KEY}cpus_per_task=1, or null"),
+    (lambda v: v.mem_gb is not None and (isinstance(v.mem_gb, bool) or not isinstance(v.mem_gb, (int, float))
+                                         or v.mem_gb <= 0),
+     lambda v: f"{KEY}mem_gb={v.mem_gb!r}: must be a positive number of GB, or null for the cluster default"),
+    (lambda v: v.timeout_min is not None and v.timeout_min < 1,
+     lambda v: f"{KEY}timeout_min={v.timeout_min}: must be at least 1 minute. Fix: e.g. {KEY}timeout_min=60"),
+    (lambda v: (v.kind == "slurm" and isinstance(v.signal_delay_s, int) and _positive(v.timeout_min)
+                and v.signal_delay_s >= v.timeout_min * 60),
+     lambda v: f"{KEY}signal_delay_s={v.signal_delay_s} is not shorter than {KEY}timeout_min={v.timeout_min} "
+               f"({v.timeout_min * 60} s): the checkpoint-and-requeue signal would arrive as soon as the job starts. "
+               f"Fix: lower {KEY}signal_delay_s (e.g. 120) or raise {KEY}timeout_min"),
+    (lambda v: v.kind == "slurm" and isinstance(v.max_num_timeout, int) and v.max_num_timeout < 0,
+     lambda v: f"{KEY}max_num_timeout={v.max_num_timeout}: must be >= 0 (requeues after a timeout)"),
+)
+
+
+def _launcher_values(launcher_cfg: Any, kind: str, problems: list[str]) -> LauncherValues:
+    """The keys the rules read; an integer key holding something else is a problem (and None here)."""
+    def integer(name: str, default: int | None = None) -> int | None:
+        value = _get(launcher_cfg, name, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{KEY}{name}={value!r} must be an integer. Fix: e.g. {KEY}{name}=1")
+            return None
+        return value
+
+    return LauncherValues(kind=kind, nodes=integer("nodes", 1), tasks=integer("tasks_per_node", 1),
+                          gpus=integer("gpus_per_node"), cpus=integer("cpus_per_task"),
+                          timeout_min=integer("timeout_min"), mem_gb=_get(launcher_cfg, "mem_gb"),
+                          signal_delay_s=_get(launcher_cfg, "signal_delay_s"),
+                          max_num_timeout=_get(launcher_cfg, "max_num_timeout"))
+
+
+def _partition_problems(launcher_cfg: Any, partitions: Sequence[str]) -> list[str]:
+    partition = _get(launcher_cfg, "partition")
+    if partition in (None, ""):
+        return []
+    known = list(partitions)
+    return [f"{KEY}partition={partition!r}: partition {name.strip()!r} does not exist on this cluster (sinfo lists: "
+            f"{', '.join(known) or 'none'}). Fix: {KEY}partition=<one of those>, or {KEY}partition=null for the "
+            f"cluster's default partition"
+            for name in str(partition).split(",") if name.strip() not in known]
 
 
 def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None,
                    cluster_nodes: Sequence[SlurmNode] | None = None) -> list[str]:
-    """Problems with a submitit launcher config (empty list when it is fine).
+    """Problems with a submitit launcher config (empty list when it is fine): the keys' types, then
+    :data:`LAUNCHER_RULES`, then (Slurm) the partitions and the nodes' resources (:func:`check_node_resources`).
 
     Args:
         launcher_cfg: ``cfg.hydra.launcher`` (DictConfig or dict).
@@ -245,81 +374,17 @@ def check_launcher(launcher_cfg: Any, partitions: Sequence[str] | None = None,
     if kind is None:
         return []
     problems: list[str] = []
-    key = "hydra.launcher."
-
-    def as_int(name: str, default: int | None = None) -> int | None:
-        value = _get(launcher_cfg, name, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{key}{name}={value!r} must be an integer. Fix: e.g. {key}{name}=1")
-            return None
-        return value
-
-    nodes = as_int("nodes", 1)
-    tasks = as_int("tasks_per_node", 1)
-    gpus = as_int("gpus_per_node")
-    cpus = as_int("cpus_per_task")
-    timeout_min = as_int("timeout_min")
-
-    if nodes is not None and nodes < 1:
-        problems.append(f"{key}nodes={nodes}: a job needs at least one node. Fix: {key}nodes=1")
-    if kind == "local" and nodes is not None and nodes > 1:
-        problems.append(
-            f"{key}nodes={nodes}: hydra/launcher=local runs on this machine only. "
-            f"Fix: {key}nodes=1, or hydra/launcher=slurm for several nodes"
-        )
-    if gpus is not None and gpus < 0:
-        problems.append(f"{key}gpus_per_node={gpus} is negative. Fix: {key}gpus_per_node=0 for a CPU run")
-    if tasks is not None and tasks < 1:
-        fix = (
-            f"{key}tasks_per_node=N (with {key}gpus_per_node=0 the task count no longer follows the GPU count; "
-            f"CPU DDP on one machine: {key}tasks_per_node=2)"
-            if gpus == 0
-            else f"{key}tasks_per_node=1 or more"
-        )
-        problems.append(f"{key}tasks_per_node={tasks}: every job needs at least one task (one rank). Fix: {fix}")
-    if tasks is not None and gpus is not None and gpus > 0 and tasks > gpus:
-        problems.append(
-            f"{key}tasks_per_node={tasks} exceeds {key}gpus_per_node={gpus}: each task is one rank that drives one "
-            f"GPU, so {tasks - gpus} rank(s) per node would have no GPU. Fix: {key}tasks_per_node={gpus} "
-            f"(or raise {key}gpus_per_node), or {key}gpus_per_node=0 for a CPU run with {tasks} tasks"
-        )
-    if cpus is not None and cpus < 1:
-        problems.append(f"{key}cpus_per_task={cpus}: must be at least 1. Fix: {key}cpus_per_task=1, or null")
-    mem_gb = _get(launcher_cfg, "mem_gb")
-    if mem_gb is not None and (isinstance(mem_gb, bool) or not isinstance(mem_gb, (int, float)) or mem_gb <= 0):
-        problems.append(f"{key}mem_gb={mem_gb!r}: must be a positive number of GB, or null for the cluster default")
-    if timeout_min is not None and timeout_min < 1:
-        problems.append(f"{key}timeout_min={timeout_min}: must be at least 1 minute. Fix: e.g. {key}timeout_min=60")
-
-    if kind == "slurm":
-        delay = _get(launcher_cfg, "signal_delay_s")
-        if isinstance(delay, int) and timeout_min is not None and timeout_min >= 1 and delay >= timeout_min * 60:
-            problems.append(
-                f"{key}signal_delay_s={delay} is not shorter than {key}timeout_min={timeout_min} "
-                f"({timeout_min * 60} s): the checkpoint-and-requeue signal would arrive as soon as the job starts. "
-                f"Fix: lower {key}signal_delay_s (e.g. 120) or raise {key}timeout_min"
-            )
-        max_num_timeout = _get(launcher_cfg, "max_num_timeout")
-        if isinstance(max_num_timeout, int) and max_num_timeout < 0:
-            problems.append(f"{key}max_num_timeout={max_num_timeout}: must be >= 0 (requeues after a timeout)")
-        if partitions is None and cluster_nodes is None:
-            cluster_nodes = slurm_nodes()  # also fails early, with a clear message, when Slurm is unreachable
-        if partitions is None:
-            partitions = sorted({n.partition for n in cluster_nodes})
-        partition = _get(launcher_cfg, "partition")
-        if partition not in (None, ""):
-            known = list(partitions)
-            for name in str(partition).split(","):
-                if name.strip() not in known:
-                    problems.append(
-                        f"{key}partition={partition!r}: partition {name.strip()!r} does not exist on this cluster "
-                        f"(sinfo lists: {', '.join(known) or 'none'}). Fix: {key}partition=<one of those>, or "
-                        f"{key}partition=null for the cluster's default partition"
-                    )
-        if cluster_nodes is not None and not problems:  # counts are valid integers here
-            problems += check_node_resources(launcher_cfg, cluster_nodes)
+    values = _launcher_values(launcher_cfg, kind, problems)
+    problems += [message(values) for applies, message in LAUNCHER_RULES if applies(values)]
+    if kind != "slurm":
+        return problems
+    if partitions is None and cluster_nodes is None:
+        cluster_nodes = slurm_nodes()  # also fails early, with a clear message, when Slurm is unreachable
+    if partitions is None:
+        partitions = sorted({n.partition for n in cluster_nodes})
+    problems += _partition_problems(launcher_cfg, partitions)
+    if cluster_nodes is not None and not problems:  # counts are valid integers here
+        problems += check_node_resources(launcher_cfg, cluster_nodes)
     return problems
 
 

@@ -112,11 +112,6 @@ def data_keys(kind: Any) -> list[str]:
     return files[kind]
 
 
-def load_lengths(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None) -> np.ndarray:
-    """Sample lengths for planning (``load_plan_data``'s first half)."""
-    return load_plan_data(data_cfg, model_cfg)[0]
-
-
 def load_plan_data(data_cfg: Mapping[str, Any],
                    model_cfg: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Sample lengths and valid anchor positions for planning: a reference workload (``kind: lengths``: every
