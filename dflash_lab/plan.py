@@ -38,6 +38,8 @@ trainer's summary definition) is its second column; ETA = epochs x steps per epo
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,7 +52,7 @@ from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_effic
 # callers import (``from dflash_lab.plan import CostModel, predict_throughput``).
 from .planning.config import (  # noqa: F401
     BUCKET_KEYS, CONF_DIR, MAX_SWEEP_K, PLAN_CONF_DIR, SHARED_KEYS, conf_keys, data_keys,
-    load_plan_data, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
+    data_counts, describe_data_counts, load_plan_data, load_plan_inputs, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
 )
 from .planning.cost import (  # noqa: F401
     TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, cost_calibration_warning, cost_from_config,
@@ -65,6 +67,9 @@ from .planning.table import (  # noqa: F401
     largest_block_budget, memory_columns, memory_inputs, plan_table, plot_k_sweep, quantile_bands,
     resolve_block_budget, sweep_bucket_counts,
 )
+
+
+REFUSED_EXIT_CODE = 2   # bad input or data: the one-line message names the fix (as dflash_lab.train's refusals)
 
 
 def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
@@ -91,7 +96,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
-    lengths, valid = load_plan_data(cfg["data"], cfg.get("model"))
+    lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
 
     out_dir = Path(cfg["out_dir"])
@@ -106,7 +111,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
             "epochs": epochs, "world_size": world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
             "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
-            "cost_warning": cost_warning}
+            "cost_warning": cost_warning, "data": counts}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
@@ -114,6 +119,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     readable = (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
         f"{epochs:g} epochs; {describe_cost(cost)}\n"
+        + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(cfg.get("model"), block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
@@ -159,7 +165,13 @@ def main() -> None:
 
     @hydra.main(config_path="pkg://dflash_lab.conf", config_name="plan", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
-        run_plan(OmegaConf.to_container(cfg, resolve=True))
+        try:
+            run_plan(OmegaConf.to_container(cfg, resolve=True))
+        except (ValueError, FileNotFoundError) as exc:   # bad input or data: one line naming the fix, as training
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"dflash_lab.plan: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+            raise SystemExit(REFUSED_EXIT_CODE) from None
 
     _app()
 

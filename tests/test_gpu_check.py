@@ -172,31 +172,6 @@ def test_comparison_divides_each_figure_by_bucketed(gpu_check):
 
 
 @pytest.mark.integration
-def test_gpu_check_cpu_seed_regime_quick():
-    """--regime seed --quick on CPU at the tiny shape: full_random, bucketed and packed rows with executed TFLOP
-    per step and tokens-over-wall Ktok/s, one checkpointing-on step, and the comparison with the planner's ratio."""
-    setup, rows = _run_lines(["--shape", "tiny", "--regime", "seed", "--quick", "--num-samples", "3000"], 900)
-    assert setup["regime"] == "seed" and setup["mode"] == "quick" and setup["activation_checkpointing"] is False
-    assert all(p["max_block_tokens"] is None for p in setup["memory_plan"].values())
-    steps = [r["step"] for r in rows if "step" in r]
-    policies = [r for r in rows if "policy" in r]
-    assert [r["policy"] for r in policies] == ["full_random", "bucketed", "packed"]
-    assert {s["phase"] for s in steps} == {"warmup", "timed", "ckpt"}
-    for row in policies:
-        assert row["finite"] and row["steps"] >= 1 and row["oom_steps"] == 0
-        assert row["executed_tflop_per_step"] >= row["tflop_per_step"] > 0 and 0 < row["hfu"] < 1
-        timed = [s for s in steps if s["policy"] == row["policy"] and s["phase"] == "timed" and not s["compiled"]]
-        wall = sum(s["seconds"] for s in timed)
-        assert abs(row["ktok_s"] - sum(s["real"] for s in timed) / wall / 1e3) <= 1e-3 * row["ktok_s"]
-        assert 0 <= row["pred_fit_frac"] <= 1 and row["planner_ktok_s_wall"] > 0
-    (ckpt,) = [r["ckpt_step"] for r in rows if "ckpt_step" in r]
-    assert ckpt["oom"] is None and ckpt["pred_peak_mem_gb_ckpt"] < ckpt["pred_peak_mem_gb_plain"]
-    (comparison,) = [r["comparison"] for r in rows if "comparison" in r]
-    ratio = comparison["full_random_over_bucketed"]
-    assert ratio["measured"] > 0 and 0 < ratio["planner"] < 2
-
-
-@pytest.mark.integration
 def test_gpu_check_cpu_tiny():
     """Checkpointing off (--activation-checkpointing false): with it on, the tiny shape over-predicts by ~25%
     (docs/gpu.md, "One GPU script"); the checkpointed path runs in the two-rank test."""
@@ -226,18 +201,6 @@ def test_gpu_check_cpu_two_ranks_and_checkpointing_override():
 
 
 @pytest.mark.integration
-def test_gpu_check_cpu_medium_memory_within_15_percent():
-    """The medium shape (hidden 512, 2 draft layers, 32K vocabulary, 4,096-token steps, recipe anchors under the
-    memory plan's block budget): predicted / measured peak within 0.85-1.15 for bucketed and packed."""
-    setup, rows = _run(["--shape", "medium", "--policies", "bucketed,packed", "--warmup", "0", "--steps", "1"], 900)
-    assert setup["budget"] == 4096 and setup["model"]["anchor_density"] is None
-    assert [row["policy"] for row in rows] == ["bucketed", "packed"]
-    for row in rows:
-        assert row["finite"] and row["block_tokens_per_step"] >= 4096
-        assert 0.85 <= row["mem_ratio"] <= 1.15, row
-
-
-@pytest.mark.integration
 def test_gpu_check_sh_cpu(tmp_path):
     """bash scripts/gpu_check.sh --cpu --quick: every stage passes and every JSON line has its "check"."""
     out = tmp_path / "out.jsonl"
@@ -255,5 +218,8 @@ def test_gpu_check_sh_cpu(tmp_path):
     assert any("flex_operator" in name for name in tests["skipped_tests"]) is False
     rows = [line for line in lines if line["check"] == "gpu_check"]
     assert [line["policy"] for line in rows] == ["full_random", "bucketed", "packed"]
-    assert all(row["executed_tflop_per_step"] > 0 for row in rows)
+    for row in rows:   # the seed regime, quick: tokens over wall, executed TFLOP, utilisation, memory, planner
+        assert row["finite"] and row["steps"] >= 1 and row["oom_steps"] == 0
+        assert row["executed_tflop_per_step"] >= row["tflop_per_step"] > 0 and 0 < row["hfu"] < 1
+        assert row["ktok_s"] > 0 and 0 <= row["pred_fit_frac"] <= 1 and row["planner_ktok_s_wall"] > 0
     assert "gpu_check_comparison" in checks and "gpu_check_ckpt" in checks and "train" not in checks

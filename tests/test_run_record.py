@@ -110,3 +110,20 @@ def test_a_refused_fresh_start_and_a_nothing_to_do_relaunch_leave_the_record_byt
     assert sorted(pd.read_csv(out / "comparison.csv")["arm"]) == ["bucketed", "full_random"]
     paired = pd.read_csv(out / "paired.csv")
     assert len(paired) and paired["policy"].eq("bucketed").all()
+
+
+def test_keys_that_follow_the_seed_in_the_resolved_record_are_not_arms(tmp_path):
+    """run_config.json records the resolved config, where ``model.draft_init_seed: ${seed}`` is the seed itself and
+    ``model.pretrain_seed`` the seed mod target_seeds: one value per seed, not a setting. Two policies x two seeds
+    are two arms, not four."""
+    from dflash_lab.analysis import compare_records, load_runs
+
+    for sampler in ("bucketed", "full_random"):
+        for seed in (0, 1):
+            run = write_run(tmp_path / "sweep" / f"{sampler}_s{seed}", sampler, seed, run_record=True)
+            record = json.loads((run / "run_config.json").read_text())
+            record["config"]["model"] = {"draft_init_seed": seed, "pretrain_seed": seed % 1, "hidden_size": 64}
+            record["overrides"].append(f"+arm={sampler}")   # a sweep's arm file: its keys come from the config
+            (run / "run_config.json").write_text(json.dumps(record))
+    comparison = compare_records(load_runs([tmp_path / "sweep"]).runs)
+    assert sorted(comparison.groups.index) == ["bucketed", "full_random"]

@@ -281,7 +281,8 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
         rows[record.run_id] = {key: _value(record, key, given.get(key)) for key in ["sampler", *candidates]}
     values = pd.DataFrame.from_dict(rows, orient="index", columns=list(dict.fromkeys(["sampler", *candidates])))
     values = values.fillna(UNSET)
-    varied = _varied_keys(values)
+    seeds = pd.Series({r.run_id: format_value(r.config.get(SEED_KEY)) for r in records})
+    varied = _varied_keys(values, seeds)
     # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
     keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
     values = values[keys]
@@ -303,11 +304,17 @@ def _candidate_keys(records: list[RunRecord], parsed: dict[str, dict | None]) ->
     return "overrides+config", candidates + [k for k in _config_keys(records) if k not in candidates]
 
 
-def _varied_keys(values: pd.DataFrame) -> list[str]:
+def _varied_keys(values: pd.DataFrame, seeds: pd.Series) -> list[str]:
     """The keys (sampler aside) whose values differ between runs, less those that only restate an earlier one
-    (model.pretrain_data.band_skills follows data.band_skills: the same partition of the runs adds no setting)."""
+    (model.pretrain_data.band_skills follows data.band_skills: the same partition of the runs adds no setting) and
+    those that follow the seed (``model.draft_init_seed: ${seed}``, ``model.pretrain_seed`` = seed mod
+    target_seeds: one value per seed, as a resolved config records them), when seeds repeat across runs."""
+    seeds = seeds.reindex(values.index)
+    seeds_repeat = seeds.duplicated().any()
     varied: list[str] = []
     for key in (k for k in values.columns if k != "sampler" and values[k].nunique() > 1):
+        if seeds_repeat and (values[key].groupby(seeds).nunique() <= 1).all():
+            continue   # a function of the seed: the pairs' own key, not a setting
         if not any(_same_partition(values[key], values[earlier]) for earlier in varied):
             varied.append(key)
     return varied

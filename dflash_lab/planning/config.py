@@ -114,9 +114,17 @@ def data_keys(kind: Any) -> list[str]:
 
 def load_plan_data(data_cfg: Mapping[str, Any],
                    model_cfg: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sample lengths and valid anchor positions for planning (``load_plan_inputs`` without the data's counts)."""
+    lengths, valid, _counts = load_plan_inputs(data_cfg, model_cfg)
+    return lengths, valid
+
+
+def load_plan_inputs(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
     """Sample lengths and valid anchor positions for planning: a reference workload (``kind: lengths``: every
     token supervised, ``sampling.anchors.valid_positions_from_lengths``) or a dataset's cached arrays (its own
-    loss masks, ``TokenizedDataset.anchor_positions``).
+    loss masks, ``TokenizedDataset.anchor_positions``); and a dataset's counts (:func:`data_counts`; None for a
+    reference workload).
 
     Raises:
         ValueError: an unknown data kind, a key the kind does not use (e.g. ``data.path`` with ``kind: lengths``),
@@ -133,7 +141,7 @@ def load_plan_data(data_cfg: Mapping[str, Any],
         num_samples = as_int("data.num_samples", data_cfg["num_samples"], minimum=1, example=800000)
         seed = as_int("data.seed", data_cfg.get("seed", 0), minimum=0)
         lengths = validate_lengths(reference_lengths(workload, num_samples, seed=seed))
-        return lengths, valid_positions_from_lengths(lengths)
+        return lengths, valid_positions_from_lengths(lengths), None
     from ..data import build_dataset
     from ..data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 
@@ -145,8 +153,54 @@ def load_plan_data(data_cfg: Mapping[str, Any],
         tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(model_cfg["target_path"]))
     else:
         tokenizer = ByteTokenizer()
-    train, _ = build_dataset(kind, tokenizer=tokenizer, **data_cfg).split()
-    return validate_lengths(train.lengths), train.anchor_positions()
+    dataset = build_dataset(kind, tokenizer=tokenizer, **data_cfg)
+    train, _ = dataset.split()
+    return validate_lengths(train.lengths), train.anchor_positions(), data_counts(dataset, data_cfg)
+
+
+def data_counts(dataset, data_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the data loader kept, skipped and cut, for the plan (``plan.json`` meta ``data``; the printed
+    plan's ``data:`` line): kept samples, skipped lines per reason (nonzero ones), samples cut to
+    ``data.max_length``, and where the skipped lines are listed. None for data that skips and cuts nothing
+    (the synthetic corpus)."""
+    stats = dataset.stats
+    if "kept" not in stats:
+        return None
+    counts = {"kept": int(stats["kept"]), "total_lines": stats.get("total_lines"),
+              "skipped": {reason: int(n) for reason, n in stats.get("skipped", {}).items() if n},
+              "truncated": int(stats.get("truncated") or 0), "max_length": data_cfg.get("max_length"),
+              "length_keeping_99pct": stats.get("length_keeping_99pct")}
+    if counts["skipped"] and dataset.meta.get("directory"):
+        from ..data.datasets import SKIPPED_LINES_FILE
+
+        counts["skipped_lines_file"] = str(Path(dataset.meta["directory"]) / SKIPPED_LINES_FILE)
+    return counts
+
+
+def describe_data_counts(counts: dict[str, Any] | None) -> str:
+    """The plan's ``data:`` line: kept, skipped (by reason, and where every line is listed), cut ("" for none).
+
+    Example:
+        >>> print(describe_data_counts({"kept": 57, "total_lines": 60, "skipped": {"too_long": 3}, "truncated": 2,
+        ...                             "max_length": 1024, "length_keeping_99pct": 2900}))
+        data: 57 of 60 lines kept; skipped: too_long 3; 2 cut to data.max_length=1024 (data.max_length=2900 keeps 99% of the lines whole)
+    """
+    if counts is None:
+        return ""
+    total = counts.get("total_lines")
+    line = f"data: {counts['kept']:,} of {total:,} lines kept" if total else f"data: {counts['kept']:,} samples"
+    if counts["skipped"]:
+        line += "; skipped: " + ", ".join(f"{reason} {n:,}" for reason, n in counts["skipped"].items())
+        if counts.get("skipped_lines_file"):
+            line += f" (every skipped line: {counts['skipped_lines_file']})"
+    else:
+        line += "; none skipped"
+    if counts["truncated"]:
+        line += f"; {counts['truncated']:,} cut to data.max_length={counts['max_length']}"
+        keeping = counts.get("length_keeping_99pct")
+        if keeping and counts.get("max_length") and keeping > counts["max_length"]:
+            line += f" (data.max_length={keeping} keeps 99% of the lines whole)"
+    return line
 
 
 def plan_keys() -> list[str]:

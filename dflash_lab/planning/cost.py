@@ -334,14 +334,11 @@ def model_fingerprint(model_cfg: Mapping[str, Any] | None) -> str | None:
 
 
 def _run_model_config(run_dir: str | Path) -> dict | None:
-    """The ``model`` section a run trained with (its ``.hydra/config.yaml``), or None when it is not there."""
-    from omegaconf import OmegaConf
+    """The ``model`` section a run trained with (its ``run_config.json``, else ``.hydra/config.yaml``), or None."""
+    from ..records.record import read_run_config
 
-    file = Path(run_dir) / ".hydra" / "config.yaml"
-    if not file.is_file():
-        return None
-    config = OmegaConf.load(file)
-    return OmegaConf.to_container(config.model, resolve=False) if "model" in config else None
+    model = read_run_config(run_dir).config.get("model")
+    return model if isinstance(model, dict) else None
 
 
 def model_preset_config(preset: str) -> dict[str, Any]:
@@ -379,7 +376,8 @@ def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str
     guess), naming both and the fix; None when they match or the calibration's model is unknown.
 
     The calibration's model: ``cost.calibrate=true`` times the planned model itself; ``cost.from_run`` runs record
-    theirs (``.hydra/config.yaml``); a cost config names it in ``calibrated_for`` (a ``conf/model`` preset).
+    theirs (``run_config.json``, else ``.hydra/config.yaml``); a cost config names it in ``calibrated_for`` (a
+    ``conf/model`` preset).
     """
     if as_bool("cost.calibrate", cost_cfg.get("calibrate", False)):
         return None
