@@ -193,9 +193,9 @@ def test_largest_fitting_budget_and_preflight_message():
     ckpt = plan_peak_bytes(lengths, cfg, step, replace(settings, activation_checkpointing=True), seed=0, world_size=1)
     gpu_mem_gb = 0.5 * (full + ckpt) / GIB / USABLE_FRACTION   # fits with checkpointing only
     best = largest_fitting_max_tokens(lengths, cfg, step, settings, budget_gb=USABLE_FRACTION * gpu_mem_gb, seed=0,
-                                      world_size=1, granularity=256)
-    assert 400 <= best < 8192 and best % 256 == 0
-    for budget, fits in ((best, True), (best + 256, False)):
+                                      world_size=1, granularity=512)   # the preflight's granularity
+    assert 400 <= best < 8192 and best % 512 == 0
+    for budget, fits in ((best, True), (best + 512, False)):
         peak = plan_peak_bytes(lengths, {**cfg, "max_tokens": budget}, step, settings, seed=0, world_size=1)
         assert (peak <= USABLE_FRACTION * gpu_mem_gb * GIB) == fits
     with pytest.raises(PreflightError, match=rf"sampler.max_tokens={best}\b.*activation_checkpointing=true"):
