@@ -17,24 +17,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from dflash_lab.records import checkpoint as ckpt
 from dflash_lab.records import record
 from dflash_lab.records.record import PRESENTATION_COLUMNS, PROBE_FIELDS, STEP_FIELDS, SUMMARY_FIELDS
 from dflash_lab.train import TrainHooks, train
-from helpers import SMALL  # tests/ is on sys.path (pytest rootdir-relative import)
+from helpers import compose_small as compose_cfg  # tests/ is on sys.path (pytest rootdir-relative import)
+from helpers import SMALL, stop_at
 
 pytestmark = pytest.mark.integration   # trains, compiles or starts processes: scripts/test.sh
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-
-def compose_cfg(run_dir: Path, *overrides: str):
-    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
-        return compose(config_name="train", overrides=[f"run_dir={run_dir}", *SMALL, *overrides])
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -97,15 +92,6 @@ def test_every_sampler_trains(tmp_path, sampler):
     rows = read_jsonl(tmp_path / sampler / "metrics.jsonl")
     unbucketed = sampler in ("sorted_static", "full_random")
     assert all((r["bucket"] == -1) if unbucketed else (r["bucket"] >= 0) for r in rows)
-
-
-def stop_at(step: int) -> TrainHooks:
-    """Hooks that request a checkpoint-and-exit during update `step` (what SIGUSR2 does on a cluster)."""
-    def after_forward(at_step, micro, out):
-        if at_step == step:
-            ckpt.request_checkpoint("test")
-        return out
-    return TrainHooks(after_forward=after_forward)
 
 
 def train_in_parts(run_dir: Path, stops: list[int], *overrides: str) -> dict:
