@@ -54,12 +54,19 @@ PROTOCOL_FILE = "protocol.json"
 
 # The verdict rules, by version: what code decides beyond the declared keys. A version is added whenever a rule
 # changes, so a sweep recorded under an older version is still judged as it was declared.
-RULES_VERSION = 4
+RULES_VERSION = 5
+_V4 = {"small": True, "test": "t", "window": 0.25, "costs": True}
+_BEFORE_V5 = {"nested": False, "controls_by_equivalence": False, "time_to_target": False}
 RULES: dict[int, dict[str, Any]] = {
-    1: {"small": False, "test": "sign_flip", "window": "steady", "costs": False},
-    2: {"small": True, "test": "sign_flip", "window": "steady", "costs": False},
-    3: {"small": True, "test": "t", "window": 0.25, "costs": False},
-    4: {"small": True, "test": "t", "window": 0.25, "costs": True},
+    1: {"small": False, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5},
+    2: {"small": True, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5},
+    3: {"small": True, "test": "t", "window": 0.25, "costs": False, **_BEFORE_V5},
+    4: {**_V4, **_BEFORE_V5},
+    # nested: seeds nested within targets are analysed with the target as the unit; controls_by_equivalence: a
+    # negative control reacts only when it fails equivalence within its margin, and the question is also stated
+    # net of its matched control; time_to_target: the answer states time to the declared probe-loss target next to
+    # throughput, and the early-window probe-loss gap
+    5: {**_V4, "nested": True, "controls_by_equivalence": True, "time_to_target": True},
 }
 RULE_CHANGES: dict[int, str] = {
     2: "the verdict gained the 'small' answer (detected, yet inside the declared margin); before, that was 'yes'",
@@ -68,6 +75,10 @@ RULE_CHANGES: dict[int, str] = {
     4: "the answer also states the co-primary endpoints the question arm declared (tau of the worst band, mean "
        "tau, probe loss at equal steps, equal epochs and equal modelled GPU time); the yes/small/no rule is "
        "unchanged",
+    5: "seeds nested within targets are analysed with the target as the unit (the answer says how many targets "
+       "and seeds it rests on); a negative control counts as reacting only when it fails equivalence within its "
+       "margin, and the question's effect is also stated net of its matched control; tau endpoints need the "
+       "positive control too; the answer states time to the declared probe-loss target next to throughput",
 }
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 COST_KEYS = ("c0", "c1", "c2")
@@ -287,7 +298,7 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
 'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
-test='t', window=0.25, rules=4)
+test='t', window=0.25, rules=5)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     recorded = recorded_protocol(records)
