@@ -120,6 +120,24 @@ def _window(text: str) -> float | str:
                                          "steady") from None
 
 
+def _target(text: str) -> dict:
+    """--target LEVEL or RULE=SHARE, each optionally followed by ,margin=RATIO (analysis.target)."""
+    fix = ("write a probe-loss level or baseline_mean_at=SHARE, optionally with ,margin=RATIO, e.g. --target 2.316 "
+           "or --target baseline_mean_at=0.5,margin=0.1")
+    first, *rest = text.split(",")
+    name, equals, value = first.partition("=")
+    try:
+        target: dict = {"rule": name.strip(), "at": float(value)} if equals else {"probe_loss": float(first)}
+        for term in rest:
+            key, _, number = term.partition("=")
+            if key.strip() != "margin":
+                raise ValueError(key)
+            target["margin"] = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target {text!r}: {fix}") from None
+    return target
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,6 +167,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the analysis window of jumpiness and forgetting starts: a share of each run's "
                              "end step, or steady (each run's own steady state) (default: analysis.window, else "
                              "the protocol rules' default, 0.25)")
+    parser.add_argument("--target", type=_target, metavar="LEVEL|baseline_mean_at=SHARE[,margin=R]",
+                        help="probe-loss level of the time-to-target endpoints: a fixed level, or the baseline "
+                             "arm's mean probe loss at SHARE x the common step budget; margin: a ratio margin "
+                             "(default: analysis.target, else none)")
     parser.add_argument("--theta", type=float, default=LEARNED_THRESHOLD,
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
@@ -420,7 +442,7 @@ def _compare(args: argparse.Namespace) -> int:
         print("no runs loaded; nothing to compare", file=sys.stderr)
         return 1
     options = dict(baseline=args.baseline, endpoints=args.endpoints, margins=args.margins, cost=args.cost,
-                   alpha=args.alpha, test=args.test, window=args.window)
+                   alpha=args.alpha, test=args.test, window=args.window, target=args.target)
     try:
         recorded = recorded_protocol(report.runs)
         rules = recorded["rules_version"] if recorded else RULES_VERSION

@@ -12,6 +12,18 @@ Curve: the mean over bands of the probe loss at each eval where every band was s
 Reading a curve at a budget: linear interpolation between the two evals around it on that axis; NaN past the run's
 last eval (the run never got there) and before its first: never extrapolated.
 Common budget of a comparison: the smallest last-eval position over its finished runs, so each of them reaches it.
+
+Time to target (`time_to_target`): the position on an axis where the curve first reaches a probe-loss level L,
+read between the first eval at or below L (i) and the eval before it (i - 1), in eval order:
+    x_L = x_(i-1) + w (x_i - x_(i-1)),  w = (y_(i-1) - L) / (y_(i-1) - y_i)
+with the same w on every axis (the curve is linear in loss between two evals on each of them); x_0 when the first
+eval is already at or below L; NaN when no eval reaches L (never extrapolated past the run's last eval). The first
+crossing counts even if a later eval rises above L again: it is when the level was first seen.
+Early window (`mean_probe_loss_until`): the curve's mean probe loss over [x_first, E] on an axis, as the area under
+the linearly interpolated curve divided by the width (trapezoid rule, so unevenly spaced evals weigh by the span
+they stand for, not by their count): mean = integral_(x_first)^E y dx / (E - x_first); x_first is the run's first
+eval (step 0: the trainer evaluates before training). The comparison reads it at E = EARLY_SHARE x the common step
+budget (`probe_loss_early`).
 """
 
 from __future__ import annotations
@@ -24,6 +36,11 @@ from dflash_lab.plan import CostModel
 AXES = ("steps", "real_tokens", "modelled_time_s")
 ENDPOINT_OF_AXIS = {"steps": "probe_loss_at_steps", "real_tokens": "probe_loss_at_tokens",
                     "modelled_time_s": "probe_loss_at_time"}
+TARGET_ENDPOINT_OF_AXIS = {"steps": "steps_to_target", "real_tokens": "tokens_to_target",
+                           "modelled_time_s": "time_to_target"}
+# The early window: the first quarter of the common step budget, where orders that learn the easy (short) examples
+# first or last differ most before every arm has seen the whole data once
+EARLY_SHARE = 0.25
 
 
 def _numeric(steps: pd.DataFrame, name: str) -> np.ndarray | None:
@@ -165,3 +182,63 @@ def probe_loss_at(curve: pd.DataFrame, axis: str, budget: float) -> float:
     if axis not in curve.columns:
         return float("nan")
     return value_at(curve[axis].to_numpy(), curve["probe_loss"].to_numpy(), budget)
+
+
+def _in_eval_order(curve: pd.DataFrame, axis: str) -> tuple[np.ndarray, np.ndarray]:
+    """(positions on `axis`, probe losses) of the evals with a probe loss, in eval (step) order."""
+    rows = curve.dropna(subset=["probe_loss"])
+    rows = rows.sort_values("steps" if "steps" in rows.columns else axis, kind="stable")
+    return rows[axis].to_numpy(dtype=np.float64), rows["probe_loss"].to_numpy(dtype=np.float64)
+
+
+def time_to_target(curve: pd.DataFrame, axis: str, target: float) -> float:
+    """Where on `axis` the run's probe curve first reaches probe loss `target`: between the first eval i at or
+    below it and the eval before, x_(i-1) + (y_(i-1) - target) / (y_(i-1) - y_i) (x_i - x_(i-1)); x_0 if the first
+    eval already is; NaN if no eval reaches it (never extrapolated) or the axis is unknown.
+
+    Example:
+        >>> curve = pd.DataFrame({"steps": [0.0, 10.0, 20.0, 30.0], "real_tokens": [0.0, 100.0, 300.0, 600.0],
+        ...                       "probe_loss": [4.0, 3.0, 2.0, 2.5]})
+        >>> time_to_target(curve, "steps", 2.5), time_to_target(curve, "real_tokens", 2.5)   # w = 0.5 on both
+        (15.0, 200.0)
+        >>> time_to_target(curve, "steps", 1.9)   # never reached within the run
+        nan
+    """
+    if axis not in curve.columns or not np.isfinite(target):
+        return float("nan")
+    position, loss = _in_eval_order(curve, axis)
+    reached = np.flatnonzero(loss <= target)
+    if not reached.size:
+        return float("nan")
+    first = int(reached[0])
+    if first == 0:
+        return float(position[0])
+    share = (loss[first - 1] - target) / (loss[first - 1] - loss[first])   # y_(i-1) > target >= y_i: no 0 / 0
+    return float(position[first - 1] + share * (position[first] - position[first - 1]))
+
+
+def mean_probe_loss_until(curve: pd.DataFrame, axis: str, end: float) -> float:
+    """The curve's mean probe loss over [first eval, `end`] on `axis`: the trapezoid area under the linearly
+    interpolated curve divided by the width; NaN when the run's evals do not reach `end` or `end` is not finite.
+
+    Example:
+        >>> curve = pd.DataFrame({"steps": [0.0, 10.0, 40.0], "probe_loss": [4.0, 2.0, 2.0]})
+        >>> mean_probe_loss_until(curve, "steps", 20.0)   # (10 x 3 + 10 x 2) / 20; a plain mean of evals: 3.0
+        2.5
+        >>> mean_probe_loss_until(curve, "steps", 50.0)
+        nan
+    """
+    if axis not in curve.columns or not np.isfinite(end):
+        return float("nan")
+    position, loss = _in_eval_order(curve, axis)
+    keep = np.isfinite(position)
+    position, loss = position[keep], loss[keep]
+    if not position.size or end < position[0] or end > position.max():
+        return float("nan")
+    if end == position[0]:
+        return float(loss[0])
+    inside = position < end
+    xs = np.r_[position[inside], end]
+    ys = np.r_[loss[inside], value_at(position, loss, end)]
+    area = float(np.sum((ys[1:] + ys[:-1]) / 2.0 * np.diff(xs)))
+    return area / float(end - position[0])

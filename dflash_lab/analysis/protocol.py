@@ -18,6 +18,17 @@ seeing them:
                                 # steady state, which depends on the outcome: the rule of protocol version < 3)
       verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
                                 # the ablation's verdict.json (analysis.verdict); null: no verdict
+      target: null              # the probe-loss level of the time-to-target endpoints (steps_to_target,
+                                # tokens_to_target, time_to_target; analysis.budgets.time_to_target); null: none.
+                                # {probe_loss: 2.316}: a fixed level; {rule: baseline_mean_at, at: 0.5}: fixed from
+                                # the baseline arm's curves alone, before the arms are compared: the mean over its
+                                # finished runs of the probe loss at `at` x the common step budget (each stratum's
+                                # own baseline). margin (optional, e.g. 0.10): a ratio margin, within 10% of the
+                                # baseline's mean counts as equivalent (TOST margin = margin x the baseline arm's
+                                # mean of each endpoint, the smallest over baselines; an analysis.margins entry for
+                                # one of them wins). Rules version >= 5: when a target is declared, the three
+                                # endpoints and probe_loss_early are paired (their own Holm family unless listed in
+                                # endpoints) and the verdict states time to target next to throughput
 
 Frozen at launch: a multirun writes `protocol.json` into its sweep folder before any run starts
 (:func:`record_protocol`, the `record_protocol` Hydra callback of conf/train.yaml): the declared section, every key
@@ -30,7 +41,7 @@ must agree (runs that declare different values for a key not given on the comman
 to different sweeps). A `protocol.json` that cannot be read or lacks its rules version is refused in one line.
 
 Each key can be overridden on the `python -m dflash_lab.compare` command line (--baseline, --endpoints, --margins,
---cost, --alpha, --test, --window). An override that changes the launch protocol is allowed, but the answer is
+--cost, --alpha, --test, --window, --target). An override that changes the launch protocol is allowed, but the answer is
 then not the launch protocol's: compare judges the runs both ways, the first note says which keys were overridden
 and what the launch protocol answers, and verdict.json's `launch_protocol` holds both answers
 (:func:`overridden_keys`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
@@ -49,7 +60,7 @@ from dflash_lab.analysis.paired import TESTS
 from dflash_lab.analysis.schema import BETTER, DEFAULT_ENDPOINTS, RunRecord
 from dflash_lab.config_check import as_float, refuse_unknown_keys
 
-PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict", "test", "window")
+PROTOCOL_KEYS = ("baseline", "endpoints", "margins", "cost", "alpha", "verdict", "test", "window", "target")
 PROTOCOL_FILE = "protocol.json"
 
 # The verdict rules, by version: what code decides beyond the declared keys. A version is added whenever a rule
@@ -81,6 +92,8 @@ RULE_CHANGES: dict[int, str] = {
        "positive control too; the answer states time to the declared probe-loss target next to throughput",
 }
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
+TARGET_KEYS = ("probe_loss", "rule", "at", "margin")
+TARGET_RULES = ("baseline_mean_at",)
 COST_KEYS = ("c0", "c1", "c2")
 
 
@@ -96,6 +109,7 @@ class Protocol:
     verdict: dict[str, str] | None = None
     test: str = RULES[RULES_VERSION]["test"]
     window: float | str = RULES[RULES_VERSION]["window"]
+    target: dict[str, Any] | None = None
     rules: int = RULES_VERSION      # the rules version the comparison applies (protocol.json's, else today's)
 
 
@@ -242,8 +256,59 @@ def check_window(value: Any, key: str = "analysis.window") -> float | str:
     return share
 
 
+def check_target(value: Any, key: str = "analysis.target") -> dict[str, Any] | None:
+    """The time-to-target level: ``{probe_loss: L}`` (fixed) or ``{rule: baseline_mean_at, at: share in (0, 1]}``
+    (fixed from the baseline's curves), each with an optional ratio ``margin`` > 0; None stays None.
+
+    Example:
+        >>> check_target({"rule": "baseline_mean_at", "at": 0.5, "margin": 0.1})
+        {'rule': 'baseline_mean_at', 'at': 0.5, 'margin': 0.1}
+        >>> check_target({"probe_loss": 2.316, "at": 0.5})
+        Traceback (most recent call last):
+        ...
+        ValueError: analysis.target: at belongs to rule baseline_mean_at; a fixed level takes probe_loss only, e.g. analysis.target={probe_loss: 2.316} or {rule: baseline_mean_at, at: 0.5}, optionally with margin: 0.1
+    """
+    if value is None:
+        return None
+    example = f"{key}={{probe_loss: 2.316}} or {{rule: baseline_mean_at, at: 0.5}}, optionally with margin: 0.1"
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key}={value!r}: give a mapping, e.g. {example}")
+    refuse_unknown_keys(key, value, TARGET_KEYS)
+    fixed, ruled = "probe_loss" in value, "rule" in value
+    if fixed == ruled:
+        raise ValueError(f"{key}: give {'either' if fixed else 'one of'} probe_loss (a fixed level) or rule (a level "
+                         f"fixed from the baseline's curves){', not both' if fixed else ''}, e.g. {example}")
+    target: dict[str, Any] = {}
+    if fixed:
+        if "at" in value:
+            raise ValueError(f"{key}: at belongs to rule baseline_mean_at; a fixed level takes probe_loss only, "
+                             f"e.g. {example}")
+        target["probe_loss"] = as_float(f"{key}.probe_loss", value["probe_loss"], example=2.316)
+        if target["probe_loss"] <= 0:
+            raise ValueError(f"{key}.probe_loss={target['probe_loss']:g}: a probe loss is > 0, e.g. {example}")
+    else:
+        if value["rule"] not in TARGET_RULES:
+            raise ValueError(f"{key}.rule={value['rule']!r}: choose {', '.join(TARGET_RULES)} (the baseline arm's "
+                             f"mean probe loss at a share of the common step budget), e.g. {example}")
+        if "at" not in value:
+            raise ValueError(f"{key}: rule {value['rule']} needs at, the share of the common step budget, e.g. "
+                             f"{example}")
+        at = as_float(f"{key}.at", value["at"], maximum=1.0, example=0.5)
+        if at <= 0:
+            raise ValueError(f"{key}.at={at:g}: give a share of the common step budget in (0, 1], e.g. {example}")
+        target.update(rule=value["rule"], at=at)
+    if value.get("margin") is not None:
+        margin = as_float(f"{key}.margin", value["margin"], example=0.1)
+        if margin <= 0:
+            raise ValueError(f"{key}.margin={margin:g}: a ratio margin must be > 0 (0.1: within 10% of the "
+                             f"baseline's time to target counts as equivalent)")
+        target["margin"] = margin
+    return target
+
+
 _CHECKS = {"baseline": check_baseline, "endpoints": check_endpoints, "margins": check_margins, "cost": check_cost,
-           "alpha": check_alpha, "verdict": check_verdict, "test": check_test, "window": check_window}
+           "alpha": check_alpha, "verdict": check_verdict, "test": check_test, "window": check_window,
+           "target": check_target}
 
 
 def default_protocol(rules: int = RULES_VERSION) -> Protocol:
@@ -264,8 +329,8 @@ def protocol_from_section(section: Mapping | None, rules: int = RULES_VERSION) -
         >>> protocol_from_section({"margin": {}})
         Traceback (most recent call last):
         ...
-        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, test, \
-verdict, window
+        ValueError: unknown analysis key(s) ['margin']; valid keys: alpha, baseline, cost, endpoints, margins, target, \
+test, verdict, window
     """
     if section is None:
         return default_protocol(rules)
@@ -286,7 +351,7 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
         records: the loaded runs (their sweep folder's `protocol.json`, else their `config["analysis"]`).
         rules: the rules version to judge by; None: the one the sweep recorded at launch (:func:`recorded_protocol`),
             else today's (:data:`RULES_VERSION`).
-        command_line: baseline / endpoints / margins / cost / alpha / test / window as given to compare (None: not
+        command_line: baseline / endpoints / margins / cost / alpha / test / window / target as given to compare (None: not
             given).
 
     Raises:
@@ -298,7 +363,7 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
 'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
-test='t', window=0.25, rules=5)
+test='t', window=0.25, target=None, rules=5)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     recorded = recorded_protocol(records)

@@ -81,6 +81,12 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "probe_loss_at_steps": "budgets: mean probe loss interpolated at the comparison's common optimizer-step budget",
     "probe_loss_at_tokens": "budgets: mean probe loss interpolated at the common real-token budget",
     "probe_loss_at_time": "budgets: mean probe loss interpolated at the common modelled-time budget",
+    "probe_loss_early": "budgets.mean_probe_loss_until: mean probe loss over the first 25% of the common step "
+                        "budget (trapezoid area under the probe curve / width)",
+    "steps_to_target": "budgets.time_to_target: optimizer steps at which the probe curve first reaches the "
+                       "declared target (analysis.target), interpolated between evals; NaN if never reached",
+    "tokens_to_target": "budgets.time_to_target on the real-token axis",
+    "time_to_target": "budgets.time_to_target on the modelled-time axis (seconds; NaN without a cost model)",
     "final_loss": "summary.final_loss, else the last logged loss",
     "final_acc": "summary.final_acc, else the last logged acc",
     "tau": "summary.tau: acceptance length of greedy speculative decoding",
@@ -121,7 +127,8 @@ BETTER: dict[str, str] = {
     "cross_band_effect": "lower", "loop_score": "lower", "forgetting_events_per_example": "lower",
     "frac_ever_forgotten": "lower", "frac_never_learned": "lower", "modelled_time_s": "lower",
     "probe_loss_final": "lower", "probe_loss_at_steps": "lower", "probe_loss_at_tokens": "lower",
-    "probe_loss_at_time": "lower", "final_loss": "lower", "final_acc": "higher", "tau": "higher",
+    "probe_loss_at_time": "lower", "probe_loss_early": "lower", "steps_to_target": "lower",
+    "tokens_to_target": "lower", "time_to_target": "lower", "final_loss": "lower", "final_acc": "higher", "tau": "higher",
     "tau_band_min": "higher", "tau_band_mean": "higher",
 }
 

@@ -20,7 +20,7 @@ from dflash_lab.analysis import arms as arms_module
 from dflash_lab.analysis import budgets
 from dflash_lab.analysis.paired import PAIRED_COLUMNS, paired_table
 from dflash_lab.analysis.protocol import RULES, Protocol, resolve_protocol
-from dflash_lab.analysis.verdict import build_verdict
+from dflash_lab.analysis.verdict import add_time_to_target, build_verdict
 from dflash_lab.analysis.schema import (
     COMPARISON_COLUMNS,
     NUMERIC_RUN_COLUMNS,
@@ -349,6 +349,7 @@ class Comparison:
         protocol: what was tested (baseline, endpoints, margins, cost, alpha, verdict roles).
         notes: comparison-level notes (strata without a baseline, too few seeds, ...).
         verdict: verdict.json's content when the protocol declares verdict roles (analysis.verdict), else None.
+        target: the time-to-target level as fixed (`_target_endpoints`), None when analysis.target declares none.
     """
 
     runs: pd.DataFrame
@@ -362,6 +363,7 @@ class Comparison:
     protocol: Protocol
     notes: list[str]
     verdict: dict | None = None
+    target: dict | None = None
 
 
 def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
@@ -420,15 +422,22 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
                          "weights or data (--mixed-digests=allow): see their notes")
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
+    target = _target_endpoints(runs, analyses, protocol.target, budget,
+                               pairing.arms["baseline"].to_dict() if pairing is not None else {}, notes)
     paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
     left_out: list[dict] = []
     if pairing is not None:
         runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
         left_out = left_out_runs(records, runs)   # paired statistics and the verdict: finished runs only
         finished = runs[runs["status"] == "finished"]
-        paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, protocol.margins,
+        states_target = bool(RULES[protocol.rules]["time_to_target"] and target is not None)
+        margins = {**(_target_margins(finished, target, pairing.arms) if states_target else {}), **protocol.margins}
+        paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, margins,
                                             protocol.alpha, test=protocol.test)
         notes += pairing.notes + paired_notes
+        if states_target:
+            paired, target_notes = _pair_target_endpoints(finished, pairing.arms, protocol, margins, paired, target)
+            notes += [note for note in target_notes if note not in notes]
         if left_out:
             notes.append("paired comparisons and the verdict use finished runs only; left out: " + "; ".join(
                 f"{entry['run']} ({entry['arm']} seed {entry['seed']}): {entry['reason']}" for entry in left_out))
@@ -442,8 +451,11 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
                                     config_values=lambda key: arms_module.config_values(records, key))
         except ValueError as error:  # a selector that matches several arms, or names a key no run has
             notes.append(f"verdict.json not written: {error}")
+        if verdict is not None and RULES[protocol.rules]["time_to_target"]:
+            add_time_to_target(verdict, paired, target, early_step=budgets.EARLY_SHARE * budget["steps"])
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
-                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict)
+                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict,
+                      target=target)
 
 
 def left_out_reason(record: RunRecord) -> str:
@@ -487,7 +499,8 @@ def _joined(text, more: list[str]) -> str:
 
 
 def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.DataFrame:
-    """Fill probe_loss_at_<axis> at the common budgets of the finished runs; returns every run's curve (long)."""
+    """Fill probe_loss_at_<axis> at the common budgets of the finished runs, and probe_loss_early over the first
+    EARLY_SHARE of the common step budget; returns every run's curve (long)."""
     finished = [a.curve for a, partial in zip(analyses, runs["partial"]) if not partial and len(a.curve)]
     common = budgets.common_budgets(finished) if finished else {axis: float("nan") for axis in budgets.AXES}
     for axis, endpoint in budgets.ENDPOINT_OF_AXIS.items():
@@ -507,12 +520,128 @@ def _budget_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis]) -> pd.Dat
             else:
                 reason = f"no probe loss at the common budget {common[axis]:.0f} {axis}"
             runs.at[index, "notes"] = "; ".join(filter(None, [runs.at[index, "notes"], f"{endpoint}: {reason}"]))
+    early_end = budgets.EARLY_SHARE * common["steps"]
+    runs["probe_loss_early"] = [budgets.mean_probe_loss_until(a.curve, "steps", early_end) for a in analyses]
     curves = [a.curve.assign(run_id=a.row["run_id"]) for a in analyses if len(a.curve)]
     frame = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
     if len(frame):
         frame = frame.merge(runs[["run_id", "arm", "seed"]], on="run_id", how="left")
     frame.attrs["budgets"] = common
     return frame
+
+
+TIME_TO_TARGET_ENDPOINTS = (*budgets.TARGET_ENDPOINT_OF_AXIS.values(), "probe_loss_early")
+
+
+def _add_note(runs: pd.DataFrame, index, note: str) -> None:
+    runs.at[index, "notes"] = "; ".join(filter(None, [runs.at[index, "notes"], note]))
+
+
+def _target_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis], declared: dict | None,
+                      common: dict[str, float], baseline_of: dict, notes: list[str]) -> dict | None:
+    """Fix the time-to-target level (analysis.target) and fill steps/tokens/time_to_target of every run.
+
+    A fixed level (probe_loss) applies to every run. Rule baseline_mean_at: each baseline arm's level is the mean
+    over its finished runs of the probe loss at `at` x the common step budget; every arm is read at its own
+    stratum's baseline level, so the level depends on the baseline's curves alone, never on the arms compared with
+    it. A run whose curve never reaches its level keeps NaN and a note (it is left out of the paired rows).
+
+    Returns:
+        None without a declared target, else {rule, at, step, margin, levels (baseline arm -> level; "all" for a
+        fixed level), fixed_by (in words), not_reached (run, arm, seed, level, lowest probe loss, last eval step)}.
+    """
+    if declared is None:
+        return None
+    rule = declared.get("rule", "fixed")
+    target = {"rule": rule, "at": declared.get("at"), "step": None, "margin": declared.get("margin"),
+              "levels": {}, "fixed_by": "", "not_reached": []}
+    finished = ~runs["partial"].astype(bool)
+    if rule == "fixed":
+        target["levels"] = {"all": float(declared["probe_loss"])}
+        target["fixed_by"] = "declared before the runs (analysis.target.probe_loss)"
+        level_of_run = [target["levels"]["all"]] * len(runs)
+    else:
+        step = float(declared["at"]) * common["steps"]
+        target["step"] = step if np.isfinite(step) else None
+        for baseline in dict.fromkeys(b for b in baseline_of.values() if isinstance(b, str)):
+            own = [budgets.probe_loss_at(a.curve, "steps", step)
+                   for a, arm, done in zip(analyses, runs["arm"], finished) if arm == baseline and done]
+            own = [value for value in own if np.isfinite(value)]
+            if own:
+                target["levels"][baseline] = float(np.mean(own))
+        target["fixed_by"] = (f"the baseline arm's mean probe loss at {declared['at']:g} x the common step budget "
+                              f"(step {step:.0f}), over its finished runs, before the arms were compared")
+        if not target["levels"]:
+            notes.append("analysis.target: rule baseline_mean_at needs a baseline arm with finished runs whose "
+                         "curves reach the step it names (declare analysis.baseline): no time-to-target endpoints")
+        level_of_run = [target["levels"].get(baseline_of.get(arm), float("nan")) for arm in runs["arm"]]
+    for index, analysis, level in zip(runs.index, analyses, level_of_run):
+        for axis, endpoint in budgets.TARGET_ENDPOINT_OF_AXIS.items():
+            runs.at[index, endpoint] = budgets.time_to_target(analysis.curve, axis, level)
+        if not np.isfinite(level):
+            continue
+        if not np.isfinite(runs.at[index, "steps_to_target"]):
+            curve = analysis.curve.dropna(subset=["probe_loss"])
+            lowest = float(curve["probe_loss"].min()) if len(curve) else float("nan")
+            last = float(curve["steps"].max()) if len(curve) else float("nan")
+            _add_note(runs, index, f"steps_to_target, tokens_to_target, time_to_target: never reached the target "
+                                   f"probe loss {level:.4g} (lowest {lowest:.4g}, last eval at step {last:.0f}); "
+                                   "not extrapolated")
+            if finished[index]:
+                target["not_reached"].append({"run": runs.at[index, "run_id"], "arm": runs.at[index, "arm"],
+                                              "seed": None if pd.isna(runs.at[index, "seed"])
+                                              else int(runs.at[index, "seed"]),
+                                              "level": level, "lowest": lowest, "last_step": last})
+        elif not np.isfinite(runs.at[index, "time_to_target"]):
+            _add_note(runs, index, "time_to_target: no modelled time (give analysis.cost or --cost)")
+    return target
+
+
+def _target_margins(finished: pd.DataFrame, target: dict | None, arms: pd.DataFrame) -> dict[str, float]:
+    """The TOST margins of the time-to-target endpoints in their own units: the declared ratio margin x the
+    baseline arm's mean (the smallest over baseline arms: the strictest); {} without a ratio margin.
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["b", "b", "q"], "steps_to_target": [100.0, 120.0, 150.0]})
+        >>> _target_margins(runs, {"margin": 0.1}, pd.DataFrame({"baseline": ["b", "b"]}, index=["b", "q"]))
+        {'steps_to_target': 11.0}
+    """
+    if target is None or target.get("margin") is None:
+        return {}
+    baselines = set(arms["baseline"].dropna())
+    margins = {}
+    for endpoint in budgets.TARGET_ENDPOINT_OF_AXIS.values():
+        if endpoint not in finished.columns:
+            continue
+        means = [pd.to_numeric(finished.loc[finished["arm"] == b, endpoint], errors="coerce").mean()
+                 for b in baselines]
+        means = [m for m in means if np.isfinite(m) and m > 0]
+        if means:
+            margins[endpoint] = float(target["margin"] * min(means))
+    return margins
+
+
+def _pair_target_endpoints(finished: pd.DataFrame, arms: pd.DataFrame, protocol: Protocol,
+                           margins: dict[str, float], paired: pd.DataFrame,
+                           target: dict) -> tuple[pd.DataFrame, list[str]]:
+    """Add the time-to-target endpoints and probe_loss_early to the paired table (rules version >= 5, a target
+    declared): those not among analysis.endpoints form a Holm family of their own, so the declared endpoints'
+    p_holm is what it was; and say which seed pairs a never-reaching run removed."""
+    notes = []
+    extra = tuple(name for name in TIME_TO_TARGET_ENDPOINTS if name not in protocol.endpoints)
+    if extra:
+        more, more_notes = paired_table(finished, arms, extra, margins, protocol.alpha, test=protocol.test)
+        paired = pd.concat([paired, more], ignore_index=True) if len(paired) else more
+        notes += more_notes + [f"{', '.join(extra)}: paired as a Holm family of their own (analysis.target is "
+                               "declared; not among analysis.endpoints), so the declared endpoints' p_holm is "
+                               "unchanged"]
+    for entry in target["not_reached"]:
+        notes.append(f"steps_to_target, tokens_to_target, time_to_target: {entry['run']} ({entry['arm']} seed "
+                     f"{entry['seed']}) never reached probe loss {entry['level']:.4g} (lowest {entry['lowest']:.4g} "
+                     f"by step {entry['last_step']:.0f}): its seed pair is left out, so those paired rows rest on "
+                     "fewer pairs (n_pairs); the run left out is a slow one, so the paired difference understates "
+                     "the gap")
+    return paired, notes
 
 
 def _long_tables(analyses: list[RunAnalysis], runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -63,6 +63,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_lab.analysis.arms import parse_selector
+from dflash_lab.analysis.budgets import EARLY_SHARE
 from dflash_lab.analysis.paired import MIN_BOOTSTRAP_PAIRS, per_seed_values
 from dflash_lab.analysis.schema import BETTER
 
@@ -422,3 +423,100 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str, small_answer: 
     bound = worst / abs(positive["diff"]) if positive["diff"] else float("nan")
     return (f"no detectable effect: {interval}; at most {bound:.0%} of the positive control's effect "
             f"({_fmt(positive['diff'])}){speed}")
+
+
+# ------------------------------------------------------------------------------------- time to target (rules >= 5)
+TARGET_ENDPOINTS = (("steps_to_target", "steps"), ("tokens_to_target", "real tokens"),
+                    ("time_to_target", "modelled GPU time"))
+
+
+def _target_row(paired: pd.DataFrame, arm: str, endpoint: str) -> dict | None:
+    rows = paired[(paired["policy"] == arm) & (paired["endpoint"] == endpoint)]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    ratio = (float(row["arm_mean"]) / float(row["baseline_mean"])
+             if math.isfinite(float(row["baseline_mean"])) and float(row["baseline_mean"]) > 0 else float("nan"))
+    return {"baseline": row["baseline"], "baseline_mean": _number(row["baseline_mean"]),
+            "question_mean": _number(row["arm_mean"]), "diff": _number(row["diff"]),
+            "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]), "verdict": row["verdict"],
+            "margin": _number(row["margin"]), "n_pairs": int(row["n_pairs"]), "ratio": _number(ratio)}
+
+
+def add_time_to_target(verdict: dict, paired: pd.DataFrame, target: dict | None, early_step: float) -> None:
+    """Rules version >= 5: state the trade of the question arm in verdict.json and its answer.
+
+    Adds ``time_to_target`` (with a declared analysis.target): the level and how it was fixed, per endpoint
+    (steps, real tokens, modelled time to target) the baseline's and the question's mean over the seed pairs both
+    reached it, the paired diff [t interval], verdict, pairs and the ratio question / baseline, and the runs that
+    never reached it; and ``early_window``: the paired probe_loss_early row (mean probe loss over the first
+    EARLY_SHARE of the common step budget). The answer gains one sentence: "trade: <throughput>x the throughput
+    (Ktok/s), <time ratio>x the modelled GPU time to reach probe loss L (<steps ratio>x the steps: diff [interval]
+    steps, n pairs)", and the early-window gap.
+
+    Example:
+        >>> def row(endpoint, arm_mean, diff):
+        ...     return {"policy": "q", "endpoint": endpoint, "baseline": "b", "arm_mean": arm_mean,
+        ...             "baseline_mean": arm_mean - diff, "diff": diff, "ci_low": diff - 1, "ci_high": diff + 1,
+        ...             "verdict": "worse", "margin": float("nan"), "n_pairs": 5}
+        >>> paired = pd.DataFrame([row("steps_to_target", 120.0, 20.0), row("time_to_target", 130.0, 30.0)])
+        >>> verdict = {"arms": {"question": "q"}, "throughput_ratio": 2.0, "answer": "no detectable effect"}
+        >>> add_time_to_target(verdict, paired, {"levels": {"b": 2.3}, "fixed_by": "declared"}, early_step=25.0)
+        >>> verdict["answer"]
+        'no detectable effect; trade: 2.00x the throughput (Ktok/s), 1.30x the modelled GPU time to reach probe \
+loss 2.3 (1.20x the steps: +20 [+19, +21] steps, 5 pairs, worse)'
+    """
+    question = (verdict.get("arms") or {}).get("question")
+    if question is None:
+        return
+    sentences = []
+    if target is not None:
+        rows = {name: _target_row(paired, question, name) for name, _ in TARGET_ENDPOINTS}
+        baseline = next((row["baseline"] for row in rows.values() if row is not None), None)
+        levels = target.get("levels") or {}
+        level = levels.get("all", levels.get(baseline))
+        verdict["time_to_target"] = {
+            "probe_loss": level, "fixed_by": target.get("fixed_by"), "rule": target.get("rule"),
+            "at": target.get("at"), "step": target.get("step"), "ratio_margin": target.get("margin"),
+            "question": question, "baseline": baseline, **rows,
+            "steps_ratio": (rows["steps_to_target"] or {}).get("ratio"),
+            "time_ratio": (rows["time_to_target"] or {}).get("ratio"),
+            "not_reached": [entry for entry in target.get("not_reached", []) if entry["arm"] in (question, baseline)]}
+        steps = rows["steps_to_target"]
+        if level is not None and steps is not None:
+            entry = verdict["time_to_target"]
+            head = [] if verdict.get("throughput_ratio") is None else \
+                [f"{verdict['throughput_ratio']:.2f}x the throughput (Ktok/s)"]
+            interval = (f"{_fmt(steps['diff'])} [{_fmt(steps['ci_low'])}, {_fmt(steps['ci_high'])}] steps, "
+                        f"{steps['n_pairs']} pairs, {steps['verdict']}")
+            if entry["not_reached"]:
+                interval += f"; {len(entry['not_reached'])} run(s) never reached it, their pairs left out"
+            if entry["time_ratio"] is not None:
+                head.append(f"{entry['time_ratio']:.2f}x the modelled GPU time to reach probe loss {level:.4g}")
+                detail = f"{_plain_ratio(steps['ratio'])}x the steps: {interval}"
+            else:   # no cost model: steps are the compute axis stated
+                head.append(f"{_plain_ratio(steps['ratio'])}x the steps to reach probe loss {level:.4g}")
+                detail = interval
+            sentences.append(f"trade: {', '.join(head)} ({detail})")
+        elif level is not None and verdict["time_to_target"]["not_reached"]:
+            missed = verdict["time_to_target"]["not_reached"]
+            sentences.append(f"no paired time to reach probe loss {level:.4g}: never reached by "
+                             + ", ".join(f"{entry['arm']} seed {entry['seed']}" for entry in missed))
+    early = paired[(paired["policy"] == question) & (paired["endpoint"] == "probe_loss_early")]
+    if not early.empty:
+        row = early.iloc[0]
+        verdict["early_window"] = {"endpoint": "probe_loss_early", "until_step": _number(early_step),
+                                   "baseline": row["baseline"], "baseline_mean": _number(row["baseline_mean"]),
+                                   "question_mean": _number(row["arm_mean"]), "diff": _number(row["diff"]),
+                                   "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]),
+                                   "verdict": row["verdict"], "n_pairs": int(row["n_pairs"])}
+        sentences.append(f"paired probe-loss gap over the first {EARLY_SHARE:.0%} of steps (to step "
+                         f"{early_step:.0f}) "
+                         f"{_fmt(_number(row['diff']))} [{_fmt(_number(row['ci_low']))}, "
+                         f"{_fmt(_number(row['ci_high']))}] ({row['verdict']})")
+    if sentences:
+        verdict["answer"] += "; " + "; ".join(sentences)
+
+
+def _plain_ratio(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.2f}"
