@@ -13,17 +13,15 @@ Reading a curve at a budget: linear interpolation between the two evals around i
 last eval (the run never got there) and before its first: never extrapolated.
 Common budget of a comparison: the smallest last-eval position over its finished runs, so each of them reaches it.
 
-Time to target (`time_to_target`): the position on an axis where the curve first reaches a probe-loss level L,
-read between the first eval at or below L (i) and the eval before it (i - 1), in eval order:
-    x_L = x_(i-1) + w (x_i - x_(i-1)),  w = (y_(i-1) - L) / (y_(i-1) - y_i)
-with the same w on every axis (the curve is linear in loss between two evals on each of them); x_0 when the first
-eval is already at or below L; NaN when no eval reaches L (never extrapolated past the run's last eval). The first
-crossing counts even if a later eval rises above L again: it is when the level was first seen.
-Early window (`mean_probe_loss_until`): the curve's mean probe loss over [x_first, E] on an axis, as the area under
-the linearly interpolated curve divided by the width (trapezoid rule, so unevenly spaced evals weigh by the span
-they stand for, not by their count): mean = integral_(x_first)^E y dx / (E - x_first); x_first is the run's first
-eval (step 0: the trainer evaluates before training). The comparison reads it at E = EARLY_SHARE x the common step
-budget (`probe_loss_early`).
+Time to target and the early window, on a run's probe curve (evals in step order, y = mean probe loss):
+    time to target L  x_L = x_(i-1) + w (x_i - x_(i-1)), w = (y_(i-1) - L) / (y_(i-1) - y_i), with i the first eval
+                      where y_i <= L (the first crossing counts, even if a later eval rises above L again); x_0 if
+                      the first eval already is at or below L; NaN if no eval reaches L (never extrapolated). The
+                      same w on every axis: steps_to_target, tokens_to_target, time_to_target (time_to_target)
+    early window      mean probe loss over [x_first, E] = (area under the linearly interpolated curve from x_first
+                      to E) / (E - x_first), trapezoid rule, so unevenly spaced evals weigh by the span they stand
+                      for; x_first: the first eval (step 0: the trainer evaluates before training); E = EARLY_SHARE
+                      (0.25) x the common step budget: probe_loss_early (mean_probe_loss_until)
 """
 
 from __future__ import annotations

@@ -49,6 +49,15 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   arm (a selector matching several arms, or a key no run has, is refused)
     too few pairs                 a role with fewer than 2 finished seed pairs has no interval: "inconclusive: too
                                   few finished seed pairs", naming the role, never an interval of NaN
+    time_to_target                rules version >= 5 with analysis.target declared (`add_time_to_target`): the
+                                  level and how it was fixed, the question arm's and its baseline's mean steps,
+                                  real tokens and modelled time to reach it (analysis.budgets.time_to_target), the
+                                  paired diffs with intervals, the ratios question / baseline (steps_ratio,
+                                  time_ratio) and the runs that never reached it; the answer adds "trade: <r>x the
+                                  throughput (Ktok/s), <t>x the modelled GPU time to reach probe loss L (<s>x the
+                                  steps: diff [interval] steps, n pairs, verdict)"
+    early_window                  rules version >= 5, when probe_loss_early is paired: the paired probe-loss gap
+                                  over the first 25% of the common step budget, stated in the answer too
 
 Cost: a few table lookups.
 """
