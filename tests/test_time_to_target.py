@@ -13,7 +13,7 @@ import pytest
 from dflash_lab import compare
 from dflash_lab.analysis import budgets
 from dflash_lab.analysis import protocol as protocol_module
-from dflash_lab.analysis import load_runs
+from dflash_lab.analysis import load_runs, markdown_tables
 from dflash_lab.analysis.paired import paired_table
 from dflash_lab.analysis.protocol import Protocol, check_target, protocol_from_section
 from dflash_lab.analysis.summarize import compare_records
@@ -119,6 +119,8 @@ def test_a_never_reaching_run_is_nan_with_a_note_and_the_pairs_say_so(tmp_path):
     assert row["n_pairs"] == 2 and row["seeds"] == "0 1"
     assert any("bucketed_s2 (bucketed seed 2) never reached probe loss 2.7" in note and "fewer pairs" in note
                for note in comparison.notes)
+    table = markdown_tables(comparison).split("## Time to target")[1]
+    assert "Probe loss 2.7, declared before the runs" in table and "| bucketed |" in table
     assert comparison.paired.set_index("endpoint").loc["ktok_s", "p_holm"] == pytest.approx(
         comparison.paired.set_index("endpoint").loc["ktok_s", "p_t"])   # its own family: Holm over 1 endpoint
 

@@ -771,7 +771,19 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
     headers = ["arm", "probe_loss_final", "probe_loss_at_steps", "probe_loss_at_tokens", "probe_loss_at_time"]
     budget_rows = [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
                    for arm, stats in groups.iterrows()]
-    parts += [_markdown(headers, budget_rows), "", "## Per run", ""]
+    parts += [_markdown(headers, budget_rows), ""]
+    if comparison.target is not None:
+        levels = ", ".join(f"{level:.4g}" + ("" if arm == "all" else f" ({arm})")
+                           for arm, level in comparison.target["levels"].items()) or "n/a"
+        parts += ["## Time to target", "",
+                  f"Probe loss {levels}, {comparison.target['fixed_by']}: where each run's probe curve first reaches "
+                  f"it (interpolated between evals), mean over the arm's runs that reached it (a run that never did is named in "
+                  f"the notes). probe_loss_early: mean probe loss over the "
+                  f"first {budgets.EARLY_SHARE:.0%} of the common step budget.", ""]
+        headers = ["arm", "steps_to_target", "tokens_to_target", "time_to_target", "probe_loss_early"]
+        parts += [_markdown(headers, [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
+                                      for arm, stats in groups.iterrows()]), ""]
+    parts += ["## Per run", ""]
     run_rows = []
     for _, run in runs.iterrows():
         seed = "n/a" if pd.isna(run["seed"]) else str(int(run["seed"]))
