@@ -48,6 +48,7 @@ import pandas as pd
 
 from .config_check import as_choice, as_float, as_int, refuse_unknown_keys
 from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_efficiency, validate_boundaries
+from .sampling.stats import resolve_matched_real_tokens
 # The planner's parts live in dflash_lab.planning; every name is re-exported here, the module the CLI runs and
 # callers import (``from dflash_lab.plan import CostModel, predict_throughput``).
 from .planning.config import (  # noqa: F401
@@ -98,6 +99,8 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
+    samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus, seed=seed,
+                                                  world_size=world_size) for name, sampler_cfg in samplers.items()}
 
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
