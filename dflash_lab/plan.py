@@ -88,12 +88,12 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     bands = cfg.get("bands")
     bands = None if bands is None else validate_boundaries(bands, key="bands")
     sweep_k = None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"])
-    sweep_method = as_choice("sweep_method", cfg.get("sweep_method", "optimal"), FIT_METHODS)
+    sweep_method = as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS)
     target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
     floors = recommend_floors(cfg.get("recommend"))
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
-                for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg.get("policies", "all")).items()}
+                for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
