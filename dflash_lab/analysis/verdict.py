@@ -43,6 +43,28 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   residual_amplitude over every run (all arms, seeds), its correlation r, and the
                                   residual-amplitude margin the declared tau_band_min margin implies
                                   (margin_tau / |slope|), to set against the declared amplitude margin
+    Rules version >= 5 (the protocol's RULES flags, passed as build_verdict's nested / controls_by_equivalence):
+    units (nested)                the paired table's unit is the target where the seeds nest in several targets
+                                  (paired.analysis_units); `units` gives unit, units, targets, seeds and the answer
+                                  says "it rests on N targets and M seeds"; the share of the positive control is
+                                  computed over the same units
+    reacted (negative control,    with a declared margin for the endpoint: detected and not equivalent (its own
+     controls_by_equivalence)     unadjusted TOST p >= alpha; negative_control_reaction says why unadjusted); a
+                                  detected difference shown inside the margin is no reaction. Without a margin:
+                                  detected, and the answer says the control was judged by detection.
+                                  valid = positive detected and negative not reacted
+    question_net_of_matched_control
+                                  per seed (q - qb) - (m - mb), per unit as the paired table, with its t interval:
+                                  m is `analysis.verdict.matched_control` where declared (the question's sampler on
+                                  data where length carries no signal), else the negative control (`matched_by`)
+    instruments (tau)             tau_band_min and tau join the instruments: a tau the positive control does not
+                                  move on the worse side is in `failed_positive_control`, and the answer's tau
+                                  statements say "tau did not detect the positive control" instead of a verdict
+    throughput_from               padding-efficiency ratio, modelled-cost ratio (modelled time per real token) and
+                                  the measured Ktok/s ratio; the answer claims the modelled one (else padding) and
+                                  quotes the measured one as time-confounded unless arms interleave (arms run in
+                                  blocks: the negative control, whose padding equals full_random's,
+                                  measured +2.7 Ktok/s on the natural-data sweep)
     left_out, missing             the runs left out (not finished: run, arm, seed, status, why) and the seeds the
                                   roles' pairs lack, each named with its arm and cause (`missing_seeds`)
     missing arm                   a role whose selector matches no loaded run: "inconclusive", naming the missing
@@ -559,7 +581,8 @@ def net_of_matched_control(runs: pd.DataFrame, paired: pd.DataFrame, endpoint: s
              "ci_low": None, "ci_high": None, "p_t": None, "n_pairs": 0, "unit": "seed", "n_targets": 0,
              "n_seeds": 0}
     question_row, matched_row = _row(paired, question, endpoint), _row(paired, arm, endpoint)
-    if question_row is None or matched_row is None or arm == question:
+    if (question_row is None or matched_row is None or arm == question
+            or not {"seed", endpoint} <= set(runs.columns)):
         return empty
     finished = _finished(runs)
     per_seed = pd.concat([per_seed_values(finished, name, endpoint) for name in
@@ -669,7 +692,7 @@ def _controls_phrase(verdict: dict) -> str:
     """The negative control's rule and the question net of its matched control, for the answer (version >= 5)."""
     negative, parts = verdict["negative_control"], []
     if negative.get("margin") is None:
-        parts.append(f"the negative control is judged by detection: {negative.get('rule', 'no paired row')}")
+        parts.append(f"the negative control is judged by detection (no margin declared for {negative['endpoint']})")
     else:
         shown = "equivalent" if negative["equivalent"] else "not shown equivalent"
         parts.append(f"the negative control {_fmt(negative['diff'])} [{_fmt(negative['ci_low'])}, "
