@@ -19,7 +19,8 @@ analysis.arms) through the per-seed differences x_arm(seed s) - x_baseline(seed 
 
 Every statistic below is computed over the units (n = number of units, ``n_pairs``; ``n_targets`` and ``n_seeds``
 say what they rest on, ``unit`` which they are), MDD and ``seeds_needed`` included: ``seeds_needed`` counts units,
-i.e. targets when unit = target (each with as many seeds as now):
+i.e. targets when unit = target (each with as many seeds as now). ``arm_mean`` and ``baseline_mean`` stay the
+means over the paired seeds, so with unequal seeds per target diff need not equal their difference:
 
     effect            diff = mean(d)
     t interval        diff +- t_(1 - alpha/2, n - 1) sd(d) / sqrt(n)                       (ci_low, ci_high)
@@ -410,10 +411,10 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
             row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
             row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
         if test == "sign_flip" and max(row["p_min"] for row in family) * len(family) >= alpha:
-            n = max(row["n_pairs"] for row in family)
+            n, unit = max(row["n_pairs"] for row in family), family[0]["unit"]
             needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
-            notes.append(f"{arm}: with {n} seed pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
-                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} seeds")
+            notes.append(f"{arm}: with {n} {unit} pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
+                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} {unit}s")
         rows += family
     table = pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
     return table, notes
