@@ -48,6 +48,7 @@ import pandas as pd
 
 from .config_check import as_choice, as_float, as_int, refuse_unknown_keys
 from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_efficiency, validate_boundaries
+from .sampling.stats import resolve_matched_real_tokens
 # The planner's parts live in dflash_lab.planning; every name is re-exported here, the module the CLI runs and
 # callers import (``from dflash_lab.plan import CostModel, predict_throughput``).
 from .planning.config import (  # noqa: F401
@@ -87,17 +88,19 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     bands = cfg.get("bands")
     bands = None if bands is None else validate_boundaries(bands, key="bands")
     sweep_k = None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"])
-    sweep_method = as_choice("sweep_method", cfg.get("sweep_method", "optimal"), FIT_METHODS)
+    sweep_method = as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS)
     target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
     floors = recommend_floors(cfg.get("recommend"))
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
-                for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg.get("policies", "all")).items()}
+                for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
+    samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus, seed=seed,
+                                                  world_size=world_size) for name, sampler_cfg in samplers.items()}
 
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -34,11 +34,8 @@ KNOWN_FALLBACKS = {
     "cluster/launch.py": {"name"},                            # a message placeholder ("the sampler"), not a default
     "sampling/build.py": {"drop_last", "overlong"},           # build_policy's library defaults (sampler section)
     "model/footprint.py": {"overlong"},                       # the sampler section, as build_policy reads it
-    # the planner's own section (conf/plan.yaml)
-    "plan.py": {"policies", "sweep_method"},
-    "planning/config.py": {"kind", "seed"},
-    "planning/cost.py": {"kind"},
-    "planning/table.py": {"activation_checkpointing", "gpu_mem_gb", "precision", "attention"},
+    "planning/config.py": {"kind"},                           # a file's name when its YAML names no kind
+    "planning/cost.py": {"kind"},                             # "?" in a message, not a default
 }
 
 

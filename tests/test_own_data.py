@@ -196,7 +196,7 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
 @pytest.mark.integration
 def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_command(tmp_path):
     """sweeps/forgetting_protocol.yaml on a chat JSONL and a local Qwen3 (tiny: 2 seeds, a few steps): one multirun
-    command trains the four arms (the random-key negative control among them), records the protocol at launch,
+    command trains the six arms (the random-key controls and full_random at bucketed's real tokens among them), records the protocol at launch,
     and compare writes the paired table with the tau endpoints and verdict.json."""
     import subprocess
     import sys
@@ -221,7 +221,7 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
     protocol = json.loads((sweep / "protocol.json").read_text())
     assert protocol["resolved"]["verdict"]["negative_control"] == "sampler=bucket_sequential,sampler.bucket_by=random"
     runs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert len(runs) == 8
+    assert len(runs) == 12
     summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
     assert all(s["status"] == "finished" and s["steps"] == 4 for s in summaries)
     assert {s["sampler"] for s in summaries} == {"full_random", "bucketed", "bucket_sequential"}

@@ -118,3 +118,29 @@ def test_sampling_modules_import_without_cycles():
 
     for module in graph:
         visit(module)
+
+
+def test_full_random_at_bucketeds_real_tokens_is_resolved_from_the_bucketed_plan_of_the_same_data():
+    """sampler.real_tokens_per_step=bucketed: T is the bucketed plan's mean real tokens per rank and step over the
+    same lengths, budget, seed and world size (automatic boundaries), at least the longest sample; a number stays."""
+    from dflash_lab.sampling import build_policy, resolve_auto_boundaries
+    from dflash_lab.sampling.stats import plan_stats, resolve_matched_real_tokens
+
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(8, 40, 300), rng.integers(200, 400, 60)])
+    cfg = {"name": "full_random", "max_tokens": 1024, "overlong": "error", "real_tokens_per_step": "bucketed"}
+    for builtin in (False, True):
+        auto = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=builtin)
+        bucketed = build_policy("bucketed", lengths, max_tokens=1024, seed=5, world_size=2,
+                                boundaries=auto["boundaries"], num_buckets=auto["num_buckets"])
+        expected = max(int(lengths.max()), round(plan_stats(bucketed)["real_tokens_per_step"]))
+        got = resolve_matched_real_tokens(cfg, lengths, builtin_corpus=builtin, seed=5, world_size=2)
+        assert got["real_tokens_per_step"] == expected and cfg["real_tokens_per_step"] == "bucketed"
+        policy = build_policy("full_random", lengths, max_tokens=1024, seed=5, world_size=2,
+                              real_tokens_per_step=got["real_tokens_per_step"])
+        real = plan_stats(policy)["real_tokens_per_step"]
+        assert abs(real - expected) / expected < 0.1   # full_random's steps then carry about bucketed's real tokens
+    assert resolve_matched_real_tokens({**cfg, "real_tokens_per_step": 700}, lengths, builtin_corpus=False, seed=5,
+                                       world_size=2)["real_tokens_per_step"] == 700
+    with pytest.raises(ValueError, match="resolved where the data is known"):
+        build_policy("full_random", lengths, max_tokens=1024, real_tokens_per_step="bucketed")

@@ -1,7 +1,26 @@
-"""Paired comparison of arms with a baseline arm, seed by seed.
+"""Paired comparison of arms with a baseline arm, seed by seed, or target by target where seeds nest in targets.
 
 Runs with the same seed share the draft init and the data, so an arm is compared with its baseline (same stratum,
-analysis.arms) through the per-seed differences d_i = x_arm(seed i) - x_baseline(seed i), i = 1..n:
+analysis.arms) through the per-seed differences x_arm(seed s) - x_baseline(seed s). The unit of analysis:
+
+    seed              d_i = the seed's difference, i = 1..n seeds: the seeds are the independent replicates
+    target            (rules version >= 5, `nested`, when the paired seeds span more than one target) seeds nest
+                      within targets (`target_seeds: 3` pretrains one tiny target per seed mod 3; a run's target is
+                      its `target_seed`, else its `target_digest`): seeds of one target share it, so they are not
+                      independent replicates of the question "does this hold across targets". The unit is the
+                      target: d_j = the mean over target j's seeds of their differences, j = 1..n targets, each
+                      target weighing the same however many seeds it has. With one target (model=hf: the user's
+                      one given target, or no target recorded) the unit is the seed, as before.
+                      Why not a mixed model (target random effect, seeds within): with 2-3 targets its variance
+                      component is barely estimable, its degrees of freedom need an approximation
+                      (Satterthwaite / Kenward-Roger) that is poor at this size, and it would need a dependency; the
+                      mean per target is the exact, balanced-design equivalent of its fixed-effect test and can be
+                      recomputed by hand from comparison.csv (seed, target_seed, endpoint).
+
+Every statistic below is computed over the units (n = number of units, ``n_pairs``; ``n_targets`` and ``n_seeds``
+say what they rest on, ``unit`` which they are), MDD and ``seeds_needed`` included: ``seeds_needed`` counts units,
+i.e. targets when unit = target (each with as many seeds as now). ``arm_mean`` and ``baseline_mean`` stay the
+means over the paired seeds, so with unequal seeds per target diff need not equal their difference:
 
     effect            diff = mean(d)
     t interval        diff +- t_(1 - alpha/2, n - 1) sd(d) / sqrt(n)                       (ci_low, ci_high)
@@ -43,7 +62,9 @@ from dflash_lab.analysis.schema import BETTER
 
 PAIRED_COLUMNS = ("policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", "p_holm", "verdict", "better",
                   "stratum", "baseline", "n_pairs", "boot_low", "boot_high", "margin", "p_tost", "p_tost_holm",
-                  "p_min", "arm_mean", "baseline_mean", "seeds", "p_t", "p_bca", "test", "mdd", "seeds_needed")
+                  "p_min", "arm_mean", "baseline_mean", "seeds", "p_t", "p_bca", "test", "mdd", "seeds_needed",
+                  "unit", "n_targets", "n_seeds")
+UNITS = ("seed", "target")
 TESTS = ("t", "sign_flip")
 POWER = 0.8
 EXACT_UP_TO = 16
@@ -270,8 +291,58 @@ def per_seed_values(runs: pd.DataFrame, arm: str, endpoint: str) -> pd.Series:
     return pd.to_numeric(rows[endpoint], errors="coerce").groupby(rows["seed"].astype(int)).mean()
 
 
+def seed_targets(runs: pd.DataFrame) -> pd.Series:
+    """seed -> the target its runs trained against: ``target_seed`` where the runs record one, else
+    ``target_digest``; empty when neither column holds a value (the label of a seed's first run where runs of one
+    seed disagree, which `arms.check_digests` refuses by default).
+
+    Example:
+        >>> runs = pd.DataFrame({"seed": [0, 1, 2, 3, 0], "target_seed": [0, 1, 2, 0, 0]})
+        >>> seed_targets(runs).to_dict()
+        {0: '0', 1: '1', 2: '2', 3: '0'}
+    """
+    rows = runs[runs["seed"].notna()] if "seed" in runs.columns else runs.iloc[:0]
+    for column in ("target_seed", "target_digest"):
+        if column in rows.columns and rows[column].notna().any():
+            labelled = rows[rows[column].notna()]
+            labels = labelled[column].map(lambda v: str(int(v)) if isinstance(v, (int, float, np.number)) else str(v))
+            return labels.groupby(labelled["seed"].astype(int)).first()
+    return pd.Series(dtype=object)
+
+
+def analysis_units(seed_diffs: pd.Series, targets: pd.Series | None, nested: bool) -> tuple[pd.Series, str, int]:
+    """The differences the statistics use (module docstring): per target, the mean of its seeds' differences
+    when ``nested`` and the seeds span more than one target (every seed's target known); else the seed
+    differences. Returns (differences by unit, unit name, number of targets the seeds span; 0: none recorded).
+
+    Example:
+        >>> diffs = pd.Series([1.0, 3.0, 2.0, 6.0], index=[0, 1, 2, 3])
+        >>> units, unit, n_targets = analysis_units(diffs, pd.Series(["a", "b", "a", "b"], index=[0, 1, 2, 3]), True)
+        >>> units.to_dict(), unit, n_targets
+        ({'a': 1.5, 'b': 4.5}, 'target', 2)
+        >>> analysis_units(diffs, pd.Series(["a"] * 4, index=[0, 1, 2, 3]), True)[1:]
+        ('seed', 1)
+    """
+    labels = (targets if targets is not None else pd.Series(dtype=object)).reindex(seed_diffs.index)
+    n_targets = int(labels.nunique(dropna=True))
+    if nested and n_targets > 1 and labels.notna().all():
+        return seed_diffs.groupby(labels).mean(), "target", n_targets
+    return seed_diffs, "seed", n_targets
+
+
+def unit_differences(runs: pd.DataFrame, arm: str, baseline: str, endpoint: str, nested: bool,
+                     targets: pd.Series | None = None) -> tuple[pd.Series, str, int, pd.DataFrame]:
+    """arm - baseline per analysis unit on ``endpoint`` (:func:`analysis_units`), the unit, the number of
+    targets, and the per-seed pairs (columns arm, baseline; index seed) they come from."""
+    pairs = pd.concat([per_seed_values(runs, arm, endpoint), per_seed_values(runs, baseline, endpoint)],
+                      axis=1, keys=["arm", "baseline"], join="inner").dropna()
+    targets = seed_targets(runs) if targets is None else targets
+    units, unit, n_targets = analysis_units(pairs["arm"] - pairs["baseline"], targets, nested)
+    return units, unit, n_targets, pairs
+
+
 def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, ...], margins: dict[str, float],
-                 alpha: float = 0.05, test: str = "t") -> tuple[pd.DataFrame, list[str]]:
+                 alpha: float = 0.05, test: str = "t", nested: bool = False) -> tuple[pd.DataFrame, list[str]]:
     """Every arm against its stratum's baseline, per endpoint (PAIRED_COLUMNS), and notes on what was left out.
 
     Args:
@@ -281,6 +352,8 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
         margins: endpoint -> TOST margin.
         alpha: test level; intervals have confidence 1 - alpha.
         test: the test the verdict uses, ``t`` (paired t) or ``sign_flip`` (exact); both are reported.
+        nested: the target is the unit where the seeds span several targets (rules version >= 5; module
+            docstring); False: the seed is the unit (``n_targets`` is still reported).
 
     Example:
         >>> runs = pd.DataFrame({"arm": ["a"] * 6 + ["b"] * 6, "seed": list(range(6)) * 2,
@@ -293,6 +366,7 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
     if test not in TESTS:
         raise ValueError(f"analysis.test={test!r}: choose one of {', '.join(TESTS)}")
     rows, notes = [], []
+    targets = seed_targets(runs)
     repeated = runs.dropna(subset=["seed"]).groupby(["arm", "seed"]).size()
     for (arm, seed), count in repeated[repeated > 1].items():
         notes.append(f"{arm}: {count} runs with seed {int(seed)}, their mean is used")
@@ -305,14 +379,13 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
             if endpoint not in runs.columns:
                 notes.append(f"endpoint {endpoint}: not a column of the runs table")
                 continue
-            pairs = pd.concat([per_seed_values(runs, arm, endpoint), per_seed_values(runs, baseline, endpoint)],
-                              axis=1, keys=["arm", "baseline"], join="inner").dropna()
+            units, unit, n_targets, pairs = unit_differences(runs, arm, baseline, endpoint, nested, targets)
             if pairs.empty:
                 continue  # e.g. loop_score of a shuffled order: NaN by definition, nothing to compare
-            diffs = (pairs["arm"] - pairs["baseline"]).to_numpy()
+            diffs = units.to_numpy()
             margin = margins.get(endpoint, float("nan"))
             if np.isfinite(margin) and zero_spread(diffs):
-                notes.append(f"{arm}, {endpoint}: every one of the {diffs.size} seed pairs differs by exactly "
+                notes.append(f"{arm}, {endpoint}: every one of the {diffs.size} {unit} pairs differs by exactly "
                              f"{float(diffs[0]):+.4g} (zero variance): no spread is no evidence of equivalence, so "
                              f"the margin {margin:g} is not tested (the endpoint does not vary with the seed)")
             ci_low, ci_high = t_interval(diffs, alpha)
@@ -326,7 +399,8 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
                 "arm_mean": float(pairs["arm"].mean()), "baseline_mean": float(pairs["baseline"].mean()),
                 "seeds": " ".join(str(s) for s in pairs.index), "p_t": paired_t_p_value(diffs),
                 "p_bca": bca_p_value(diffs), "test": test, "mdd": minimum_detectable_difference(diffs, alpha),
-                "seeds_needed": seeds_needed(diffs, margin, alpha),
+                "seeds_needed": seeds_needed(diffs, margin, alpha), "unit": unit, "n_targets": n_targets,
+                "n_seeds": int(len(pairs)),
             })
         if not family:
             notes.append(f"{arm}: no seed in common with its baseline {baseline}")
@@ -337,10 +411,10 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
             row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
             row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
         if test == "sign_flip" and max(row["p_min"] for row in family) * len(family) >= alpha:
-            n = max(row["n_pairs"] for row in family)
+            n, unit = max(row["n_pairs"] for row in family), family[0]["unit"]
             needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
-            notes.append(f"{arm}: with {n} seed pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
-                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} seeds")
+            notes.append(f"{arm}: with {n} {unit} pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
+                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} {unit}s")
         rows += family
     table = pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
     return table, notes

@@ -17,7 +17,10 @@ seeing them:
                                 # end step (the same step for every arm of a sweep), or steady (each run's own loss
                                 # steady state, which depends on the outcome: the rule of protocol version < 3)
       verdict: null             # {endpoint, positive_control, negative_control, question}: the roles of arms in
-                                # the ablation's verdict.json (analysis.verdict); null: no verdict
+                                # the ablation's verdict.json (analysis.verdict); null: no verdict. Optional
+                                # matched_control: the question's sampler on data where length carries no signal
+                                # (e.g. data.band_skills=independent), whose effect the question is also stated net
+                                # of (rules version >= 5; default: the negative control)
       target: null              # the probe-loss level of the time-to-target endpoints (steps_to_target,
                                 # tokens_to_target, time_to_target; analysis.budgets.time_to_target); null: none.
                                 # {probe_loss: 2.316}: a fixed level; {rule: baseline_mean_at, at: 0.5}: fixed from
@@ -94,6 +97,7 @@ RULE_CHANGES: dict[int, str] = {
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 TARGET_KEYS = ("probe_loss", "rule", "at", "margin")
 TARGET_RULES = ("baseline_mean_at",)
+OPTIONAL_VERDICT_KEYS = ("matched_control",)   # the question's sampler on data where length carries no signal
 COST_KEYS = ("c0", "c1", "c2")
 
 
@@ -203,7 +207,8 @@ def check_baseline(value: Any, key: str = "analysis.baseline") -> str | None:
 
 
 def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] | None:
-    """The verdict roles: a primary endpoint and an arm selector per role (all four keys), or None.
+    """The verdict roles: a primary endpoint and an arm selector per role (all four keys, and optionally
+    ``matched_control``), or None.
 
     Example:
         >>> check_verdict({"endpoint": "residual_amplitude", "positive_control": "bucket_sequential",
@@ -218,7 +223,7 @@ def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] |
                "'sampler=bucketed,data.band_skills=aligned'}")
     if not isinstance(value, Mapping):
         raise ValueError(f"{key}={value!r}: give a mapping, e.g. {key}={example}")
-    refuse_unknown_keys(key, value, VERDICT_KEYS)
+    refuse_unknown_keys(key, value, VERDICT_KEYS + OPTIONAL_VERDICT_KEYS)
     missing = [name for name in VERDICT_KEYS if name not in value]
     if missing:
         raise ValueError(f"{key}: missing {missing}; give all of {', '.join(VERDICT_KEYS)}, e.g. {example}")
@@ -227,6 +232,9 @@ def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] |
         roles[name] = check_baseline(value[name], key=f"{key}.{name}")
         if roles[name] is None:
             raise ValueError(f"{key}.{name}: give an arm selector, e.g. {example}")
+    for name in OPTIONAL_VERDICT_KEYS:
+        if value.get(name) is not None:
+            roles[name] = check_baseline(value[name], key=f"{key}.{name}")
     return roles
 
 

@@ -93,6 +93,9 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "tau_baseline": "summary.tau_baseline: tau of the untrained draft",
     "tau_band_min": "summary.tau_band_min: the worst probe band's tau (tau prompts spread over the bands)",
     "tau_band_mean": "summary.tau_band_mean: the mean over probe bands of tau per band",
+    "target_seed": "summary.target_seed: the tiny target's pretraining seed (seed mod target_seeds: seeds nested "
+                   "within targets, dflash_lab/replicates.py); NaN for a given target (model=hf)",
+    "target_digest": "summary.target_digest: a digest of the target's weights (one per target)",
     "notes": "what was missing or approximated for this run",
 }
 RUN_COLUMNS: tuple[str, ...] = tuple(RUN_COLUMN_DOCS)
@@ -114,7 +117,8 @@ COMPARISON_COLUMNS: tuple[str, ...] = (
     "tau",
 )
 TEXT_RUN_COLUMNS = frozenset(
-    {"run_id", "name", "source", "location", "group", "sampler", "arm", "stratum", "status", "partial", "notes"}
+    {"run_id", "name", "source", "location", "group", "sampler", "arm", "stratum", "status", "partial", "notes",
+     "target_digest"}
 )
 NUMERIC_RUN_COLUMNS: tuple[str, ...] = tuple(c for c in RUN_COLUMNS if c not in TEXT_RUN_COLUMNS)
 

@@ -230,6 +230,8 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
                 "tau_baseline", "tau_band_min", "tau_band_mean", "steps"):
         row[key] = _finite_or_nan(summary.get(key))
     _throughput_and_final(row, steps)
+    row["target_seed"] = _finite_or_nan(summary.get("target_seed"))
+    row["target_digest"] = arms_module.recorded_digest(record, "target_digest")
 
     loss, step = _column(steps, "loss"), _column(steps, "step")
     fixed_start = _window_start_index(window, step, summary)
@@ -433,7 +435,8 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         states_target = bool(RULES[protocol.rules]["time_to_target"] and target is not None)
         margins = {**(_target_margins(finished, target, pairing.arms) if states_target else {}), **protocol.margins}
         paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, margins,
-                                            protocol.alpha, test=protocol.test)
+                                            protocol.alpha, test=protocol.test,
+                                            nested=RULES[protocol.rules]["nested"])
         notes += pairing.notes + paired_notes
         if states_target:
             paired, target_notes = _pair_target_endpoints(finished, pairing.arms, protocol, margins, paired, target)
@@ -447,6 +450,8 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
         try:
             verdict = build_verdict(runs, paired, protocol.verdict, small_answer=RULES[protocol.rules]["small"],
                                     state_costs=RULES[protocol.rules]["costs"], left_out=left_out,
+                                    nested=RULES[protocol.rules]["nested"],
+                                    controls_by_equivalence=RULES[protocol.rules]["controls_by_equivalence"],
                                     baselines=pairing.arms["baseline"].to_dict(),
                                     config_values=lambda key: arms_module.config_values(records, key))
         except ValueError as error:  # a selector that matches several arms, or names a key no run has
@@ -630,7 +635,8 @@ def _pair_target_endpoints(finished: pd.DataFrame, arms: pd.DataFrame, protocol:
     notes = []
     extra = tuple(name for name in TIME_TO_TARGET_ENDPOINTS if name not in protocol.endpoints)
     if extra:
-        more, more_notes = paired_table(finished, arms, extra, margins, protocol.alpha, test=protocol.test)
+        more, more_notes = paired_table(finished, arms, extra, margins, protocol.alpha, test=protocol.test,
+                                        nested=RULES[protocol.rules]["nested"])
         paired = pd.concat([paired, more], ignore_index=True) if len(paired) else more
         notes += more_notes + [f"{', '.join(extra)}: paired as a Holm family of their own (analysis.target is "
                                "declared; not among analysis.endpoints), so the declared endpoints' p_holm is "
@@ -715,7 +721,7 @@ def paired_markdown(paired: pd.DataFrame) -> str:
     rows = []
     for _, r in paired.iterrows():
         rows.append([
-            str(r["policy"]), str(r["baseline"]), str(r["endpoint"]), f"{r['better']} is better", str(r["n_pairs"]),
+            str(r["policy"]), str(r["baseline"]), str(r["endpoint"]), f"{r['better']} is better", _pairs_cell(r),
             f"{_format_number(r['diff'], r['endpoint'])} [{_format_number(r['ci_low'], '')}, "
             f"{_format_number(r['ci_high'], '')}]",
             f"[{_format_number(r['boot_low'], '')}, {_format_number(r['boot_high'], '')}]",
@@ -726,6 +732,13 @@ def paired_markdown(paired: pd.DataFrame) -> str:
     headers = ["arm", "baseline", "endpoint", "direction", "pairs", "diff [t CI]", "bootstrap CI", "p_t", "p_bca",
                "p_sign", "p_holm", "margin", "verdict", "mdd", "seeds"]
     return _markdown(headers, rows)
+
+
+def _pairs_cell(row: pd.Series) -> str:
+    """The number of analysis units, naming targets and their seeds where the target is the unit."""
+    if row.get("unit") == "target":
+        return f"{row['n_pairs']} targets ({row['n_seeds']} seeds)"
+    return str(row["n_pairs"])
 
 
 def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISON_COLUMNS) -> str:
@@ -755,11 +768,12 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
     parts += [_markdown(["arm", *setting_columns, "runs", *columns], group_rows), ""]
     protocol = comparison.protocol
     parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
-              f"diff = arm − baseline, mean over seed pairs; {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
+              f"diff = arm − baseline, mean over seed pairs (over targets, each the mean of its seeds, where seeds "
+              f"nest in several targets: rules version >= 5); {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
               "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "
               f"over the endpoints of an arm of the verdict's test ({protocol.test}); verdict: TOST against the "
               "declared margin, else the sign of a Holm-significant difference; mdd: the difference detectable with "
-              "power 0.8 at these seeds; seeds: pairs needed for the margin.", "",
+              "power 0.8 at these units; seeds: units (seeds, or targets) needed for the margin.", "",
               paired_markdown(comparison.paired), ""]
     budget = comparison.budgets
     parts += ["## Equal compute", "",

@@ -43,6 +43,28 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   residual_amplitude over every run (all arms, seeds), its correlation r, and the
                                   residual-amplitude margin the declared tau_band_min margin implies
                                   (margin_tau / |slope|), to set against the declared amplitude margin
+    Rules version >= 5 (the protocol's RULES flags, passed as build_verdict's nested / controls_by_equivalence):
+    units (nested)                the paired table's unit is the target where the seeds nest in several targets
+                                  (paired.analysis_units); `units` gives unit, units, targets, seeds and the answer
+                                  says "it rests on N targets and M seeds"; the share of the positive control is
+                                  computed over the same units
+    reacted (negative control,    with a declared margin for the endpoint: detected and not equivalent (its own
+     controls_by_equivalence)     unadjusted TOST p >= alpha; negative_control_reaction says why unadjusted); a
+                                  detected difference shown inside the margin is no reaction. Without a margin:
+                                  detected, and the answer says the control was judged by detection.
+                                  valid = positive detected and negative not reacted
+    question_net_of_matched_control
+                                  per seed (q - qb) - (m - mb), per unit as the paired table, with its t interval:
+                                  m is `analysis.verdict.matched_control` where declared (the question's sampler on
+                                  data where length carries no signal), else the negative control (`matched_by`)
+    instruments (tau)             tau_band_min and tau join the instruments: a tau the positive control does not
+                                  move on the worse side is in `failed_positive_control`, and the answer's tau
+                                  statements say "tau did not detect the positive control" instead of a verdict
+    throughput_from               padding-efficiency ratio, modelled-cost ratio (modelled time per real token) and
+                                  the measured Ktok/s ratio; the answer claims the modelled one (else padding) and
+                                  quotes the measured one as time-confounded unless arms interleave (arms run in
+                                  blocks: the negative control, whose padding equals full_random's,
+                                  measured +2.7 Ktok/s on the natural-data sweep)
     left_out, missing             the runs left out (not finished: run, arm, seed, status, why) and the seeds the
                                   roles' pairs lack, each named with its arm and cause (`missing_seeds`)
     missing arm                   a role whose selector matches no loaded run: "inconclusive", naming the missing
@@ -73,7 +95,8 @@ import pandas as pd
 
 from dflash_lab.analysis.arms import parse_selector
 from dflash_lab.analysis.budgets import EARLY_SHARE
-from dflash_lab.analysis.paired import MIN_BOOTSTRAP_PAIRS, per_seed_values
+from dflash_lab.analysis.paired import (MIN_BOOTSTRAP_PAIRS, analysis_units, paired_t_p_value, per_seed_values,
+                                        seed_targets, t_interval)
 from dflash_lab.analysis.schema import BETTER
 
 ROLES = ("positive_control", "negative_control", "question")
@@ -82,6 +105,7 @@ CO_PRIMARY = (("tau_band_min", "tau of the worst band"), ("tau", "mean tau"),
               ("probe_loss_at_tokens", "probe loss at equal epochs (real tokens)"),
               ("probe_loss_at_time", "probe loss at equal modelled GPU time"))
 FORGETTING_ENDPOINTS = ("residual_amplitude", "band_forgetting", "own_share_slope", "jumpiness")
+TAU_ENDPOINTS = ("tau_band_min", "tau")
 
 
 class MissingArm(ValueError):
@@ -203,7 +227,8 @@ def _fmt(value: float | None) -> str:
 def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str], small_answer: bool = True,
                   state_costs: bool = True, left_out: list[dict] | None = None,
                   baselines: dict[str, str | None] | None = None,
-                  config_values: Callable[[str], set[str]] | None = None) -> dict:
+                  config_values: Callable[[str], set[str]] | None = None, nested: bool = False,
+                  controls_by_equivalence: bool = False, alpha: float = 0.05) -> dict:
     """verdict.json's content from the comparison's runs and paired tables (rules in the module docstring).
 
     Args:
@@ -216,6 +241,13 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         baselines: arm -> its stratum's baseline arm (`arms.pair_arms`), to name the seeds a role's baseline lacks.
         config_values: key -> the values the loaded runs hold at that config key (tells a missing arm from a
             misspelt selector key).
+        nested: the paired table's unit is the target where seeds nest in several targets (rules version >= 5):
+            `units` and the answer say how many targets and seeds the answer rests on, and the share of the
+            positive control is computed over the same units.
+        controls_by_equivalence: the rules of version >= 5 for controls (module docstring): the negative control
+            reacts only when it fails equivalence, the question net of its matched control, tau instruments need
+            the positive control, throughput claimed from padding and the modelled cost.
+        alpha: the protocol's test level (the negative control's TOST under `controls_by_equivalence`).
 
     Raises:
         ValueError: a role selector that matches several arms or names a key no run has (naming
@@ -270,25 +302,41 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
                "missing": missing}
     verdict["share_of_positive_control"] = share_of_positive_control(
         runs, endpoint, arms["question"], question_baseline=rows_baseline(rows, endpoint),
-        positive=arms["positive_control"], positive_baseline=positive.get("baseline"))
+        positive=arms["positive_control"], positive_baseline=positive.get("baseline"), nested=nested)
     verdict["co_primary"] = {name: row for name, _ in CO_PRIMARY for row in rows if row["endpoint"] == name}
-    verdict["instruments"] = instruments(paired, arms["positive_control"], arms["negative_control"])
+    verdict["instruments"] = instruments(paired, arms["positive_control"], arms["negative_control"],
+                                         FORGETTING_ENDPOINTS + (TAU_ENDPOINTS if controls_by_equivalence else ()),
+                                         alpha if controls_by_equivalence else None)
     verdict["failed_positive_control"] = [name for name, seen in verdict["instruments"].items()
                                           if not seen["positive_control_detected"]]
     verdict["amplitude_in_tau"] = amplitude_in_tau(runs, paired)
+    if nested:
+        verdict["units"] = analysis_basis(question, endpoint)
+    if controls_by_equivalence:
+        negative.update(negative_control_reaction(paired, arms["negative_control"], endpoint, alpha))
+        verdict["question_net_of_matched_control"] = net_of_matched_control(
+            runs, paired, endpoint, arms["question"], matched_control_arm(runs, roles, arms, config_values),
+            nested, alpha)
+        verdict["throughput_from"] = throughput_from(runs, arms["question"], rows_baseline(rows, endpoint), ratio)
+    reacted = negative["reacted"] if controls_by_equivalence else negative["detected"]
     short = _too_few_pairs(verdict, question, endpoint)
-    verdict["valid"] = bool(not missing_arms and not short and positive["detected"] and not negative["detected"])
+    verdict["valid"] = bool(not missing_arms and not short and positive["detected"] and not reacted)
     if missing_arms:
         verdict["answer"] = "inconclusive: " + "; ".join(missing_arms)
     elif short:
         verdict["answer"] = "inconclusive: too few finished seed pairs for an interval (at least 2): " + short
     else:
         verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
+    if controls_by_equivalence and not missing_arms:
+        verdict["answer"] += _controls_phrase(verdict)
+    if nested and "units" in verdict:
+        verdict["answer"] += "; " + _basis_phrase(verdict["units"])
     if missing and not missing_arms:
         verdict["answer"] += f"; missing from the pairs: {'; '.join(missing)}"
     if state_costs and verdict["co_primary"]:
+        blind = set(verdict["failed_positive_control"]) if controls_by_equivalence else set()
         verdict["answer"] += "; at equal compute, " + "; ".join(
-            _cost_phrase(label, verdict["co_primary"][name]) for name, label in CO_PRIMARY
+            _cost_phrase(label, verdict["co_primary"][name], name in blind) for name, label in CO_PRIMARY
             if name in verdict["co_primary"])
     return verdict
 
@@ -304,8 +352,11 @@ def _too_few_pairs(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
                      for (role, count), key in zip(counts.items(), ROLES) if count < 2)
 
 
-def _cost_phrase(label: str, row: dict) -> str:
-    return (f"{label} {_fmt(row['diff'])} [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] ({row['verdict']}, "
+def _cost_phrase(label: str, row: dict, blind: bool = False) -> str:
+    """One co-primary endpoint with its interval and verdict; ``blind``: an instrument that did not detect the
+    positive control (rules version >= 5), whose difference is no verdict either way."""
+    judged = f"{row['endpoint'].split('_')[0]} did not detect the positive control" if blind else row["verdict"]
+    return (f"{label} {_fmt(row['diff'])} [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] ({judged}, "
             f"{_plain(row['baseline_mean'])} -> {_plain(row['arm_mean'])})")
 
 
@@ -313,17 +364,32 @@ def _plain(value: float | None) -> str:
     return "nan" if value is None else f"{value:.3g}"
 
 
-def instruments(paired: pd.DataFrame, positive: str, negative: str) -> dict[str, dict[str, bool]]:
-    """Per declared forgetting endpoint: does the positive control move it on the worse side, and does the negative
-    control move it at all (the rules of the primary endpoint, applied to each)."""
+def instruments(paired: pd.DataFrame, positive: str, negative: str,
+                endpoints: tuple[str, ...] = FORGETTING_ENDPOINTS,
+                alpha: float | None = None) -> dict[str, dict[str, bool]]:
+    """Per declared endpoint of ``endpoints``: does the positive control move it on the worse side, and does the
+    negative control move it at all (the rules of the primary endpoint, applied to each). With ``alpha`` (rules
+    version >= 5, where ``endpoints`` also holds TAU_ENDPOINTS) each also says whether the negative control
+    reacted by :func:`negative_control_reaction`.
+
+    Example:
+        >>> paired = pd.DataFrame({"policy": ["p", "n"], "endpoint": ["tau", "tau"], "ci_low": [-0.2, -0.01],
+        ...                        "ci_high": [0.18, 0.02], "better": ["higher", "higher"], "margin": [0.05, 0.05],
+        ...                        "p_tost": [0.3, 0.001]})
+        >>> instruments(paired, "p", "n", ("tau",), alpha=0.05)["tau"]
+        {'positive_control_detected': False, 'negative_control_detected': False, 'negative_control_reacted': False}
+    """
     seen: dict[str, dict[str, bool]] = {}
-    for name in FORGETTING_ENDPOINTS:
+    for name in endpoints:
         rows = {arm: paired[(paired["policy"] == arm) & (paired["endpoint"] == name)] for arm in (positive, negative)}
         if rows[positive].empty:
             continue
         seen[name] = {"positive_control_detected": _excludes_zero(rows[positive].iloc[0], "worse"),
                       "negative_control_detected": (not rows[negative].empty
                                                     and _excludes_zero(rows[negative].iloc[0], "either"))}
+        if alpha is not None:
+            seen[name]["negative_control_reacted"] = bool(
+                negative_control_reaction(paired, negative, name, alpha)["reacted"])
     return seen
 
 
@@ -362,10 +428,12 @@ def rows_baseline(rows: list[dict], endpoint: str) -> str | None:
 
 def share_of_positive_control(runs: pd.DataFrame, endpoint: str, question: str, question_baseline: str | None,
                               positive: str, positive_baseline: str | None, resamples: int = 10_000,
-                              seed: int = 0, alpha: float = 0.05) -> dict:
+                              seed: int = 0, alpha: float = 0.05, nested: bool = False) -> dict:
     """The question's effect as a share of the positive control's: mean(q_i - qb_i) / mean(p_i - pb_i) over the
     seeds i all four arms share, with a percentile bootstrap interval over those seeds (resampled together, so
-    the pairing is kept).
+    the pairing is kept). ``nested`` (rules version >= 5): over the paired table's units instead, i.e. per target
+    the mean of its seeds' differences where the seeds span several targets (paired.analysis_units), the
+    bootstrap resampling targets (``seeds`` then counts targets).
 
     Example:
         >>> runs = pd.DataFrame({"arm": ["q"] * 5 + ["b"] * 5 + ["p"] * 5, "seed": list(range(5)) * 3,
@@ -382,8 +450,9 @@ def share_of_positive_control(runs: pd.DataFrame, endpoint: str, question: str, 
                          axis=1, keys=["q", "qb", "p", "pb"], join="inner").dropna()
     if per_seed.empty:
         return empty
-    q = (per_seed["q"] - per_seed["qb"]).to_numpy()
-    p = (per_seed["p"] - per_seed["pb"]).to_numpy()
+    targets = seed_targets(runs)
+    q = analysis_units(per_seed["q"] - per_seed["qb"], targets, nested)[0].to_numpy()
+    p = analysis_units(per_seed["p"] - per_seed["pb"], targets, nested)[0].to_numpy()
     value = float(q.mean() / p.mean()) if p.mean() != 0 else float("nan")
     low = high = float("nan")
     if q.size >= MIN_BOOTSTRAP_PAIRS:
@@ -403,7 +472,7 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str, small_answer: 
             reasons.append(f"the positive control ({positive['arm']}) did not show the signature on {endpoint} "
                            f"(diff {_fmt(positive['diff'])}, 95% CI [{_fmt(positive['ci_low'])}, "
                            f"{_fmt(positive['ci_high'])}])")
-        if negative["detected"]:
+        if negative.get("reacted", negative["detected"]):
             reasons.append(f"the negative control ({negative['arm']}) reacted (diff {_fmt(negative['diff'])}, 95% CI "
                            f"[{_fmt(negative['ci_low'])}, {_fmt(negative['ci_high'])}])")
         return "inconclusive: " + "; ".join(reasons)
@@ -414,6 +483,8 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str, small_answer: 
     interval = f"{endpoint} diff {_fmt(_number(row['diff']))}, 95% CI [{_fmt(_number(row['ci_low']))}, " \
                f"{_fmt(_number(row['ci_high']))}]"
     speed = "" if verdict["throughput_ratio"] is None else f", at {verdict['throughput_ratio']:.2f}x the throughput"
+    if "throughput_from" in verdict:
+        speed = _speed_phrase(verdict["throughput_from"])
     share = float(row["diff"]) / abs(positive["diff"]) if positive["diff"] else float("nan")
     detected, equivalent = _excludes_zero(row, "worse"), row["verdict"] == "equivalent"
     ratio = verdict.get("share_of_positive_control") or {}
@@ -432,6 +503,216 @@ def _answer(verdict: dict, question: pd.DataFrame, endpoint: str, small_answer: 
     bound = worst / abs(positive["diff"]) if positive["diff"] else float("nan")
     return (f"no detectable effect: {interval}; at most {bound:.0%} of the positive control's effect "
             f"({_fmt(positive['diff'])}){speed}")
+
+
+# ------------------------------------------------------------------------------ rules version >= 5 (controls)
+def _finished(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["status"] == "finished"] if "status" in runs.columns else runs
+
+
+def _row(paired: pd.DataFrame, arm: str | None, endpoint: str) -> pd.Series | None:
+    rows = paired[(paired["policy"] == arm) & (paired["endpoint"] == endpoint)] if arm is not None else paired[:0]
+    return rows.iloc[0] if not rows.empty else None
+
+
+def negative_control_reaction(paired: pd.DataFrame, arm: str | None, endpoint: str, alpha: float) -> dict:
+    """Whether the negative control reacts on ``endpoint`` (rules version >= 5, `controls_by_equivalence`).
+
+    With a declared margin m: reacted = detected (its t interval excludes 0) and not equivalent (its own TOST of
+    |diff| < m, unadjusted p_tost >= alpha). A difference shown to lie inside the margin declared irrelevant is
+    no reaction even when detected: at many seeds every confound, however small, is detected, and a rule by
+    detection alone would void almost surely while the question is judged by the same margin. The TOST is
+    unadjusted: validity rests on this one endpoint of this one arm, a family of one (the paired table's
+    p_tost_holm adjusts over the arm's endpoints, which validity does not use). Without a margin: reacted =
+    detected (the rule of version <= 4), and ``rule`` says so.
+
+    Example:
+        >>> paired = pd.DataFrame({"policy": ["n"], "endpoint": ["x"], "ci_low": [0.002], "ci_high": [0.004],
+        ...                        "better": ["lower"], "margin": [0.01], "p_tost": [0.0001]})
+        >>> negative_control_reaction(paired, "n", "x", 0.05)["reacted"]   # detected, but inside the margin
+        False
+        >>> negative_control_reaction(paired.assign(margin=float("nan")), "n", "x", 0.05)["rule"]
+        'detection: no margin declared for x'
+    """
+    row = _row(paired, arm, endpoint)
+    if row is None:
+        return {"margin": None, "p_tost": None, "equivalent": False, "reacted": False, "rule": "no paired row"}
+    detected = _excludes_zero(row, "either")
+    margin = _number(row["margin"]) if "margin" in row else None
+    if margin is None:
+        return {"margin": None, "p_tost": None, "equivalent": False, "reacted": detected,
+                "rule": f"detection: no margin declared for {endpoint}"}
+    p_tost = _number(row["p_tost"]) if "p_tost" in row else None
+    equivalent = p_tost is not None and p_tost < alpha
+    return {"margin": margin, "p_tost": p_tost, "equivalent": bool(equivalent),
+            "reacted": bool(detected and not equivalent),
+            "rule": f"equivalence: reacts when detected and not equivalent within {margin:g} (TOST p < {alpha:g})"}
+
+
+def matched_control_arm(runs: pd.DataFrame, roles: dict[str, str], arms: dict[str, str | None],
+                        config_values: Callable[[str], set[str]] | None = None) -> tuple[str | None, str]:
+    """The question's matched control (the question's sampler on data where length carries no signal) and how it
+    was found: the declared `analysis.verdict.matched_control`, else the negative control (the natural-data
+    protocol's control for order: same bucket sizes and visiting order, membership independent of length).
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["q", "qi"], "data.band_skills": ["aligned", "independent"]})
+        >>> matched_control_arm(runs, {"matched_control": "data.band_skills=independent"}, {})
+        ('qi', 'declared (analysis.verdict.matched_control)')
+        >>> matched_control_arm(runs, {}, {"negative_control": "n"})
+        ('n', 'the negative control (no analysis.verdict.matched_control declared)')
+    """
+    if roles.get("matched_control"):
+        try:
+            return (_matching_arm(runs, "matched_control", roles["matched_control"], config_values),
+                    "declared (analysis.verdict.matched_control)")
+        except MissingArm as error:
+            return None, str(error)
+    return arms.get("negative_control"), "the negative control (no analysis.verdict.matched_control declared)"
+
+
+def net_of_matched_control(runs: pd.DataFrame, paired: pd.DataFrame, endpoint: str, question: str | None,
+                           matched: tuple[str | None, str], nested: bool, alpha: float = 0.05) -> dict:
+    """The question's effect net of its matched control: per seed s, (q_s - qb_s) - (m_s - mb_s) (each arm minus
+    its own baseline, the seeds all four share), then per unit as in the paired table (per target the mean of its
+    seeds where ``nested`` and they span several targets), its mean, t interval and paired t p-value over the
+    units. What remains is what length order adds beyond what the sampler does without a length signal.
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["q"] * 4 + ["m"] * 4 + ["b"] * 4, "seed": [0, 1, 2, 3] * 3,
+        ...                      "x": [1.3, 1.2, 1.3, 1.2, 1.1, 1.0, 1.1, 1.0, 1.0, 0.9, 1.0, 0.9]})
+        >>> paired = pd.DataFrame({"policy": ["q", "m"], "endpoint": ["x", "x"], "baseline": ["b", "b"]})
+        >>> net = net_of_matched_control(runs, paired, "x", "q", ("m", "declared"), nested=False)
+        >>> round(net["diff"], 3), net["n_pairs"], net["unit"]
+        (0.2, 4, 'seed')
+    """
+    arm, matched_by = matched
+    empty = {"arm": question, "matched_control": arm, "matched_by": matched_by, "endpoint": endpoint, "diff": None,
+             "ci_low": None, "ci_high": None, "p_t": None, "n_pairs": 0, "unit": "seed", "n_targets": 0,
+             "n_seeds": 0}
+    question_row, matched_row = _row(paired, question, endpoint), _row(paired, arm, endpoint)
+    if (question_row is None or matched_row is None or arm == question
+            or not {"seed", endpoint} <= set(runs.columns)):
+        return empty
+    finished = _finished(runs)
+    per_seed = pd.concat([per_seed_values(finished, name, endpoint) for name in
+                          (question, question_row["baseline"], arm, matched_row["baseline"])],
+                         axis=1, keys=["q", "qb", "m", "mb"], join="inner").dropna()
+    net = (per_seed["q"] - per_seed["qb"]) - (per_seed["m"] - per_seed["mb"])
+    units, unit, n_targets = analysis_units(net, seed_targets(finished), nested)
+    if units.size < 2:
+        return {**empty, "n_pairs": int(units.size), "n_seeds": int(net.size)}
+    low, high = t_interval(units.to_numpy(), alpha)
+    return {**empty, "diff": _number(units.mean()), "ci_low": _number(low), "ci_high": _number(high),
+            "p_t": _number(paired_t_p_value(units.to_numpy())), "n_pairs": int(units.size), "unit": unit,
+            "n_targets": n_targets, "n_seeds": int(net.size)}
+
+
+def throughput_from(runs: pd.DataFrame, question: str | None, baseline: str | None,
+                    measured: float | None) -> dict:
+    """Where the question's throughput ratio over its baseline comes from (finished runs, the seeds both share;
+    each a ratio of the arms' means, > 1: the question is faster):
+
+        padding_efficiency   mean pad_eff (real / padded tokens) of the question / of its baseline
+        modelled_cost        baseline's mean modelled time per real token (modelled_time_s / real_tokens_total,
+                             the declared cost model) / the question's: NaN without a cost model
+        measured_ktok_s      the measured Ktok/s ratio (`throughput_ratio`): confounded with when each arm ran
+                             (arms run in blocks share a machine with different neighbours), unless arms interleave
+        claim                the ratio the answer states: modelled_cost, else padding_efficiency, else
+                             measured_ktok_s
+
+    Example:
+        >>> runs = pd.DataFrame({"arm": ["q", "q", "b", "b"], "seed": [0, 1, 0, 1], "pad_eff": [0.8, 0.8, 0.4, 0.4],
+        ...                      "modelled_time_s": [1.0, 1.0, 2.0, 2.0], "real_tokens_total": [10.0] * 4})
+        >>> t = throughput_from(runs, "q", "b", 2.5)
+        >>> t["padding_efficiency"], t["modelled_cost"], t["claim"], t["seeds"]
+        (2.0, 2.0, 'modelled_cost', 2)
+    """
+    empty = {"padding_efficiency": None, "modelled_cost": None, "measured_ktok_s": measured, "claim": None,
+             "seeds": 0}
+    if question is None or baseline is None or "pad_eff" not in runs.columns:
+        return empty
+    finished = _finished(runs).copy()
+    if {"modelled_time_s", "real_tokens_total"} <= set(finished.columns):
+        tokens = pd.to_numeric(finished["real_tokens_total"], errors="coerce")
+        finished["time_per_token"] = pd.to_numeric(finished["modelled_time_s"], errors="coerce") / tokens.where(
+            tokens > 0)
+    else:
+        finished["time_per_token"] = np.nan
+    ratios = {}
+    for column, key, faster_is_higher in (("pad_eff", "padding_efficiency", True),
+                                          ("time_per_token", "modelled_cost", False)):
+        pairs = pd.concat([per_seed_values(finished, question, column), per_seed_values(finished, baseline, column)],
+                          axis=1, keys=["q", "b"], join="inner").dropna()
+        q, b = float(pairs["q"].mean()) if len(pairs) else np.nan, float(pairs["b"].mean()) if len(pairs) else np.nan
+        ratio = (q / b if faster_is_higher else b / q) if len(pairs) and q > 0 and b > 0 else float("nan")
+        ratios[key] = (_number(ratio), len(pairs))
+    claim = next((key for key in ("modelled_cost", "padding_efficiency") if ratios[key][0] is not None),
+                 "measured_ktok_s" if measured is not None else None)
+    return {"padding_efficiency": ratios["padding_efficiency"][0], "modelled_cost": ratios["modelled_cost"][0],
+            "measured_ktok_s": measured, "claim": claim, "seeds": int(ratios["padding_efficiency"][1])}
+
+
+def _speed_phrase(source: dict) -> str:
+    """The answer's throughput statement, saying where the ratio comes from (:func:`throughput_from`)."""
+    measured = source["measured_ktok_s"]
+    caveat = (f"; measured Ktok/s {measured:.2f}x, time-confounded unless arms interleave"
+              if measured is not None else "")
+    if source["claim"] == "modelled_cost":
+        return (f", at {source['modelled_cost']:.2f}x the throughput by padding and the modelled cost (padding "
+                f"efficiency {_times(source['padding_efficiency'])}, modelled time per real token "
+                f"{source['modelled_cost']:.2f}x){caveat}")
+    if source["claim"] == "padding_efficiency":
+        return (f", at {source['padding_efficiency']:.2f}x the throughput by padding efficiency (no cost model "
+                f"declared){caveat}")
+    if source["claim"] == "measured_ktok_s":
+        return f", at {measured:.2f}x the measured Ktok/s (time-confounded unless arms interleave; no padding record)"
+    return ""
+
+
+def _times(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.2f}x"
+
+
+def analysis_basis(question: pd.DataFrame, endpoint: str) -> dict:
+    """What the question's primary row rests on: its unit (seed or target), the number of units, targets and seeds.
+
+    Example:
+        >>> analysis_basis(pd.DataFrame({"endpoint": ["x"], "unit": ["target"], "n_pairs": [3], "n_targets": [3],
+        ...                              "n_seeds": [5]}), "x")
+        {'unit': 'target', 'units': 3, 'targets': 3, 'seeds': 5}
+    """
+    rows = question[question["endpoint"] == endpoint]
+    if rows.empty:
+        return {"unit": "seed", "units": 0, "targets": 0, "seeds": 0}
+    row = rows.iloc[0]
+    return {"unit": str(row.get("unit", "seed")), "units": int(row["n_pairs"]),
+            "targets": int(row.get("n_targets", 0)), "seeds": int(row.get("n_seeds", row["n_pairs"]))}
+
+
+def _basis_phrase(units: dict) -> str:
+    seeds = f"{units['seeds']} seed{'s' if units['seeds'] != 1 else ''}"
+    if not units["targets"]:
+        return f"it rests on {seeds} (no target recorded; the seed is the unit)"
+    targets = f"{units['targets']} target{'s' if units['targets'] != 1 else ''}"
+    return f"it rests on {targets} and {seeds} (the {units['unit']} is the unit of analysis)"
+
+
+def _controls_phrase(verdict: dict) -> str:
+    """The negative control's rule and the question net of its matched control, for the answer (version >= 5)."""
+    negative, parts = verdict["negative_control"], []
+    if negative.get("margin") is None:
+        parts.append(f"the negative control is judged by detection (no margin declared for {negative['endpoint']})")
+    else:
+        shown = "equivalent" if negative["equivalent"] else "not shown equivalent"
+        parts.append(f"the negative control {_fmt(negative['diff'])} [{_fmt(negative['ci_low'])}, "
+                     f"{_fmt(negative['ci_high'])}] is {shown} within its margin {negative['margin']:g} (TOST p "
+                     f"{_plain(negative['p_tost'])}){': it reacted' if negative['reacted'] else ''}")
+    net = verdict["question_net_of_matched_control"]
+    if net["diff"] is not None:
+        parts.append(f"net of its matched control ({net['matched_control']}, {net['matched_by']}) the question's "
+                     f"{net['endpoint']} is {_fmt(net['diff'])} [{_fmt(net['ci_low'])}, {_fmt(net['ci_high'])}]")
+    return "; " + "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------- time to target (rules >= 5)

@@ -139,7 +139,7 @@ def load_plan_inputs(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] |
 
         workload = as_choice("data.workload", data_cfg["workload"], WORKLOADS)
         num_samples = as_int("data.num_samples", data_cfg["num_samples"], minimum=1, example=800000)
-        seed = as_int("data.seed", data_cfg.get("seed", 0), minimum=0)
+        seed = as_int("data.seed", data_cfg["seed"], minimum=0)
         lengths = validate_lengths(reference_lengths(workload, num_samples, seed=seed))
         return lengths, valid_positions_from_lengths(lengths), None
     from ..data import build_dataset

@@ -130,7 +130,9 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
 
     Example:
         >>> from dflash_lab.presets import preset
-        >>> memory_inputs({"model": preset("model", "tiny"), "world_size": 8})["settings"].world_size
+        >>> plan_section = {"world_size": 8, "activation_checkpointing": False, "precision": "bf16",
+        ...                 "attention": "flex", "gpu_mem_gb": 80}     # conf/plan.yaml's keys
+        >>> memory_inputs({"model": preset("model", "tiny"), **plan_section})["settings"].world_size
         8
     """
     from ..model.footprint import ATTENTION_PATHS, Settings, StepModel
@@ -138,15 +140,15 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     model_cfg = dict(cfg["model"])
     if model_cfg.get("kind") == "hf" and not (model_cfg.get("target_config") or model_cfg.get("target_path")):
         return None
-    checkpointing = cfg.get("activation_checkpointing", False)
+    checkpointing = cfg["activation_checkpointing"]
     if checkpointing != "auto":
         checkpointing = as_bool("activation_checkpointing", checkpointing)
-    settings = Settings(precision=as_choice("precision", cfg.get("precision", "bf16"), ["bf16", "fp32"]),
+    settings = Settings(precision=as_choice("precision", cfg["precision"], ["bf16", "fp32"]),
                         activation_checkpointing=checkpointing is True,
-                        attention=as_choice("attention", cfg.get("attention", "flex"), list(ATTENTION_PATHS)),
+                        attention=as_choice("attention", cfg["attention"], list(ATTENTION_PATHS)),
                         world_size=as_int("world_size", cfg["world_size"], minimum=1))
     preset = (cfg.get("gpu") or {}).get("memory_gb")
-    gpu_mem_gb = preset if preset is not None else cfg.get("gpu_mem_gb", 80)
+    gpu_mem_gb = preset if preset is not None else cfg["gpu_mem_gb"]
     return {"model": StepModel.from_model_config(model_cfg), "settings": settings,
             "activation_checkpointing": checkpointing,
             "gpu_mem_gb": as_float("gpu.memory_gb" if preset is not None else "gpu_mem_gb", gpu_mem_gb, minimum=1.0)}

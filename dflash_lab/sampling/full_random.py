@@ -51,6 +51,9 @@ class FullRandom:
         real_tokens_per_step: int | None = None,
     ):
         key = "sampler.real_tokens_per_step"
+        if real_tokens_per_step == "bucketed":
+            raise ValueError(f"{key}=bucketed is resolved where the data is known (the trainer and the planner: "
+                             f"sampling.stats.resolve_matched_real_tokens); give a number to build a policy directly")
         self.real_tokens = as_int(key, real_tokens_per_step, minimum=1, maximum=MAX_BUDGET, allow_none=True)
         self.admission, self.budget = admission, budget
         self.seed, self.world_size, self.drop_last = seed, world_size, drop_last

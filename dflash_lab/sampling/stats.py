@@ -169,3 +169,37 @@ def smallest_k_for_efficiency(
         f"no bucket count up to {max_k} reaches padding efficiency {target:.3f} with method {method!r} "
         f"(best {best_eff:.3f} at K={best_k}); lower the target, raise max_k, or use bucketed_megabatch/packed"
     )
+
+
+MATCH_BUCKETED = "bucketed"   # full_random's sampler.real_tokens_per_step: bucketed
+
+
+def resolve_matched_real_tokens(sampler_cfg: dict[str, Any], lengths: np.ndarray, *, builtin_corpus: bool,
+                                seed: int, world_size: int) -> dict[str, Any]:
+    """``sampler.real_tokens_per_step: bucketed`` (full_random at the question arm's real tokens per step), resolved
+    where the data is known: the mean real tokens per rank and step of the bucketed plan over the same lengths,
+    budget (max_tokens, max_samples, overlong), seed and world size, with bucketed's automatic boundaries
+    (:func:`dflash_lab.sampling.bucketed.resolve_auto_boundaries`) and bucketed's default fit, epoch 0; rounded,
+    and at least the longest admitted sample (full_random's floor for T). Any other value is returned as given.
+    Without a block budget: on a GPU with ``max_block_tokens`` the bucketed arm's steps may carry fewer tokens.
+
+    Why from a plan, not a number in the arm file: the protocol runs on any data, and T depends on its lengths.
+
+    Example:
+        >>> cfg = {"name": "full_random", "max_tokens": 400, "overlong": "error", "real_tokens_per_step": "bucketed"}
+        >>> lengths = np.array([10, 12, 14, 90, 95, 100] * 20)
+        >>> resolve_matched_real_tokens(cfg, lengths, builtin_corpus=False, seed=0, world_size=1)["real_tokens_per_step"]
+        357
+    """
+    cfg = dict(sampler_cfg)
+    if cfg.get("real_tokens_per_step") != MATCH_BUCKETED:
+        return cfg
+    from .bucketed import resolve_auto_boundaries
+
+    auto = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=builtin_corpus)
+    bucketed = build_policy("bucketed", lengths, max_tokens=cfg["max_tokens"], seed=seed, world_size=world_size,
+                            max_samples=cfg.get("max_samples"), overlong=cfg["overlong"],
+                            boundaries=auto["boundaries"], num_buckets=auto["num_buckets"])
+    longest = int(bucketed.admission.lengths[bucketed.admission.kept].max())
+    cfg["real_tokens_per_step"] = max(longest, int(round(plan_stats(bucketed)["real_tokens_per_step"])))
+    return cfg

@@ -28,6 +28,7 @@ from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.training.probes import resolve_bands
 from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
+from dflash_lab.sampling.stats import resolve_matched_real_tokens
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 from dflash_lab.training.settings import ProbeSettings, RunSettings
 from dflash_lab.training.step import LRSchedule
@@ -69,15 +70,18 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
 
 def resolve_memory_plan(settings: RunSettings, model, step_model: footprint.StepModel, dataset, device: torch.device,
                         world_size: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
-    """The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``) and ``max_block_tokens``
+    """The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``), full_random's
+    ``real_tokens_per_step: bucketed`` (``sampling.stats.resolve_matched_real_tokens``) and ``max_block_tokens``
     resolved, the memory plan (``footprint.memory_plan``: ``auto``
     block budget and checkpointing chosen from the memory model where the GPU's memory is known) and the block
     tokens of every sample under the model's anchor rule (``sampling.anchors``; None without a block budget: the
     pass over the loss mask is skipped when nothing reads it). The model takes the plan's block budget (fair
     thinning of any batch over it) and checkpointing."""
     trainer = settings.trainer
-    sampler_cfg = resolve_auto_boundaries(settings.config["sampler"],
-                                          builtin_corpus=settings.config["data"].get("kind") == "synthetic")
+    builtin_corpus = settings.config["data"].get("kind") == "synthetic"
+    sampler_cfg = resolve_auto_boundaries(settings.config["sampler"], builtin_corpus=builtin_corpus)
+    sampler_cfg = resolve_matched_real_tokens(sampler_cfg, dataset.lengths, builtin_corpus=builtin_corpus,
+                                              seed=settings.seed, world_size=world_size)
     requested = sampler_cfg.get("max_block_tokens")
     gpu_gb = settings.gpu_memory_gb(device)
     needs_blocks = requested is not None and not (requested == "auto" and gpu_gb is None)
@@ -208,6 +212,9 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
     sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, step_model, train_ds, device,
                                                             env.world_size)
     log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
+    if config["sampler"].get("real_tokens_per_step") != sampler_cfg.get("real_tokens_per_step"):
+        log.info(f"sampler.real_tokens_per_step={config['sampler']['real_tokens_per_step']}: "
+                 f"{sampler_cfg['real_tokens_per_step']} real tokens per rank and step (the bucketed plan's mean)")
     policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
                                 rank=env.rank, block_tokens=block_tokens)
     longest = int(policy.lengths.max())
