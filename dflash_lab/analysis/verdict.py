@@ -33,7 +33,8 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
     co_primary                    what the user pays or gains, question arm minus its baseline, for each of
                                   CO_PRIMARY the sweep declared as an endpoint: tau of the worst length band and mean
                                   tau (acceptance length, the real verify loop), probe loss at equal optimizer steps,
-                                  at equal epochs (real tokens) and at equal modelled GPU time. Rules version >= 4:
+                                  at equal epochs (real tokens; from rules version 5 named "at equal real tokens") and at equal
+                                  modelled GPU time. Rules version >= 4:
                                   the answer states each of them with its interval and verdict
     instruments                   per forgetting endpoint (FORGETTING_ENDPOINTS declared): whether the positive
                                   control shows it on the worse side and whether the negative control reacts;
@@ -104,6 +105,7 @@ CO_PRIMARY = (("tau_band_min", "tau of the worst band"), ("tau", "mean tau"),
               ("probe_loss_at_steps", "probe loss at equal steps"),
               ("probe_loss_at_tokens", "probe loss at equal epochs (real tokens)"),
               ("probe_loss_at_time", "probe loss at equal modelled GPU time"))
+EQUAL_TOKENS_LABEL = {"probe_loss_at_tokens": "probe loss at equal real tokens"}   # rules >= 5
 FORGETTING_ENDPOINTS = ("residual_amplitude", "band_forgetting", "own_share_slope", "jumpiness")
 TAU_ENDPOINTS = ("tau_band_min", "tau")
 
@@ -335,8 +337,11 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         verdict["answer"] += f"; missing from the pairs: {'; '.join(missing)}"
     if state_costs and verdict["co_primary"]:
         blind = set(verdict["failed_positive_control"]) if controls_by_equivalence else set()
+        # From rules version 5 the real-tokens reading is named for what it is: at equal steps it reads the arm
+        # with more tokens per step mid-schedule against the baseline's annealed end, not an equal-epochs design.
+        labels = {**dict(CO_PRIMARY), **(EQUAL_TOKENS_LABEL if controls_by_equivalence else {})}
         verdict["answer"] += "; at equal compute, " + "; ".join(
-            _cost_phrase(label, verdict["co_primary"][name], name in blind) for name, label in CO_PRIMARY
+            _cost_phrase(labels[name], verdict["co_primary"][name], name in blind) for name, _ in CO_PRIMARY
             if name in verdict["co_primary"])
     return verdict
 
