@@ -44,7 +44,9 @@ optimizer-step, real-token and modelled-time budget every finished run reaches (
 Writes to --out (default ./comparison): comparison.csv (one row per run: every column of
 dflash_lab.analysis.schema.RUN_COLUMNS, then the swept keys), comparison_groups.csv (one row per setting, mean/std
 over seeds), paired.csv (with a baseline), comparison.md (all tables, printed too), bands.csv, cross_effects.csv,
-curves.csv (probe loss on the compute axes), verdict.json (when the runs declare analysis.verdict: controls, the
+curves.csv (probe loss on the compute axes), gradients.csv (per run, bucket and phase: arm, seed, bucket, phase
+warmup|after, steps, grad_norm_mean, grad_norm_median, clip_frac, grouped_by; the bucket of a policy without buckets
+is the probe band of the step's longest document; dflash_lab/metrics/gradients.py), verdict.json (when the runs declare analysis.verdict: controls, the
 question arm against its baseline, throughput ratio, co-primary endpoints and the answer, dflash_lab/analysis/verdict.py;
 its `protocol` names the rules version that judged it and the protocol recorded at launch) and PNG plots.
 
@@ -194,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 TABLE_FILES = ("comparison.csv", "comparison_groups.csv", "comparison.md", "paired.csv", "bands.csv",
-               "cross_effects.csv", "curves.csv", "verdict.json")
+               "cross_effects.csv", "curves.csv", "gradients.csv", "verdict.json")
 OUTPUT_FILES = frozenset(TABLE_FILES + PLOT_FILES)  # every file compare may write: what it owns in --out
 
 
@@ -343,7 +345,7 @@ def write_outputs(comparison: Comparison, out: Path) -> list[Path]:
     written[2].write_text(markdown_tables(comparison) + "\n")
     tables = (("paired.csv", comparison.paired if comparison.protocol.baseline else None),
               ("bands.csv", comparison.bands), ("cross_effects.csv", comparison.cross),
-              ("curves.csv", comparison.curves))
+              ("curves.csv", comparison.curves), ("gradients.csv", comparison.gradients))
     for name, table in tables:
         if table is not None and (not table.empty or name == "paired.csv"):
             table.to_csv(out / name, index=False)

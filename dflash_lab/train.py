@@ -233,7 +233,8 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
                             device=device, autocast=parts.autocast, probes=parts.probes,
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
                             log_probes=records.logger.log_probes, log_tau=records.logger.log_tau, ledger=ledger,
-                            is_main=env.is_main, log=log, last_probe_step=last_probe_step)
+                            is_main=env.is_main, log=log, last_probe_step=last_probe_step,
+                            warmup_steps=parts.schedule.warmup_steps)
     trainer, plan = settings.trainer, parts.plan
     clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
                       log_every=trainer.log_every, name=parts.policy.name, log=log)

@@ -272,7 +272,7 @@ def test_a_bad_value_in_a_command_line_sweep_names_its_job():
 
 @pytest.mark.parametrize(
     "name, njobs",
-    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15)],
+    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_seed_lr", 20)],
 )
 def test_sweep_files_expand_to_valid_jobs(name, njobs):
     cfg, jobs, problems = _with_sweep_checks(name)
@@ -282,6 +282,17 @@ def test_sweep_files_expand_to_valid_jobs(name, njobs):
     assert cfg.hydra.callbacks.validate_launch._target_ == "dflash_lab.cluster.launch.ValidateLaunch"
     text = (SWEEPS / f"{name}.yaml").read_text()
     assert text.startswith("# python -m dflash_lab.train -m --config-dir sweeps --config-name " + name)
+
+
+def test_the_seed_lr_sweep_is_the_protocol_at_lr_6e_4_with_a_clip_that_does_not_bind():
+    """sweeps/forgetting_seed_lr.yaml differs from the protocol by the learning rate and the clip alone."""
+    seed_lr, _, _ = _with_sweep_checks("forgetting_seed_lr")
+    protocol, _, _ = _with_sweep_checks("forgetting_protocol")
+    assert seed_lr.trainer.lr == 6.0e-4 and seed_lr.trainer.grad_clip == 100.0
+    assert seed_lr.analysis == protocol.analysis and seed_lr.probes == protocol.probes
+    assert seed_lr.hydra.sweeper.params == protocol.hydra.sweeper.params
+    differ = {key for key in protocol.trainer if seed_lr.trainer[key] != protocol.trainer[key]}
+    assert differ == {"lr", "grad_clip"}
 
 
 def test_boundaries_grid_holds_the_seed_lists():

@@ -80,7 +80,7 @@ def _stats(**over):
 
 def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
     plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
-    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, bucket=0, step_time_s=0.1,
+    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
                             compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
     totals = record.RunTotals(wall_time_s=1.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
                               eval_time_s=0.25, checkpoint_time_s=0.05, segments=2)

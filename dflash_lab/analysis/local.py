@@ -125,7 +125,7 @@ def read_config(run_dir: Path) -> tuple[dict, str | None]:
 
 
 # Step columns that runs of earlier versions lack and no comparison figure needs: not worth a note.
-OPTIONAL_STEP_COLUMNS = ("block_tokens", "block_slots")
+OPTIONAL_STEP_COLUMNS = ("block_tokens", "block_slots", "clipped")
 
 
 def _steps_table(frame: pd.DataFrame, messages: list[str], label: str) -> pd.DataFrame:

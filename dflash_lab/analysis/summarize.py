@@ -27,7 +27,7 @@ from dflash_lab.analysis.schema import (
     RUN_COLUMNS,
     RunRecord,
 )
-from dflash_lab.metrics import forgetting, jumpiness, throughput
+from dflash_lab.metrics import forgetting, gradients, jumpiness, throughput
 
 
 @dataclass
@@ -261,6 +261,7 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
                                                               "own_share_slope", "cross_band_effect")}
                         | ({"loop_score": "no probe evals"} if period else {}))
     else:
+        probes = regular_probes(probes, record)   # the warmup's extra evals stay out of the forgetting figures
         bands = forgetting.band_forgetting_table(probes.dropna(subset=["acc"]))
         row["band_forgetting"] = float(bands["forgetting"].mean())
         row["final_drop"] = float(bands["final_drop"].mean())
@@ -352,6 +353,8 @@ class Comparison:
         notes: comparison-level notes (strata without a baseline, too few seeds, ...).
         verdict: verdict.json's content when the protocol declares verdict roles (analysis.verdict), else None.
         target: the time-to-target level as fixed (`_target_endpoints`), None when analysis.target declares none.
+        gradients: per run, bucket and phase (warmup / after): the pre-clip gradient norm and clip fraction
+            (GRADIENT_TABLE_COLUMNS, ``metrics.gradients``).
     """
 
     runs: pd.DataFrame
@@ -366,6 +369,7 @@ class Comparison:
     notes: list[str]
     verdict: dict | None = None
     target: dict | None = None
+    gradients: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_THRESHOLD,
@@ -460,7 +464,128 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
             add_time_to_target(verdict, paired, target, early_step=budgets.EARLY_SHARE * budget["steps"])
     return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
                       curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict,
-                      target=target)
+                      target=target, gradients=gradient_table(records, runs))
+
+
+# ------------------------------------------------------------------------------------------------- gradients
+GRADIENT_TABLE_COLUMNS = ("arm", "seed", *gradients.GRADIENT_COLUMNS, "grouped_by")
+
+
+def run_warmup_steps(record: RunRecord) -> int | None:
+    """The run's warmup W: summary.json ``warmup_steps``, else the LR schedule's rule
+    (``metrics.gradients.warmup_steps``) on ``trainer.warmup_frac`` and summary ``end_step``; None when unknown.
+
+    Example:
+        >>> run_warmup_steps(RunRecord("r", "local", "/r", config={"trainer": {"warmup_frac": 0.04}},
+        ...                            summary={"end_step": 390}))
+        16
+    """
+    summary, trainer = record.summary, record.config.get("trainer") or {}
+    if summary.get("warmup_steps") is not None:
+        return int(summary["warmup_steps"])
+    if trainer.get("warmup_frac") is not None and summary.get("end_step") is not None:
+        return gradients.warmup_steps(float(trainer["warmup_frac"]), int(summary["end_step"]))
+    return None
+
+
+def regular_probes(probes: pd.DataFrame, record: RunRecord) -> pd.DataFrame:
+    """The probe evals the forgetting figures read: all but the extra ones inside the warmup
+    (``probes.warmup_evals``, ``metrics.gradients.warmup_probe_steps``) that are off the ``probes.every`` grid
+    and not the run's last eval.
+    band_forgetting and final_drop average over every eval they are given, so denser early evals would change
+    them; without the extra evals they are what they were before the warmup had its own evals.
+
+    Example:
+        >>> record = RunRecord("r", "local", "/r", config={"probes": {"every": 15, "warmup_evals": 4}},
+        ...                    summary={"warmup_steps": 16})
+        >>> regular_probes(pd.DataFrame({"step": [0, 4, 8, 12, 15, 16, 30]}), record)["step"].tolist()
+        [0, 15, 30]
+    """
+    section = record.config.get("probes") or {}
+    warmup, every = run_warmup_steps(record), section.get("every")
+    if not section.get("warmup_evals") or warmup is None or not every:
+        return probes
+    last = probes["step"].max()   # the run's final eval stays, wherever the run ended
+    extra = [step for step in gradients.warmup_probe_steps(warmup, int(section["warmup_evals"]))
+             if step % int(every) and step != last]
+    return probes[~probes["step"].isin(extra)]
+
+
+def run_gradients(record: RunRecord) -> tuple[list[dict], str]:
+    """One run's gradient rows (``metrics.gradients.gradient_stats``) and what its groups are (bucket or
+    probe_band): a finished run's summary.json ``gradients`` as the trainer wrote them; other runs (partial, or
+    recorded before the summary held them) computed from their metrics rows with the same function, W from
+    summary ``warmup_steps`` (else the LR schedule's rule on ``trainer.warmup_frac`` and ``end_step``), the clip
+    from ``trainer.grad_clip`` and the bands from ``probe_bands``. ([], "") when nothing says enough.
+
+    Example:
+        >>> record = RunRecord("r", "local", "/r", summary={"status": "finished", "gradients": {
+        ...     "rows": [{"bucket": 0, "phase": "after", "steps": 3}], "grouped_by": "bucket"}})
+        >>> run_gradients(record)
+        ([{'bucket': 0, 'phase': 'after', 'steps': 3}], 'bucket')
+    """
+    summary, trainer = record.summary, record.config.get("trainer") or {}
+    recorded = summary.get("gradients")
+    if not record.partial and isinstance(recorded, dict) and isinstance(recorded.get("rows"), list):
+        return recorded["rows"], str(recorded.get("grouped_by") or "")
+    warmup = run_warmup_steps(record)
+    grad_clip = (recorded or {}).get("grad_clip") if isinstance(recorded, dict) else None
+    grad_clip = trainer.get("grad_clip") if grad_clip is None else grad_clip
+    steps = record.steps
+    if warmup is None or grad_clip is None or "grad_norm" not in steps.columns or steps.empty:
+        return [], ""
+    bands = summary.get("probe_bands")
+    frame = steps[[c for c in ("step", "grad_norm", "clipped", "bucket", "max_len") if c in steps.columns]]
+    rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in row.items()}
+            for row in frame.to_dict("records")]
+    buckets = _column(steps, "bucket")
+    has_buckets = (summary["boundaries"] is not None if "boundaries" in summary
+                   else buckets is not None and bool((buckets >= 0).any()))
+    return (gradients.gradient_stats(rows, warmup=int(warmup), grad_clip=float(grad_clip), bands=bands),
+            gradients.grouped_by(has_buckets))
+
+
+def gradient_table(records: list[RunRecord], runs: pd.DataFrame) -> pd.DataFrame:
+    """gradients.csv: one row per run, group and phase (GRADIENT_TABLE_COLUMNS), from :func:`run_gradients`.
+
+    Example:
+        >>> gradient_table([], pd.DataFrame()).columns.tolist() == list(GRADIENT_TABLE_COLUMNS)
+        True
+    """
+    arms = dict(zip(runs["run_id"], runs["arm"])) if "arm" in runs.columns else {}
+    rows = []
+    for record in records:
+        table, grouping = run_gradients(record)
+        rows += [{"arm": arms.get(record.run_id, record.sampler), "seed": record.seed, **row, "grouped_by": grouping}
+                 for row in table]
+    return pd.DataFrame(rows, columns=list(GRADIENT_TABLE_COLUMNS))
+
+
+def gradients_markdown(table: pd.DataFrame) -> str:
+    """comparison.md's gradient section: per arm, group and phase, the mean over seeds of the pre-clip gradient
+    norm (mean and median over steps) and of the clip fraction.
+
+    Example:
+        >>> print(gradients_markdown(pd.DataFrame(columns=list(GRADIENT_TABLE_COLUMNS))))
+        No gradient norms recorded (runs without grad_norm, warmup or grad_clip records).
+    """
+    if table.empty:
+        return "No gradient norms recorded (runs without grad_norm, warmup or grad_clip records)."
+    numeric = ["steps", "grad_norm_mean", "grad_norm_median", "clip_frac"]
+    values = table.assign(**{c: pd.to_numeric(table[c], errors="coerce") for c in numeric})
+    keys = ["arm", "grouped_by", "bucket", "phase"]
+    means = values.groupby(keys, sort=False)[numeric].mean()
+    seeds = values.groupby(keys, sort=False)["seed"].nunique()
+    order = {phase: i for i, phase in enumerate(gradients.PHASES)}
+    rows = []
+    for (arm, grouping, bucket, phase), stats in sorted(means.iterrows(),
+                                                        key=lambda item: (str(item[0][0]), item[0][2],
+                                                                          order.get(item[0][3], 9))):
+        rows.append([str(arm), f"{grouping} {bucket}", str(phase), str(int(seeds[(arm, grouping, bucket, phase)])),
+                     _format_number(stats["steps"], "", 3), _format_number(stats["grad_norm_mean"], "", 3),
+                     _format_number(stats["grad_norm_median"], "", 3), _format_number(stats["clip_frac"], "", 2)])
+    return _markdown(["arm", "group", "phase", "seeds", "steps", "grad norm mean", "grad norm median", "clip frac"],
+                     rows)
 
 
 def left_out_reason(record: RunRecord) -> str:
@@ -797,7 +922,11 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
         headers = ["arm", "steps_to_target", "tokens_to_target", "time_to_target", "probe_loss_early"]
         parts += [_markdown(headers, [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
                                       for arm, stats in groups.iterrows()]), ""]
-    parts += ["## Per run", ""]
+    parts += ["## Gradient norm by bucket and phase (mean over seeds)", "",
+              "Pre-clip global gradient norm per optimizer step, grouped by the step's bucket (policies without "
+              "buckets: the probe band of its longest document) and phase (warmup: the LR schedule's linear rise; "
+              "after: the rest); clip frac: share of steps with norm > trainer.grad_clip > 0 (gradients.csv).", "",
+              gradients_markdown(comparison.gradients), "", "## Per run", ""]
     run_rows = []
     for _, run in runs.iterrows():
         seed = "n/a" if pd.isna(run["seed"]) else str(int(run["seed"]))

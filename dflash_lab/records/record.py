@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_lab.metrics import throughput
+from dflash_lab.metrics import gradients, throughput
 
 # ------------------------------------------------------------------------------------------------ file names
 METRICS_FILE = "metrics.jsonl"
@@ -140,6 +140,7 @@ STEP_FIELDS = (
     "acc",            # argmax-correct share of supervised block slots
     "lr",             # learning rate used by this update
     "grad_norm",      # global gradient norm before clipping
+    "clipped",        # the update was clipped: grad_norm > trainer.grad_clip > 0 (metrics.gradients.clipped)
     "real_tokens",    # real (non-pad) tokens, all ranks
     "padded_tokens",  # padded tokens, all ranks (packed rows: their used length)
     "attn_tokens",    # attention cost, all ranks: rows x longest^2 padded, sum of squared documents packed
@@ -265,7 +266,7 @@ class StepStats:
     block_slots: float     # sum: block tokens run (padding anchor slots included)
     documents: float       # sum
     max_len: float         # max
-    grad_norm: float       # first: the clipped-gradient norm is the same on every rank after DDP's all-reduce
+    grad_norm: float       # first: the pre-clip global norm is the same on every rank after DDP's all-reduce
     stop_requested: float  # max: any rank asked for a checkpoint (preemption signal)
 
     @property
@@ -349,18 +350,18 @@ def gather_step_stats(local: Mapping[str, Any], all_gather_rows, device) -> Step
 
 
 def step_row(
-    *, step: int, epoch: int, stats: StepStats, lr: float, bucket: int, step_time_s: float, compute_time_s: float,
-    eta_s: float,
+    *, step: int, epoch: int, stats: StepStats, lr: float, grad_clip: float, bucket: int, step_time_s: float,
+    compute_time_s: float, eta_s: float,
 ) -> dict[str, Any]:
     """The metrics.jsonl row of one step, exactly STEP_FIELDS in order.
 
     Example:
         >>> names = [f.name for f in fields(StepStats)]
         >>> s = StepStats(**{n: 1.0 for n in names})
-        >>> row = step_row(step=1, epoch=0, stats=s, lr=1e-3, bucket=2, step_time_s=0.5, compute_time_s=0.4,
-        ...                eta_s=10.0)
-        >>> tuple(row) == STEP_FIELDS, row["ktok_s"]
-        (True, 0.002)
+        >>> row = step_row(step=1, epoch=0, stats=s, lr=1e-3, grad_clip=0.5, bucket=2, step_time_s=0.5,
+        ...                compute_time_s=0.4, eta_s=10.0)
+        >>> tuple(row) == STEP_FIELDS, row["ktok_s"], row["clipped"]
+        (True, 0.002, True)
     """
     row = {
         "step": int(step),
@@ -369,6 +370,7 @@ def step_row(
         "acc": stats.acc,
         "lr": float(lr),
         "grad_norm": stats.grad_norm,
+        "clipped": gradients.clipped(stats.grad_norm, grad_clip),
         "real_tokens": int(stats.real_tokens),
         "padded_tokens": int(stats.padded_tokens),
         "attn_tokens": int(stats.attn_tokens),

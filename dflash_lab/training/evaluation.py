@@ -1,8 +1,9 @@
 """Scheduled evaluation of the draft during a run, on rank 0: the probe bands and the acceptance length tau.
 
-- Probes (``probes.every`` steps, at step 0 and at the end): loss and accuracy of every length band of the held-out
-  probe sets (:class:`dflash_lab.training.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
-  even when the schedule and the end of the run meet on it (its number is remembered across a resume).
+- Probes (``probes.every`` steps, at step 0 and at the end, and ``probes.warmup_evals`` more inside the LR warmup:
+  ``metrics.gradients.warmup_probe_steps``): loss and accuracy of every length band of the held-out probe sets
+  (:class:`dflash_lab.training.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
+  even when the schedules and the end of the run meet on it (its number is remembered across a resume).
 - Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of speculative decoding over held-out
   prompts spread over the probe bands (``model.decode_num_prompts`` in all, one band after another), so one
   measurement also gives tau per band (``tau_by_band``; ``tau_band_min``, ``tau_band_mean`` over the bands that have
@@ -27,6 +28,7 @@ import torch
 from dflash_lab.records import record
 from dflash_lab.analysis.sizing import tau_prompt_warning
 from dflash_lab.metrics.draft_quality import acceptance_length_tau
+from dflash_lab.metrics.gradients import warmup_probe_steps
 from dflash_lab.model import measure_acceptance
 from dflash_lab.model.decoding import banded_prompts
 from dflash_lab.training.probes import ProbeSets, heldout_evaluator
@@ -48,15 +50,17 @@ class Evaluation:
             writes a tau.jsonl row (``RunLogger.log_tau``) for each measurement of the trained draft.
         ledger: the run's time ledger; is_main: rank 0 evaluates, other ranks skip.
         last_probe_step: the step last probed (from the checkpoint on resume).
+        warmup_steps: the LR schedule's warmup W (``probes.warmup_evals`` evaluations are spread over it).
     """
 
     def __init__(self, *, model, heldout_ds, pad_id: int, device: torch.device, autocast, probes: ProbeSettings,
                  tau_every: int, model_cfg: Mapping[str, Any], log_probes: Callable[[list[dict]], None],
                  log_tau: Callable[[dict], None], ledger: record.TimeLedger, is_main: bool, log: logging.Logger,
-                 last_probe_step: int | None = None):
+                 warmup_steps: int, last_probe_step: int | None = None):
         self.model, self.settings, self.tau_every = model, probes, tau_every
         self.log_probes, self.log_tau, self.ledger, self.is_main, self.log = log_probes, log_tau, ledger, is_main, log
         self.last_probe_step = last_probe_step
+        self.warmup_probe_steps = frozenset(warmup_probe_steps(warmup_steps, probes.warmup_evals))
         self.probe_sets = None
         if probes.every > 0:
             self.probe_sets = ProbeSets(heldout_ds.lengths, probes.bands, probes.per_band, probes.seed,
@@ -75,9 +79,10 @@ class Evaluation:
             log.warning(short)
 
     def after_step(self, step: int, end_step: int) -> None:
-        """What the schedule asks after ``step``: probes every ``probes.every`` steps, tau every ``tau_every``
-        steps before the end (the end measures it anyway)."""
-        if self.settings.every and step % self.settings.every == 0:
+        """What the schedule asks after ``step``: probes every ``probes.every`` steps and at the warmup's
+        evaluations (none when probes are off), tau every ``tau_every`` steps before the end (the end measures it
+        anyway)."""
+        if self.settings.every and (step % self.settings.every == 0 or step in self.warmup_probe_steps):
             self.probe(step)
         if self.tau_every and step % self.tau_every == 0 and step < end_step and self.is_main:
             with self._evaluating("tau"):

@@ -30,7 +30,7 @@ from dflash_lab.training import dist
 from dflash_lab.records import record
 from dflash_lab.training.components import Components
 from dflash_lab.training.evaluation import Evaluation
-from dflash_lab.metrics import throughput
+from dflash_lab.metrics import gradients, throughput
 from dflash_lab.training.probes import PresentationRecorder
 from dflash_lab.records.run_dir import RunDirectory, check_records_cover
 from dflash_lab.records.run_logger import RunLogger
@@ -46,10 +46,11 @@ class RunRecords:
 
     def __init__(self, logger: RunLogger, presentations: PresentationRecorder | None, *, plan: record.PlanFacts,
                  identity: dict[str, Any], data_counts: dict[str, Any], ledger: record.TimeLedger,
-                 steady_warmup_steps: int):
+                 steady_warmup_steps: int, warmup_steps: int, grad_clip: float):
         self.logger, self.presentations, self.plan = logger, presentations, plan
         self.identity, self.data_counts, self.ledger = identity, data_counts, ledger
         self.steady_warmup_steps = steady_warmup_steps
+        self.warmup_steps, self.grad_clip = warmup_steps, grad_clip   # the LR schedule's W, trainer.grad_clip
         self.checkpoint_step: int | None = None   # the run's last checkpoint (summary.json: checkpoint_step)
 
     @classmethod
@@ -89,7 +90,8 @@ class RunRecords:
         records = cls(logger, presentations if recording else None, plan=parts.plan,
                       identity=parts.identity(settings, env.world_size),
                       data_counts=parts.data_counts(), ledger=ledger,
-                      steady_warmup_steps=settings.trainer.steady_warmup_steps)
+                      steady_warmup_steps=settings.trainer.steady_warmup_steps,
+                      warmup_steps=parts.schedule.warmup_steps, grad_clip=settings.trainer.grad_clip)
         records.checkpoint_step = position.loaded_step or None
         return records
 
@@ -102,7 +104,7 @@ class RunRecords:
                 np.concatenate(result.doc_lengths), result.doc_correct.cpu().numpy(), result.doc_count.cpu().numpy(),
                 epoch=epoch, step=step)
         step_time, eta = timing.step_done(step)
-        row = record.step_row(step=step, epoch=epoch, stats=result.stats, lr=result.lr,
+        row = record.step_row(step=step, epoch=epoch, stats=result.stats, lr=result.lr, grad_clip=self.grad_clip,
                               bucket=policy.bucket_of(micro_batches[0]["sample_index"].numpy()),
                               step_time_s=step_time, compute_time_s=result.compute_s, eta_s=eta)
         self.logger.log_step(row)
@@ -116,10 +118,18 @@ class RunRecords:
         self.summary("running", steps=step)
 
     def summary(self, status: str, steps: int, **extra: Any) -> dict[str, Any]:
-        """Write ``summary.json`` (rank 0) and return it."""
+        """Write ``summary.json`` (rank 0) and return it. ``warmup_steps`` is the LR schedule's W; ``gradients``
+        the gradient norm and clip fraction per bucket and phase (``metrics.gradients.gradient_stats``)."""
+        gradient_rows = gradients.gradient_stats(self.logger.history, warmup=self.warmup_steps,
+                                                 grad_clip=self.grad_clip, bands=self.identity["probe_bands"])
         summary = record.build_summary(self.logger.history, self.plan, self.ledger.totals, identity=self.identity,
                                        status=status, steps=steps, steady_warmup_steps=self.steady_warmup_steps,
-                                       extra={**self.data_counts, "checkpoint_step": self.checkpoint_step, **extra},
+                                       extra={**self.data_counts, "checkpoint_step": self.checkpoint_step,
+                                              "warmup_steps": self.warmup_steps,
+                                              "gradients": {"grad_clip": self.grad_clip, "rows": gradient_rows,
+                                                            "grouped_by": gradients.grouped_by(
+                                                                self.identity["boundaries"] is not None)},
+                                              **extra},
                                        times=self.ledger.split())
         self.logger.write_summary(summary)
         return summary

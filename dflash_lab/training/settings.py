@@ -122,13 +122,14 @@ class ProbeSettings:
     """The ``probes`` section of conf/train.yaml (which gives and explains every key)."""
 
     every: int
+    warmup_evals: int        # extra evaluations evenly spaced inside the LR warmup (metrics.gradients)
     bands: list[int] | str   # auto: the built-in corpus's bands, else the data's length quantiles
     per_band: int
     seed: int
     max_tokens: int
     presentations: bool
 
-    SPEC = {"every": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v), "per_band": _int(1),
+    SPEC = {"every": _int(0), "warmup_evals": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v), "per_band": _int(1),
             "seed": _int(0),
             "max_tokens": _int(1), "presentations": as_bool}
 

@@ -26,6 +26,7 @@ import torch
 from dflash_lab.records import checkpoint as ckpt
 from dflash_lab.training import dist
 from dflash_lab.records import record
+from dflash_lab.metrics import gradients
 from dflash_lab.training.settings import TrainerSettings
 
 
@@ -44,9 +45,14 @@ class LRSchedule:
     warmup_frac: float
     min_lr_ratio: float
 
+    @property
+    def warmup_steps(self) -> int:
+        """W: the updates of the linear rise (``metrics.gradients.warmup_steps``, the one definition)."""
+        return gradients.warmup_steps(self.warmup_frac, self.total_steps)
+
     def lr(self, step: int) -> float:
         """The learning rate of the update that follows ``step`` completed updates."""
-        warmup = max(1, int(round(self.warmup_frac * self.total_steps))) if self.warmup_frac > 0 else 0
+        warmup = self.warmup_steps
         if step < warmup:
             return self.peak_lr * (step + 1) / warmup
         if step >= self.total_steps:
