@@ -281,7 +281,7 @@ def cost_from_config(cost_cfg: Mapping[str, Any], model_cfg: Any, max_tokens: in
     says where the target's forward runs (TARGET_MODES; off the trainer GPUs needs the FLOPs form)."""
     valid = sorted({k for keys in conf_keys("cost").values() for k in keys})
     refuse_unknown_keys("cost", cost_cfg, valid)
-    target = as_choice("cost.target", cost_cfg.get("target", "online"), TARGET_MODES)
+    target = as_choice("cost.target", cost_cfg["target"], TARGET_MODES)
     return replace(_cost_model(cost_cfg, model_cfg, max_tokens, seed, gpu_cfg), target=target)
 
 
