@@ -272,7 +272,8 @@ def test_a_bad_value_in_a_command_line_sweep_names_its_job():
 
 @pytest.mark.parametrize(
     "name, njobs",
-    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_seed_lr", 20)],
+    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_seed_lr", 30),
+     ("forgetting_epochs", 15)],
 )
 def test_sweep_files_expand_to_valid_jobs(name, njobs):
     cfg, jobs, problems = _with_sweep_checks(name)
