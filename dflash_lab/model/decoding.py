@@ -12,11 +12,17 @@ Greedy verification makes the output identical to the target's own greedy decodi
 
 Cost: per verify step one draft forward over the context (the context is re-projected each step; fine at our
 scales) and one target forward over bs tokens with a KV cache.
+
+Replay (``TargetContinuations`` + ``replay_acceptance``): the same accepted lists without a target forward per
+verify step. The target is frozen and greedy verification emits the target's own greedy tokens, so the target's
+greedy continuation g_1..g_L of each prompt and its features are computed once per run and each draft's decoding
+chain is replayed on them (``replay_acceptance`` states the algorithm and the equivalence argument).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -215,4 +221,165 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
         model.draft.train(was_training)
     return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
             "prompts": len(per_prompt), "complete": len(per_prompt) == len(prompts),
+            "accepted_per_prompt": per_prompt}
+
+
+@dataclass
+class TargetContinuations:
+    """The target's greedy continuation of each prompt and its features: what a replay of decoding reads.
+
+    Attributes:
+        prompt_lengths: P_i, tokens of each prompt.
+        tokens: g_1..g_L of each prompt, the target's greedy tokens after it: L = ``max_new_tokens``, or fewer when
+            g_L is the first stop token (speculative decoding emits exactly these tokens).
+        features: Float[1, P_i + L_i - 1, n*H] per prompt, on the CPU: the target features (the concatenated
+            ``model.target_layer_ids`` outputs) of the prompt and of g_1..g_(L-1), the longest context a verify
+            step reads (g_L is never an anchor).
+        max_new_tokens, stop_token_ids: the budget and stop tokens they were built for.
+
+    Build with :meth:`build` once per run: the target is frozen, so every draft (trained at any step, untrained)
+    replays on the same continuations.
+    """
+
+    prompt_lengths: list[int]
+    tokens: list[list[int]]
+    features: list[torch.Tensor]
+    max_new_tokens: int
+    stop_token_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, model, prompts: list[torch.Tensor], max_new_tokens: int,
+              stop_token_ids: list[int] | None = None) -> TargetContinuations:
+        """Greedy-decode each prompt with the target (KV cache), keeping the features of every position.
+
+        Per prompt: a prefill over the prompt (its features and g_1), then one single-token forward per further
+        token, g_k in -> features of g_k and g_(k+1) out, until ``max_new_tokens`` tokens or a stop token. The
+        features come from the same incremental, KV-cached forwards as speculative decoding's (not from one full
+        forward), so they match its context to the last bits in practice (tests/test_decoding_replay.py).
+
+        Args:
+            model: a DFlashModel (only its target is run).
+            prompts: Long[P_i] prompts.
+            max_new_tokens: generation budget (as ``speculative_generate``'s).
+            stop_token_ids: None: ``model.stop_token_ids``.
+
+        Cost: P_i + L_i - 1 target token-forwards per prompt with a KV cache (one greedy decoding), once per run;
+        memory: (P_i + L_i - 1) x n*H feature values per prompt, kept on the CPU.
+        """
+        stops = list(getattr(model, "stop_token_ids", []) if stop_token_ids is None else stop_token_ids)
+        stop_set = set(stops)
+        device = model.target.get_input_embeddings().weight.device
+        lengths, all_tokens, all_features = [], [], []
+        for prompt_ids in prompts:
+            prompt = prompt_ids.to(device).view(1, -1)
+            cache = DynamicCache()
+            logits, features = _target_step(model, prompt, torch.arange(prompt.shape[1], device=device)[None], cache)
+            parts = [features]
+            tokens = [int(logits[0, -1].argmax())]
+            while len(tokens) < max_new_tokens and tokens[-1] not in stop_set:
+                position = prompt.shape[1] + len(tokens) - 1
+                logits, features = _target_step(model, torch.tensor([[tokens[-1]]], device=device),
+                                                torch.tensor([[position]], device=device), cache)
+                parts.append(features)
+                tokens.append(int(logits[0, -1].argmax()))
+            lengths.append(prompt.shape[1])
+            all_tokens.append(tokens)
+            all_features.append(torch.cat(parts, dim=1).cpu())
+        return cls(lengths, all_tokens, all_features, int(max_new_tokens), stops)
+
+
+def replay_chain(model, features: torch.Tensor, prompt_length: int, tokens: list[int],
+                 block_size: int | None = None) -> list[int]:
+    """Accepted draft tokens per verify step of one prompt, replayed on its cached greedy continuation.
+
+    Algorithm: n = 1 (g_1 comes from the prefill); while n < L: the anchor is g_n at position P + n - 1, the
+    context the features of positions 0..P+n-2 (prompt and g_1..g_(n-1)); the draft proposes d_1..d_(bs-1)
+    (argmax of ``draft_block_logits``); a = the longest prefix of the d_j equal to g_(n+1).., compared up to g_L;
+    the step keeps k = min(a + 1, L - n) tokens (the a drafts and the target's bonus token, cut at the budget or
+    the stop token g_L) and records k - 1; n += k.
+
+    Equivalence with ``speculative_generate``: greedy verification keeps exactly the target's greedy tokens, so at
+    every step its anchor, its position and its context are g_n, P + n - 1 and the features of prompt and
+    g_1..g_(n-1); the verify forward's greedy tokens are g_(n+1)..; its accepted count is this a; it keeps
+    a + 1 tokens cut to the remaining budget (L - n when the budget ends the continuation) or at the first stop
+    token (g_L, again L - n), records the kept count - 1 and advances by it. The lists are therefore equal, the
+    last, cut step included, up to the floating-point difference between the features and greedy tokens of its
+    verify forwards (a bs-token block on the cache) and of the single-token forwards of
+    ``TargetContinuations.build``: equal on every prompt tested.
+
+    Args:
+        model: a DFlashModel (its draft is run).
+        features: Float[1, >= P + L - 1, n*H] target features (``TargetContinuations.features``).
+        prompt_length: P.
+        tokens: g_1..g_L.
+        block_size: verify block size (default: the model's training block size).
+
+    Returns:
+        The accepted draft tokens of each verify step (as ``speculative_generate``'s second result).
+
+    Cost: one draft forward per verify step (over the context, as in ``speculative_generate``); no target forward.
+    """
+    bs = block_size or model.block_size
+    device = model.target.get_input_embeddings().weight.device
+    features = features.to(device)
+    total = len(tokens)
+    accepted_per_step: list[int] = []
+    done = 1
+    while done < total:
+        start = prompt_length + done - 1                 # position of the anchor g_done
+        drafts = model.draft_block_logits(features[:, :start], tokens[done - 1], start, bs).argmax(dim=-1).tolist()
+        truth = tokens[done: done + bs - 1]              # g_(done+1).., at most up to g_L
+        accepted = 0
+        while accepted < len(truth) and drafts[accepted] == truth[accepted]:
+            accepted += 1
+        kept = min(accepted + 1, total - done)           # the drafts and the bonus token, cut at g_L
+        accepted_per_step.append(kept - 1)
+        done += kept
+    return accepted_per_step
+
+
+@torch.no_grad()
+def replay_acceptance(model, continuations: TargetContinuations, block_size: int | None = None,
+                      should_stop=None, on_prompt=None) -> dict:
+    """Acceptance length tau by replaying the decoding chain on cached target continuations (``replay_chain``).
+
+    Gives the accepted lists of ``measure_acceptance`` (same prompts, budget and stop tokens) with only the draft's
+    forwards: the target runs once per run, in ``TargetContinuations.build``.
+
+    Args:
+        model: a DFlashModel whose target built ``continuations``.
+        continuations: the prompts' greedy continuations and features.
+        block_size, should_stop, on_prompt: as ``measure_acceptance``'s.
+
+    Returns:
+        The dict of ``measure_acceptance``.
+
+    Example:
+        >>> cont = TargetContinuations.build(model, prompts, max_new_tokens=32)    # doctest: +SKIP
+        >>> replay_acceptance(model, cont)["tau"]                                  # doctest: +SKIP
+    """
+    was_training = model.draft.training
+    model.draft.eval()
+    accepted: list[int] = []
+    per_prompt: list[list[int]] = []
+    new_tokens = 0
+    try:
+        for length, tokens, features in zip(continuations.prompt_lengths, continuations.tokens,
+                                            continuations.features):
+            if should_stop is not None and should_stop():
+                break
+            steps = replay_chain(model, features, length, tokens, block_size)
+            per_prompt.append(steps)
+            accepted.extend(steps)
+            new_tokens += len(tokens)
+            if on_prompt is not None:
+                on_prompt(len(per_prompt), len(continuations), acceptance_length_tau(accepted))
+    finally:
+        model.draft.train(was_training)
+    return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
+            "prompts": len(per_prompt), "complete": len(per_prompt) == len(continuations),
             "accepted_per_prompt": per_prompt}
