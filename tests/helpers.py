@@ -174,7 +174,8 @@ def write_run(
             "sampler": sampler, "seed": seed, "steps": steps, "epochs": 3,
             "ktok_s": 30.0 + effects.get("ktok_s", 0.0) + 0.1 * seed, "pad_eff": 0.75, "eta_s": 0.0,
             "full_run_eta_s": 12.0, "final_loss": rows[-1]["loss"], "final_acc": 0.9, "tau": 2.5,
-            "tau_band_min": 2.1, "tau_band_mean": 2.4, "tau_baseline": 1.1, "overhead_frac": 0.03, "world_size": 1,
+            "tau_band_min": 2.1, "tau_band_mean": 2.4, "tau_baseline": 1.1, "tau_se": 0.05, "tau_prompts": 150,
+            "overhead_frac": 0.03, "world_size": 1,
             "status": status,
         }))
     return run_dir

@@ -96,6 +96,8 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "target_seed": "summary.target_seed: the tiny target's pretraining seed (seed mod target_seeds: seeds nested "
                    "within targets, dflash_lab/replicates.py); NaN for a given target (model=hf)",
     "target_digest": "summary.target_digest: a digest of the target's weights (one per target)",
+    "tau_se": "summary.tau_se: prompt-bootstrap standard error of tau (draft_quality.tau_bootstrap_se)",
+    "tau_prompts": "summary.tau_prompts: held-out prompts tau was measured on",
     "notes": "what was missing or approximated for this run",
 }
 RUN_COLUMNS: tuple[str, ...] = tuple(RUN_COLUMN_DOCS)

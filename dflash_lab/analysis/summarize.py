@@ -227,7 +227,7 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         partial=record.partial,
     )
     for key in ("ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "overhead_frac", "final_loss", "final_acc", "tau",
-                "tau_baseline", "tau_band_min", "tau_band_mean", "steps"):
+                "tau_baseline", "tau_band_min", "tau_band_mean", "tau_se", "tau_prompts", "steps"):
         row[key] = _finite_or_nan(summary.get(key))
     _throughput_and_final(row, steps)
     row["target_seed"] = _finite_or_nan(summary.get("target_seed"))

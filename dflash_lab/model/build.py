@@ -35,7 +35,8 @@ from dflash_lab.model.draft import DFlashDraft, DraftConfig, check_compile_layer
 from dflash_lab.model.target import checkpoint_digest, load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
-DECODE_KEYS = ("decode_num_prompts", "decode_max_new_tokens", "decode_max_prompt_tokens")  # read by the trainer
+DECODE_KEYS = ("decode_num_prompts", "decode_max_new_tokens", "decode_max_prompt_tokens",  # read by the trainer
+               "tau_method")
 # Accepted and unused: ``model.cache_dir`` (the tiny target's cache) stays in conf/model/hf.yaml so that command
 # lines written before the builders were split per kind (``model=hf model.cache_dir=...``) still compose.
 IGNORED_KEYS = {"tiny": (), "hf": ("cache_dir",)}

@@ -253,7 +253,7 @@ class TargetContinuations:
     @classmethod
     @torch.no_grad()
     def build(cls, model, prompts: list[torch.Tensor], max_new_tokens: int,
-              stop_token_ids: list[int] | None = None) -> TargetContinuations:
+              stop_token_ids: list[int] | None = None, should_stop=None) -> TargetContinuations:
         """Greedy-decode each prompt with the target (KV cache), keeping the features of every position.
 
         Per prompt: a prefill over the prompt (its features and g_1), then one single-token forward per further
@@ -266,6 +266,8 @@ class TargetContinuations:
             prompts: Long[P_i] prompts.
             max_new_tokens: generation budget (as ``speculative_generate``'s).
             stop_token_ids: None: ``model.stop_token_ids``.
+            should_stop: optional ``() -> bool`` polled before each prompt (a preemption request): when it turns
+                True the build ends early, holding the prompts done so far (fewer than ``prompts``).
 
         Cost: P_i + L_i - 1 target token-forwards per prompt with a KV cache (one greedy decoding), once per run;
         memory: (P_i + L_i - 1) x n*H feature values per prompt, kept on the CPU.
@@ -275,6 +277,8 @@ class TargetContinuations:
         device = model.target.get_input_embeddings().weight.device
         lengths, all_tokens, all_features = [], [], []
         for prompt_ids in prompts:
+            if should_stop is not None and should_stop():
+                break
             prompt = prompt_ids.to(device).view(1, -1)
             cache = DynamicCache()
             logits, features = _target_step(model, prompt, torch.arange(prompt.shape[1], device=device)[None], cache)

@@ -161,6 +161,8 @@ PROBE_FIELDS = ("step", "band", "band_lo", "band_hi", "loss", "acc", "tokens")
 TAU_FIELDS = (
     "step",           # optimizer updates done when tau was measured (the last one: the run's end)
     "tau",            # acceptance length over every tau prompt (dflash_lab.metrics.draft_quality)
+    "tau_se",         # its prompt-bootstrap standard error (draft_quality.tau_bootstrap_se)
+    "tau_prompts",    # the prompts measured
     "tau_band_min",   # the worst probe band's tau
     "tau_band_mean",  # mean of the bands' tau
     "tau_by_band",    # tau per probe band (null: a band without a tau prompt)
@@ -169,6 +171,8 @@ PRESENTATION_COLUMNS = ("sample_index", "epoch", "step", "length", "band", "acc"
 SUMMARY_FIELDS = (
     "sampler", "seed", "steps", "epochs", "ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "final_loss",
     "final_acc", "tau", "tau_baseline", "overhead_frac", "world_size", "status",
+    "tau_se",         # prompt-bootstrap standard error of tau (dflash_lab.metrics.draft_quality.tau_bootstrap_se)
+    "tau_prompts",    # held-out prompts tau was measured on (model.decode_num_prompts; null: all)
     "target_digest",  # the target's weights (dflash_lab.model.target: weights_digest, hf: checkpoint_digest)
     "data_digest",    # the training data's content (dflash_lab.data.datasets.content_digest)
     "target_seed",    # the tiny target's pretraining seed (seed mod target_seeds: dflash_lab.replicates); hf: null
@@ -573,6 +577,8 @@ def build_summary(
         "final_acc": last_finite(history, "acc"),
         "tau": math.nan,
         "tau_baseline": math.nan,
+        "tau_se": math.nan,
+        "tau_prompts": 0,
         "overhead_frac": throughput.overhead_fraction(times["compute_time_s"],
                                                       times["data_wait_time_s"] + times["other_time_s"]),
         "status": status,

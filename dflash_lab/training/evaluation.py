@@ -4,10 +4,14 @@
   ``metrics.gradients.warmup_probe_steps``): loss and accuracy of every length band of the held-out probe sets
   (:class:`dflash_lab.training.probes.ProbeSets`), one row per band in ``probes.jsonl``. A step is probed once,
   even when the schedules and the end of the run meet on it (its number is remembered across a resume).
-- Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of speculative decoding over held-out
-  prompts spread over the probe bands (``model.decode_num_prompts`` in all, one band after another), so one
-  measurement also gives tau per band (``tau_by_band``; ``tau_band_min``, ``tau_band_mean`` over the bands that have
-  prompts); at the end also the untrained draft's (same initial weights), the baseline of the gain.
+- Tau (``trainer.tau_every`` steps, and at the end): the real acceptance length of greedy speculative decoding over
+  held-out prompts spread over the probe bands (``model.decode_num_prompts`` in all, one band after another; null:
+  every held-out sample with supervision), so one measurement also gives tau per band (``tau_by_band``;
+  ``tau_band_min``, ``tau_band_mean`` over the bands that have prompts) and its prompt-bootstrap standard error
+  (``tau_se``); at the end also the untrained draft's (same initial weights), the baseline of the gain.
+  ``model.tau_method``: ``replay`` (the target's greedy continuations and features are computed once, at the first
+  measurement, and each draft's decoding chain is replayed on them: the same accepted lists at the cost of the
+  draft's forwards, dflash_lab.model.decoding.replay_chain) or ``generate`` (real speculative decoding each time).
 
 Their time is the ledger's scheduled evaluation (``record.TimeLedger.evaluation``): apart from the training loop's
 overhead, reported as ``eval_frac``.
@@ -25,16 +29,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab.records import record
 from dflash_lab.analysis.sizing import tau_prompt_warning
-from dflash_lab.metrics.draft_quality import acceptance_length_tau
+from dflash_lab.config_check import as_choice, as_int
+from dflash_lab.metrics.draft_quality import acceptance_length_tau, tau_bootstrap_se
 from dflash_lab.metrics.gradients import warmup_probe_steps
 from dflash_lab.model import measure_acceptance
-from dflash_lab.model.decoding import banded_prompts
+from dflash_lab.model.decoding import TargetContinuations, banded_prompts, replay_acceptance
+from dflash_lab.records import record
 from dflash_lab.training.probes import ProbeSets, heldout_evaluator
 from dflash_lab.training.settings import ProbeSettings
 
 PROGRESS_EVERY_S = 30.0   # tau progress lines at least this often (and one per tenth of the prompts)
+TAU_METHODS = ("replay", "generate")   # model.tau_method
 
 
 class Evaluation:
@@ -45,7 +51,7 @@ class Evaluation:
         heldout_ds: the held-out split (probe sets and tau prompts come from it).
         pad_id, device, autocast: as the training step uses them, so probes see the same numerics.
         probes: the ``probes`` settings; tau_every: ``trainer.tau_every``; model_cfg: the ``model`` section (its
-            ``decode_*`` keys size the tau measurement).
+            ``decode_*`` keys size the tau measurement, ``tau_method`` chooses how it is made).
         log_probes: ``(rows) -> None`` writes probe rows (``RunLogger.log_probes``); log_tau: ``(row) -> None``
             writes a tau.jsonl row (``RunLogger.log_tau``) for each measurement of the trained draft.
         ledger: the run's time ledger; is_main: rank 0 evaluates, other ranks skip.
@@ -69,12 +75,15 @@ class Evaluation:
                 log.warning(f"probes: no held-out samples in band(s) {self.probe_sets.empty_bands} of "
                             f"probes.bands={self.probe_sets.bands}")
         self.evaluate_batch = heldout_evaluator(model, heldout_ds, pad_id, device, autocast)
+        self.tau_method = as_choice("model.tau_method", model_cfg["tau_method"], TAU_METHODS)
+        wanted = as_int("model.decode_num_prompts", model_cfg["decode_num_prompts"], minimum=1, allow_none=True)
         self.prompts, self.prompt_bands = banded_prompts(
-            heldout_ds, probes.bands, num_prompts=int(model_cfg["decode_num_prompts"]),
+            heldout_ds, probes.bands, num_prompts=len(heldout_ds) if wanted is None else wanted,
             max_prompt_tokens=int(model_cfg["decode_max_prompt_tokens"]))
         self.num_bands = len(probes.bands) - 1
         self.new_tokens = int(model_cfg["decode_max_new_tokens"])
-        short = tau_prompt_warning(len(self.prompts), int(model_cfg["decode_num_prompts"]), len(heldout_ds))
+        self.continuations: TargetContinuations | None = None   # replay: built at the first measurement
+        short = tau_prompt_warning(len(self.prompts), wanted, len(heldout_ds)) if wanted is not None else None
         if short and is_main:
             log.warning(short)
 
@@ -86,17 +95,21 @@ class Evaluation:
             self.probe(step)
         if self.tau_every and step % self.tau_every == 0 and step < end_step and self.is_main:
             with self._evaluating("tau"):
-                measured = measure_acceptance(self.model, self.prompts, self.new_tokens)
+                measured = self.measure(self.model)
             row = self.tau_row(step, measured)
             self.log_tau(row)
             self.log.info(f"step {step}: tau {row['tau']:.3f}, by band "
                           f"{[round(t, 3) if t is not None else None for t in row['tau_by_band']]}")
 
     def tau_row(self, step: int, measured: dict[str, Any]) -> dict[str, Any]:
-        """A tau.jsonl row (record.TAU_FIELDS) from one measurement of the trained draft."""
+        """A tau.jsonl row (record.TAU_FIELDS) from one measurement of the trained draft: tau, its prompt-bootstrap
+        standard error (``tau_bootstrap_se``: 1000 resamples of the prompts, seed 0) and prompt count, and tau per
+        band with the bands' minimum and mean (each band's tau pools the verify steps of all its prompts)."""
         by_band = self.by_band(measured)
         bands = [t for t in by_band if t is not None]
-        return {"step": step, "tau": float(measured["tau"]), "tau_band_min": min(bands, default=math.nan),
+        return {"step": step, "tau": float(measured["tau"]),
+                "tau_se": tau_bootstrap_se(measured["accepted_per_prompt"]), "tau_prompts": int(measured["prompts"]),
+                "tau_band_min": min(bands, default=math.nan),
                 "tau_band_mean": float(np.mean(bands)) if bands else math.nan, "tau_by_band": by_band}
 
     def probe(self, step: int) -> None:
@@ -109,28 +122,52 @@ class Evaluation:
                 self.log_probes(self.probe_sets.evaluate(self.evaluate_batch, step, seed=self.settings.seed))
 
     def final_tau(self, step: int, should_stop: Callable[[], bool]) -> dict[str, Any]:
-        """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_baseline``, ``tau_by_band``,
-        ``tau_baseline_by_band``, ``tau_band_min``, ``tau_band_mean`` and ``complete``; a ``should_stop`` request
-        ends it early (partial tau, NaN baseline, complete False). Its cost is ``model.decode_num_prompts`` x
-        ``model.decode_max_new_tokens`` tokens per draft; the log tells its start, its progress (a line per tenth of
-        the prompts, and every 30 s) and its end. A complete measurement is also a tau.jsonl row of ``step``."""
+        """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_se``, ``tau_prompts``,
+        ``tau_baseline``, ``tau_baseline_se``, ``tau_by_band``, ``tau_baseline_by_band``, ``tau_band_min``,
+        ``tau_band_mean`` and ``complete``; a ``should_stop`` request ends it early (partial tau, NaN baseline,
+        complete False). Its cost per draft: ``model.decode_num_prompts`` x ``model.decode_max_new_tokens`` tokens of
+        draft forwards (replay; the target's continuations once per run) or of draft and target forwards
+        (generate); the log tells its start, its progress (a line per tenth of the prompts, and every 30 s) and its
+        end. A complete measurement is also a tau.jsonl row of ``step``."""
         nothing = [None] * self.num_bands
-        result = {"tau": math.nan, "tau_baseline": math.nan, "tau_by_band": nothing,
-                  "tau_baseline_by_band": nothing, "tau_band_min": math.nan, "tau_band_mean": math.nan,
-                  "complete": True}
+        result = {"tau": math.nan, "tau_se": math.nan, "tau_prompts": 0, "tau_baseline": math.nan,
+                  "tau_baseline_se": math.nan, "tau_by_band": nothing, "tau_baseline_by_band": nothing,
+                  "tau_band_min": math.nan, "tau_band_mean": math.nan, "complete": True}
         if not self.is_main:
             return result
         with self._evaluating("tau"):
             measured = self._measure("trained draft", self.model, should_stop)
             row = self.tau_row(step, measured)
-            result.update({key: row[key] for key in ("tau", "tau_by_band", "tau_band_min", "tau_band_mean")},
+            result.update({key: row[key] for key in ("tau", "tau_se", "tau_prompts", "tau_by_band", "tau_band_min",
+                                                     "tau_band_mean")},
                           complete=bool(measured["complete"]))
             if measured["complete"]:
                 self.log_tau(row)  # the untrained draft (same initial weights), rebuilt and measured here
                 untrained = self._measure("untrained draft", self.model.baseline_model(), should_stop)
                 if untrained["complete"]:
-                    result.update(tau_baseline=float(untrained["tau"]), tau_baseline_by_band=self.by_band(untrained))
+                    result.update(tau_baseline=float(untrained["tau"]), tau_baseline_by_band=self.by_band(untrained),
+                                  tau_baseline_se=tau_bootstrap_se(untrained["accepted_per_prompt"]))
         return result
+
+    def measure(self, model, should_stop: Callable[[], bool] | None = None, on_prompt=None) -> dict[str, Any]:
+        """One tau measurement of ``model`` over the tau prompts by ``model.tau_method`` (the dict of
+        ``measure_acceptance``). Replay builds the target's continuations at its first call (the target is frozen:
+        every later measurement, the untrained draft's too, reuses them); a build that ``should_stop`` interrupts
+        is dropped and the measurement is incomplete."""
+        if self.tau_method == "generate":
+            return measure_acceptance(model, self.prompts, self.new_tokens, should_stop=should_stop,
+                                      on_prompt=on_prompt)
+        if self.continuations is None:
+            started = time.perf_counter()
+            built = TargetContinuations.build(self.model, self.prompts, self.new_tokens, should_stop=should_stop)
+            if len(built) < len(self.prompts):
+                return {"tau": math.nan, "verify_steps": 0, "new_tokens": 0, "prompts": 0, "complete": False,
+                        "accepted_per_prompt": []}
+            self.continuations = built
+            self.log.info(f"tau: the target's greedy continuations of {len(built)} prompts (up to {self.new_tokens} "
+                          f"tokens, {sum(map(len, built.tokens))} in all) built in "
+                          f"{time.perf_counter() - started:.1f} s, once per run (model.tau_method=replay)")
+        return replay_acceptance(model, self.continuations, should_stop=should_stop, on_prompt=on_prompt)
 
     def by_band(self, measured: dict[str, Any]) -> list[float | None]:
         """Tau per probe band from one measurement (its prompts' verify steps, grouped by their band); None for a
@@ -144,8 +181,8 @@ class Evaluation:
         """One tau measurement, announced and reported as it goes (a large target on a CPU takes minutes)."""
         started = last_report = time.perf_counter()
         total = len(self.prompts)
-        self.log.info(f"tau ({name}): {total} held-out prompts x up to {self.new_tokens} new tokens "
-                      f"(model.decode_num_prompts, model.decode_max_new_tokens)")
+        self.log.info(f"tau ({name}): {total} held-out prompts x up to {self.new_tokens} new tokens by "
+                      f"{self.tau_method} (model.decode_num_prompts, model.decode_max_new_tokens, model.tau_method)")
 
         every = max(1, -(-total // 10))   # a line per tenth of the prompts, or per PROGRESS_EVERY_S if sooner
 
@@ -157,10 +194,10 @@ class Evaluation:
                 self.log.info(f"tau ({name}): {done}/{of} prompts, tau so far {tau_so_far:.3f}, "
                               f"{now - started:.0f} s")
 
-        measured = measure_acceptance(model, self.prompts, self.new_tokens, should_stop=should_stop,
-                                      on_prompt=report)
-        self.log.info(f"tau ({name}): {measured['tau']:.3f} over {measured['prompts']}/{total} prompts in "
-                      f"{time.perf_counter() - started:.1f} s")
+        measured = self.measure(model, should_stop=should_stop, on_prompt=report)
+        self.log.info(f"tau ({name}): {measured['tau']:.3f} (bootstrap SE "
+                      f"{tau_bootstrap_se(measured['accepted_per_prompt']):.3f}) over {measured['prompts']}/{total} "
+                      f"prompts in {time.perf_counter() - started:.1f} s")
         return measured
 
     @contextlib.contextmanager
