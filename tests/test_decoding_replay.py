@@ -141,3 +141,76 @@ def test_bootstrap_se_of_tau_shrinks_with_more_prompts():
     ratio = tau_bootstrap_se(few) / tau_bootstrap_se(many)
     assert 2.5 < ratio < 6.5
     assert tau_bootstrap_se([[3, 3], [3]]) == 0.0   # every resample has the same tau
+
+
+class _HeldOut:
+    """A held-out split: ``lengths`` and samples whose first third is the prompt; every fifth has no supervision."""
+
+    def __init__(self, lengths):
+        g = torch.Generator().manual_seed(3)
+        self.lengths = list(lengths)
+        self.samples = []
+        for i, length in enumerate(self.lengths):
+            mask = torch.zeros(length, dtype=torch.bool)
+            if i % 5:
+                mask[length // 3:] = True
+            self.samples.append({"input_ids": torch.randint(3, 200, (length,), generator=g), "loss_mask": mask})
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
+def _evaluation(model, heldout, method, num_prompts):
+    import contextlib
+    import logging
+
+    from dflash_lab.records.record import RunTotals, TimeLedger
+    from dflash_lab.training.evaluation import Evaluation
+    from dflash_lab.training.settings import ProbeSettings
+
+    probes = ProbeSettings(every=0, bands=[0, 12, 24, 48], per_band=1, seed=0, max_tokens=512, presentations=False)
+    model_cfg = {"decode_num_prompts": num_prompts, "decode_max_new_tokens": 9, "decode_max_prompt_tokens": 64,
+                 "tau_method": method}
+    rows = []
+    evaluation = Evaluation(model=model, heldout_ds=heldout, pad_id=0, device=torch.device("cpu"),
+                            autocast=contextlib.nullcontext, probes=probes, tau_every=0, model_cfg=model_cfg,
+                            log_probes=lambda rows: None, log_tau=rows.append,
+                            ledger=TimeLedger(RunTotals(), start=0.0), is_main=True, log=logging.getLogger("test"))
+    return evaluation, rows
+
+
+def test_evaluation_replays_every_held_out_prompt_and_takes_each_bands_minimum_over_all_of_them():
+    """decode_num_prompts null: every held-out sample with supervision is a tau prompt (24 of 30 here), grouped by
+    its probe band; replay and generate give the same figures; tau_band_min is the minimum over the bands of tau
+    pooled over all the band's prompts; tau_se and tau_prompts are reported."""
+    model = tiny_dflash_model(block_size=4)
+
+    def copy_draft(context_features, anchor_token, anchor_position, block_size=None):
+        # the random target mostly repeats a token: copying the anchor is accepted there, not at a change
+        logits = torch.zeros(3, model.target.config.vocab_size)
+        logits[:, anchor_token] = 1.0
+        return logits
+
+    model.draft_block_logits = copy_draft
+    heldout = _HeldOut([8 + (13 * i) % 40 for i in range(30)])   # lengths 8..47 over the 3 bands
+    supervised = [i for i in range(30) if i % 5]
+    replayed, rows = _evaluation(model, heldout, "replay", None)
+    assert len(replayed.prompts) == len(supervised) == 24
+    assert sorted(len(p) for p in replayed.prompts) == sorted(max(1, heldout.lengths[i] // 3) for i in supervised)
+    result = replayed.final_tau(5, should_stop=lambda: False)
+    generated = _evaluation(model, heldout, "generate", None)[0].final_tau(5, should_stop=lambda: False)
+    assert {k: v for k, v in result.items() if "baseline" not in k} == {
+        k: v for k, v in generated.items() if "baseline" not in k}
+    measured = replayed.measure(model)
+    per_band = {band: [] for band in range(3)}
+    for band, steps in zip(replayed.prompt_bands, measured["accepted_per_prompt"]):
+        per_band[band].extend(steps)
+    expected = [sum(a + 1 for a in steps) / len(steps) for steps in per_band.values()]
+    assert result["tau_by_band"] == pytest.approx(expected) and len(set(expected)) == 3
+    assert result["tau_band_min"] == min(expected) and result["tau_prompts"] == 24
+    assert 0 < result["tau_se"] < 1 and rows[0]["tau_se"] == result["tau_se"] and rows[0]["tau_prompts"] == 24
+    capped, _ = _evaluation(model, heldout, "replay", 6)
+    assert len(capped.prompts) == 6 and set(capped.prompt_bands) == {0, 1, 2}   # a number caps the count

@@ -43,6 +43,21 @@ PROGRESS_EVERY_S = 30.0   # tau progress lines at least this often (and one per 
 TAU_METHODS = ("replay", "generate")   # model.tau_method
 
 
+def tau_by_band(prompt_bands: list[int], accepted_per_prompt: list[list[int]], num_bands: int) -> list[float | None]:
+    """Tau per probe band: the verify steps of all the band's measured prompts pooled (a prompt with many steps
+    weighs more, as in the overall tau); None for a band without a verify step. The minimum over the bands that
+    have one is ``tau_band_min``.
+
+    Example:
+        >>> tau_by_band([0, 0, 2], [[0, 2], [1], [3, 3]], num_bands=3)
+        [2.0, None, 4.0]
+    """
+    accepted: list[list[int]] = [[] for _ in range(num_bands)]
+    for band, steps in zip(prompt_bands, accepted_per_prompt):
+        accepted[band].extend(steps)
+    return [acceptance_length_tau(steps) if steps else None for steps in accepted]
+
+
 class Evaluation:
     """The run's scheduled evaluation (see the module docstring).
 
@@ -170,12 +185,8 @@ class Evaluation:
         return replay_acceptance(model, self.continuations, should_stop=should_stop, on_prompt=on_prompt)
 
     def by_band(self, measured: dict[str, Any]) -> list[float | None]:
-        """Tau per probe band from one measurement (its prompts' verify steps, grouped by their band); None for a
-        band without a measured prompt."""
-        accepted: list[list[int]] = [[] for _ in range(self.num_bands)]
-        for band, steps in zip(self.prompt_bands, measured["accepted_per_prompt"]):
-            accepted[band].extend(steps)
-        return [acceptance_length_tau(steps) if steps else None for steps in accepted]
+        """Tau per probe band from one measurement (``tau_by_band``)."""
+        return tau_by_band(self.prompt_bands, measured["accepted_per_prompt"], self.num_bands)
 
     def _measure(self, name: str, model, should_stop: Callable[[], bool]) -> dict[str, Any]:
         """One tau measurement, announced and reported as it goes (a large target on a CPU takes minutes)."""
