@@ -620,6 +620,7 @@ def test_tau_is_measured_per_length_band_from_the_same_prompts(tmp_path):
                                 "model.decode_num_prompts=6", "model.decode_max_new_tokens=16"))
     rows = [json.loads(line) for line in (tmp_path / "tau" / record.TAU_FILE).read_text().splitlines()]
     assert [row["step"] for row in rows] == [2, 3] and all(set(row) == set(record.TAU_FIELDS) for row in rows)
+    assert summary["tau_prompts"] == rows[-1]["tau_prompts"] == 6 and summary["tau_se"] == rows[-1]["tau_se"] >= 0
     assert {key: rows[-1][key] for key in ("tau", "tau_band_min", "tau_by_band")} == {
         key: summary[key] for key in ("tau", "tau_band_min", "tau_by_band")}
     by_band, baseline = summary["tau_by_band"], summary["tau_baseline_by_band"]

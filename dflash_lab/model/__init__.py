@@ -28,6 +28,8 @@ API (stable; the training loop is written against it):
     res = measure_acceptance(model, prompts, max_new_tokens=64)          # real tau, greedy speculative decoding
     base = measure_acceptance(model.baseline_model(), prompts, max_new_tokens=64)   # untrained draft
     res["tau"], res["verify_steps"], res["new_tokens"]       # stops at model.stop_token_ids (from the tokenizer)
+    cont = TargetContinuations.build(model, prompts, max_new_tokens=64)   # the target's greedy continuations, once
+    res = replay_acceptance(model, cont)                    # the same accepted lists, draft forwards only
 
 Metric formulas live once in dflash_lab.metrics.draft_quality: per_position_accuracy(correct, count),
 estimated_acceptance_length(acc_k) = 1 + sum_k prod_(i<=k) acc_i, acceptance_length_tau(accepted per step).
@@ -38,7 +40,9 @@ shared CPU, torch with more threads than free cores slows these small ops by 10x
 """
 
 from dflash_lab.model.build import build_model
-from dflash_lab.model.decoding import heldout_prompts, measure_acceptance, speculative_generate
+from dflash_lab.model.decoding import (
+    TargetContinuations, heldout_prompts, measure_acceptance, replay_acceptance, speculative_generate,
+)
 from dflash_lab.model.dflash import DFlashModel, StepOutput
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, default_target_layer_ids
 
@@ -47,9 +51,11 @@ __all__ = [
     "DFlashModel",
     "DraftConfig",
     "StepOutput",
+    "TargetContinuations",
     "build_model",
     "default_target_layer_ids",
     "heldout_prompts",
     "measure_acceptance",
+    "replay_acceptance",
     "speculative_generate",
 ]
