@@ -171,14 +171,16 @@ def _evaluation(model, heldout, method, num_prompts):
     from dflash_lab.training.evaluation import Evaluation
     from dflash_lab.training.settings import ProbeSettings
 
-    probes = ProbeSettings(every=0, bands=[0, 12, 24, 48], per_band=1, seed=0, max_tokens=512, presentations=False)
+    probes = ProbeSettings(every=0, warmup_evals=0, bands=[0, 12, 24, 48], per_band=1, seed=0, max_tokens=512,
+                           presentations=False)
     model_cfg = {"decode_num_prompts": num_prompts, "decode_max_new_tokens": 9, "decode_max_prompt_tokens": 64,
                  "tau_method": method}
     rows = []
     evaluation = Evaluation(model=model, heldout_ds=heldout, pad_id=0, device=torch.device("cpu"),
                             autocast=contextlib.nullcontext, probes=probes, tau_every=0, model_cfg=model_cfg,
                             log_probes=lambda rows: None, log_tau=rows.append,
-                            ledger=TimeLedger(RunTotals(), start=0.0), is_main=True, log=logging.getLogger("test"))
+                            ledger=TimeLedger(RunTotals(), start=0.0), is_main=True, log=logging.getLogger("test"),
+                            warmup_steps=0)
     return evaluation, rows
 
 
