@@ -189,7 +189,9 @@ def test_the_verdict_states_time_to_target_next_to_throughput_under_rules_5_only
     assert entry["time_ratio"] == pytest.approx(entry["time_to_target"]["question_mean"]
                                                 / entry["time_to_target"]["baseline_mean"])
     assert verdict["early_window"]["until_step"] == 15.0 and verdict["early_window"]["diff"] > 0
-    assert (f"trade: {verdict['throughput_ratio']:.2f}x the throughput (Ktok/s), {entry['time_ratio']:.2f}x the "
+    claimed = verdict["throughput_from"]   # the throughput the answer claims: the modelled cost, not Ktok/s
+    assert claimed["claim"] == "modelled_cost"
+    assert (f"trade: {claimed['modelled_cost']:.2f}x the throughput (modelled cost), {entry['time_ratio']:.2f}x the "
             f"modelled GPU time to reach probe loss 2.7 ({steps['ratio']:.2f}x the steps: ") in verdict["answer"]
     assert "paired probe-loss gap over the first 25% of steps (to step 15)" in verdict["answer"]
     assert {"steps_to_target", "tokens_to_target", "time_to_target", "probe_loss_early"} <= set(paired["endpoint"])

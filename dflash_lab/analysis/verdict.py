@@ -738,6 +738,24 @@ def _target_row(paired: pd.DataFrame, arm: str, endpoint: str) -> dict | None:
             "margin": _number(row["margin"]), "n_pairs": int(row["n_pairs"]), "ratio": _number(ratio)}
 
 
+def _trade_throughput(verdict: dict) -> list[str]:
+    """The trade's throughput: the ratio the answer claims (``throughput_from``: the modelled cost, else padding
+    efficiency, which arms running at different times cannot confound), else the measured Ktok/s ratio.
+
+    Example:
+        >>> _trade_throughput({"throughput_ratio": 2.24, "throughput_from": {"claim": "modelled_cost",
+        ...                    "modelled_cost": 1.646, "padding_efficiency": 1.646, "measured_ktok_s": 2.24}})
+        ['1.65x the throughput (modelled cost)']
+    """
+    source = verdict.get("throughput_from") or {}
+    claim = source.get("claim")
+    if claim in ("modelled_cost", "padding_efficiency") and source.get(claim) is not None:
+        return [f"{source[claim]:.2f}x the throughput ({claim.replace('_', ' ')})"]
+    if verdict.get("throughput_ratio") is None:
+        return []
+    return [f"{verdict['throughput_ratio']:.2f}x the throughput (Ktok/s)"]
+
+
 def add_time_to_target(verdict: dict, paired: pd.DataFrame, target: dict | None, early_step: float) -> None:
     """Rules version >= 5: state the trade of the question arm in verdict.json and its answer.
 
@@ -780,8 +798,7 @@ loss 2.3 (1.20x the steps: +20 [+19, +21] steps, 5 pairs, worse)'
         steps = rows["steps_to_target"]
         if level is not None and steps is not None:
             entry = verdict["time_to_target"]
-            head = [] if verdict.get("throughput_ratio") is None else \
-                [f"{verdict['throughput_ratio']:.2f}x the throughput (Ktok/s)"]
+            head = _trade_throughput(verdict)
             interval = (f"{_fmt(steps['diff'])} [{_fmt(steps['ci_low'])}, {_fmt(steps['ci_high'])}] steps, "
                         f"{steps['n_pairs']} pairs, {steps['verdict']}")
             if entry["not_reached"]:
