@@ -1,0 +1,53 @@
+"""The committed natural-data answer (docs/ablation_natural/v5, rules version 5) reads the same when re-derived by
+hand from its per-run table with the nesting the protocol declares: seeds nested within targets, the target the
+unit. Nothing here trains; it reads the committed CSV and JSON files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+FOLDER = Path(__file__).resolve().parents[1] / "docs" / "ablation_natural" / "v5"
+QUESTION, BASELINE = "bucketed bucket_by=length", "full_random real_tokens_per_step=null"
+
+
+def _by_target(runs: pd.DataFrame, arm: str, baseline: str, endpoint: str) -> np.ndarray:
+    """Per target: the mean over its seeds of (arm - baseline) seed-paired differences."""
+    wide = runs[runs["arm"].isin([arm, baseline])].pivot_table(index=["target_seed", "seed"], columns="arm",
+                                                                  values=endpoint)
+    diffs = (wide[arm] - wide[baseline]).dropna()
+    return diffs.groupby(level="target_seed").mean().to_numpy()
+
+
+@pytest.mark.parametrize("endpoint", ["residual_amplitude", "tau", "tau_band_min", "probe_loss_at_steps"])
+def test_the_question_rows_re_derive_from_the_per_run_table_with_the_target_as_unit(endpoint):
+    runs = pd.read_csv(FOLDER / "comparison.csv")
+    units = _by_target(runs, QUESTION, BASELINE, endpoint)
+    half = stats.t.ppf(0.975, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units))
+    row = pd.read_csv(FOLDER / "paired.csv").query("policy == @QUESTION and endpoint == @endpoint").iloc[0]
+    assert (row["unit"], row["n_pairs"], row["n_targets"], row["n_seeds"]) == ("target", 3, 3, 5)
+    assert row["diff"] == pytest.approx(units.mean(), abs=1e-12)
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((units.mean() - half, units.mean() + half), abs=1e-12)
+
+
+def test_the_verdict_states_the_units_and_the_numbers_of_its_paired_table():
+    verdict = json.loads((FOLDER / "verdict.json").read_text())
+    paired = pd.read_csv(FOLDER / "paired.csv")
+    assert verdict["protocol"]["rules_version"] == 5 and verdict["valid"]
+    assert verdict["units"] == {"unit": "target", "units": 3, "targets": 3, "seeds": 5}
+    assert "rests on 3 targets and 5 seeds" in verdict["answer"]
+    row = paired.query("policy == @QUESTION and endpoint == 'residual_amplitude'").iloc[0]
+    assert verdict["answer"].startswith(f"no detectable effect: residual_amplitude diff {row['diff']:+.3g}")
+    # the trade: time to the declared target next to the claimed throughput
+    entry = verdict["time_to_target"]
+    assert entry["fixed_by"].startswith("the baseline arm's mean probe loss at 0.5")
+    assert f"{verdict['throughput_from']['modelled_cost']:.2f}x the throughput (modelled cost), " \
+           f"{entry['time_ratio']:.2f}x the modelled GPU time to reach probe loss" in verdict["answer"]
+    # mean tau's minimum detectable difference at the protocol's units exceeds 0.05: the README claims no tau bound
+    tau = paired.query("policy == @QUESTION and endpoint == 'tau'").iloc[0]
+    assert tau["mdd"] > 0.05 and "tau" in verdict["failed_positive_control"]
