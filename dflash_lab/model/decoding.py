@@ -21,6 +21,7 @@ chain is replayed on them (``replay_acceptance`` states the algorithm and the eq
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -202,25 +203,36 @@ def measure_acceptance(model, prompts: list[torch.Tensor], max_new_tokens: int =
     Example:
         >>> res = measure_acceptance(model, heldout_prompts(heldout, 8), max_new_tokens=32)   # doctest: +SKIP
     """
+    def decode(prompt):
+        tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
+        return len(tokens), list(steps)
+
+    return _tally_chains(model, [functools.partial(decode, prompt) for prompt in prompts], should_stop, on_prompt)
+
+
+def _tally_chains(model, chains, should_stop, on_prompt) -> dict:
+    """Run each prompt's decoding chain (a ``() -> (new tokens, accepted per verify step)``) with the draft in eval
+    mode, polling ``should_stop`` before each and reporting to ``on_prompt`` after each: the measurement dict of
+    ``measure_acceptance`` (generation) and ``replay_acceptance`` (replay) alike."""
     was_training = model.draft.training
     model.draft.eval()
     accepted: list[int] = []
     per_prompt: list[list[int]] = []
     new_tokens = 0
     try:
-        for prompt in prompts:
+        for chain in chains:
             if should_stop is not None and should_stop():
                 break
-            tokens, steps = speculative_generate(model, prompt, max_new_tokens, stop_token_ids, block_size)
-            per_prompt.append(list(steps))
+            produced, steps = chain()
+            per_prompt.append(steps)
             accepted.extend(steps)
-            new_tokens += len(tokens)
+            new_tokens += produced
             if on_prompt is not None:
-                on_prompt(len(per_prompt), len(prompts), acceptance_length_tau(accepted))
+                on_prompt(len(per_prompt), len(chains), acceptance_length_tau(accepted))
     finally:
         model.draft.train(was_training)
     return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
-            "prompts": len(per_prompt), "complete": len(per_prompt) == len(prompts),
+            "prompts": len(per_prompt), "complete": len(per_prompt) == len(chains),
             "accepted_per_prompt": per_prompt}
 
 
@@ -366,24 +378,9 @@ def replay_acceptance(model, continuations: TargetContinuations, block_size: int
         >>> cont = TargetContinuations.build(model, prompts, max_new_tokens=32)    # doctest: +SKIP
         >>> replay_acceptance(model, cont)["tau"]                                  # doctest: +SKIP
     """
-    was_training = model.draft.training
-    model.draft.eval()
-    accepted: list[int] = []
-    per_prompt: list[list[int]] = []
-    new_tokens = 0
-    try:
-        for length, tokens, features in zip(continuations.prompt_lengths, continuations.tokens,
-                                            continuations.features):
-            if should_stop is not None and should_stop():
-                break
-            steps = replay_chain(model, features, length, tokens, block_size)
-            per_prompt.append(steps)
-            accepted.extend(steps)
-            new_tokens += len(tokens)
-            if on_prompt is not None:
-                on_prompt(len(per_prompt), len(continuations), acceptance_length_tau(accepted))
-    finally:
-        model.draft.train(was_training)
-    return {"tau": acceptance_length_tau(accepted), "verify_steps": len(accepted), "new_tokens": new_tokens,
-            "prompts": len(per_prompt), "complete": len(per_prompt) == len(continuations),
-            "accepted_per_prompt": per_prompt}
+    def replay(length, tokens, features):
+        return len(tokens), replay_chain(model, features, length, tokens, block_size)
+
+    chains = [functools.partial(replay, *prompt) for prompt in
+              zip(continuations.prompt_lengths, continuations.tokens, continuations.features)]
+    return _tally_chains(model, chains, should_stop, on_prompt)
