@@ -97,7 +97,7 @@ def test_a_wandb_sweep_reads_back_with_names_group_axes_and_final_figures(grid):
         # probe/<lo>-<hi>/* keys named by the band's length range
         probe_keys = {c for c in history.columns if c.startswith("probe/")}
         assert probe_keys == {f"probe/{lo}-{hi}/{f}" for lo, hi in zip(BANDS, BANDS[1:]) for f in ("loss", "acc")}
-        assert record.probes["step"].unique().tolist() == [0, 1, 3, 6]   # 1: the warmup's evaluation (W = 1)
+        assert record.probes["step"].unique().tolist() == [0, 3, 6]
         assert record.probes[["band_lo", "band_hi"]].drop_duplicates().values.tolist() == [
             [lo, hi] for lo, hi in zip(BANDS, BANDS[1:])]
 

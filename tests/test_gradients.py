@@ -143,7 +143,8 @@ def test_the_warmup_evaluations_stay_out_of_the_forgetting_figures():
 @pytest.mark.integration
 def test_a_run_reports_its_gradients_by_bucket_and_phase_and_compare_tables_them(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    result = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "sampler=bucketed", "trainer.warmup_frac=0.4")
+    result = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "sampler=bucketed", "trainer.warmup_frac=0.4",
+                       "probes.warmup_evals=4")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["warmup_steps"] == 12   # round(0.4 x 30)

@@ -66,8 +66,7 @@ def test_tiny_run_learns_and_writes_the_run_directory(tmp_path):
 
     probes = read_jsonl(run_dir / "probes.jsonl")
     assert all(list(p) == list(PROBE_FIELDS) for p in probes)
-    # every probes.every=5 steps, and the warmup's evaluation (W = round(0.04 x 30) = 1: probes.warmup_evals)
-    assert sorted({p["step"] for p in probes}) == [0, 1, 5, 10, 15, 20, 25, 30]
+    assert sorted({p["step"] for p in probes}) == [0, 5, 10, 15, 20, 25, 30]   # every probes.every=5 steps
     assert {p["band"] for p in probes} <= set(range(6)) and len({p["band"] for p in probes}) >= 4
 
     table = pq.read_table(run_dir / "presentations.parquet").to_pandas()
@@ -570,7 +569,7 @@ def test_a_resume_over_missing_or_damaged_side_files_is_refused(tmp_path, damage
         expected = "metrics.jsonl holds 0 of the 8 steps up to it"
     else:
         (run_dir / "probes.jsonl").unlink()
-        expected = r"probes.jsonl lacks the probe evaluations of steps \[0, 1, 4, 8\]"   # 1: the warmup's
+        expected = r"probes.jsonl lacks the probe evaluations of steps \[0, 4, 8\]"
     with pytest.raises(ValueError, match=f"resume from the checkpoint of step 8: {expected}"):
         train(compose_cfg(run_dir, "trainer.max_steps=12", *overrides))
 
