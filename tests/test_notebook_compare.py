@@ -118,7 +118,7 @@ def test_notebook_executes_under_nbmake_against_the_multirun(trained_multirun, t
     env = _env() | {"DFLASH_RUNS": str(trained_multirun), "DFLASH_NOTEBOOK_FIGURES": str(tmp_path / "figures"),
                     "DFLASH_BASELINE": "full_random"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=600",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--nbmake", "--nbmake-timeout=600",
          "notebooks/compare_policies.ipynb"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
