@@ -390,3 +390,17 @@ def test_offline_wandb_runs_are_read_only_when_asked(tmp_path):
                                                    f"directory; {OFFLINE_WANDB_HINT}"]
     assert "--offline-wandb" in OFFLINE_WANDB_HINT
     assert load_runs([tmp_path / "wandb"], offline_wandb=True).problems != report.problems
+
+
+def test_a_run_that_switched_tau_off_says_so_instead_of_a_missing_measurement(tmp_path):
+    """trainer.measure_tau=false: tau is NaN, and the note says it was not measured (not that it is missing)."""
+    run_dir = write_run(tmp_path / "r", "bucketed", 0)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["tau"] = None
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    record = load_local_run(run_dir)
+    measured = analyse_run(record).row
+    assert "tau: not in summary.json" in measured["notes"]
+    off = analyse_run(replace(record, config={**record.config, "trainer": {"measure_tau": False}})).row
+    assert np.isnan(off["tau"]) and "not measured (trainer.measure_tau=false)" in off["notes"]
+    assert "tau: not in summary.json" not in off["notes"]

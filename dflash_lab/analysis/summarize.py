@@ -304,16 +304,21 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         row["modelled_time_s"] = float(axes["modelled_time_s"].iloc[-1])
     if len(curve):
         row["probe_loss_final"] = float(curve["probe_loss"].iloc[-1])
-    _note_unexplained(row, notes, applies_loop=bool(period))
+    _note_unexplained(row, notes, applies_loop=bool(period),
+                      tau_off=(record.config.get("trainer") or {}).get("measure_tau") is False)
     row["notes"] = "; ".join(dict.fromkeys(notes))
     return RunAnalysis(row=row, bands=bands, cross=cross, curve=curve)
 
 
-def _note_unexplained(row: dict, notes: list[str], applies_loop: bool) -> None:
-    """Never a silent empty cell: a NaN comparison column no note names yet gets its fallback reason. Not here:
-    the equal-compute endpoints (set across runs, `_budget_endpoints`) and loop_score of a shuffled order (NaN by
-    definition; order_period_steps is NaN too)."""
+def _note_unexplained(row: dict, notes: list[str], applies_loop: bool, tau_off: bool = False) -> None:
+    """Never a silent empty cell: a NaN comparison column no note names yet gets its fallback reason (tau of a run
+    that switched it off: not measured). Not here: the equal-compute endpoints (set across runs,
+    `_budget_endpoints`) and loop_score of a shuffled order (NaN by definition; order_period_steps is NaN too)."""
     text = "; ".join(notes)
+    unmeasured = [c for c in COMPARISON_COLUMNS if tau_off and c.startswith("tau") and not np.isfinite(row[c])]
+    if unmeasured:
+        notes.append(f"{', '.join(unmeasured)}: not measured (trainer.measure_tau=false)")
+        text = "; ".join(notes)
     for column in COMPARISON_COLUMNS:
         if column in _ENDPOINTS or (column == "loop_score" and not applies_loop) or np.isfinite(row[column]):
             continue
