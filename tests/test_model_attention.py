@@ -218,7 +218,7 @@ def test_block_mask_gradients_equal_the_dense_oracle_through_the_flex_operator_o
         options = flex_module._apply_kernel_options(query, key, value, False, None)
         return flex_operator(query, key, value, flex_module._identity, block_mask.as_tuple(), scale, options)[0]
 
-    monkeypatch.setattr(attention, "_compiled_flex", lambda: eager_flex)
+    monkeypatch.setattr(attention, "_compiled_flex", lambda with_grad: eager_flex)
     layouts_checked = 0
     for doc_ids, num_docs, bs in ((torch.tensor([[0] * 150 + [1] * 90 + [2] * 200 + [-1] * 30]), 3, 8),
                                   (torch.tensor([[0] * 60 + [-1] * 25, [1] * 85, [2] * 10 + [-1] * 75]), 3, 4)):

@@ -27,8 +27,9 @@ draft runs per-document SDPA (segments; dense for single-document rows) with or 
 in training and in the fixed-anchor and probe passes, and measured about as fast as CPU flex for the draft's few
 queries per document (docs/attention.md). A CPU process that trains on padded batches therefore compiles nothing.
 
-Compilation: flex_attention runs through one ``torch.compile`` wrapper shared by the target and the draft (one
-mask_mod for both, so they share compiled graphs). A process compiles one static graph, then one graph with dynamic
+Compilation: flex_attention runs through two ``torch.compile`` wrappers, one for calls with gradients (the draft's
+training forward) and one without (the target, fixed anchors, probes), each shared by the target and the draft (one
+mask_mod for both, so they share compiled graphs). Each compiles one static graph, then one graph with dynamic
 lengths at the second distinct shape, and no more, because every call looks the same to the compiler: batch 1,
 whole tiles (at least two), contiguous inputs (strides are guarded), four distinct [1, Q] bound tensors (aliasing is
 guarded). Batch > 1 and 1-D bound indexing both break torch 2.13's CPU code generation for dynamic shapes.
@@ -245,9 +246,20 @@ def flex_block_mask(intervals: KeyIntervals) -> BlockMask:
 # -------------------------------------------------------------------------------------------------- attention
 
 
+def _flex_with_grad(q, k, v, block_mask, scale, enable_gqa):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _flex_no_grad(q, k, v, block_mask, scale, enable_gqa):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
 @functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention)
+def _compiled_flex(with_grad: bool):
+    # Two functions, two code objects: dynamo counts graphs against its recompile limit per code object, and the
+    # training forward (grad) and the no-grad passes (fixed anchors, probes, the target) each need their own
+    # static and dynamic graphs; apart they stay at two to four each.
+    return torch.compile(_flex_with_grad if with_grad else _flex_no_grad)
 
 
 _FLEX_GRAPHS = [0]   # graphs dynamo compiled during flex_attend's compiled calls (this process)
@@ -294,8 +306,8 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     else:
         counting = not torch.compiler.is_compiling()   # (inside a caller's compiled graph nothing compiles here)
         graphs_before = dynamo_graph_count() if counting else 0
-        out = _compiled_flex()(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask=block_mask,
-                               scale=scale, enable_gqa=heads != k.shape[1])
+        out = _compiled_flex(torch.is_grad_enabled())(flat(q, q_pad), flat(k, kv_pad), flat(v, kv_pad), block_mask,
+                                                      scale, heads != k.shape[1])
         if counting:
             _FLEX_GRAPHS[0] += dynamo_graph_count() - graphs_before
     return out[:, :, : rows * q_len].reshape(heads, rows, q_len, dim).transpose(0, 1)

@@ -33,6 +33,7 @@ the context projection is O(T * n_layers_used * hidden^2).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -114,6 +115,28 @@ def swiglu_mlp(h: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     return F.linear(F.silu(F.linear(h, gate_weight)) * F.linear(h, up_weight), down_weight)
 
 
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotary embedding of ``x`` [tokens, heads, d] with cos/sin [tokens, 1, d]."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+# One function (one code object) per role of a compiled piece. Dynamo keeps its compiled graphs, and counts them
+# against ``recompile_limit`` (8), per code object: roles that shared ``rms_norm`` (hidden-size norms, head-dim
+# norms) added up their graphs until a run hit the limit at its first decode. Within a role a graph is keyed by
+# dtype and by whether the input requires grad (the first layer's input, the frozen embeddings, does not).
+def _hidden_norm(x, weight, eps):
+    return rms_norm(x, weight, eps)
+
+
+def _qk_norm_rope(x, weight, eps, cos, sin):
+    return head_norm_rope(x, weight, eps, cos, sin)
+
+
+def _mlp(h, gate_weight, up_weight, down_weight):
+    return swiglu_mlp(h, gate_weight, up_weight, down_weight)
+
+
 @functools.cache
 def _compiled(fn):
     # dynamic=None: only the dimensions marked dynamic at the call are symbolic (hidden sizes stay static)
@@ -127,36 +150,64 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+_RECOMPILE_LIMIT_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit",
+                                                                           "FailOnCacheLimitHit")
+                                if hasattr(torch._dynamo.exc, name))   # (the name differs across torch versions)
+_EAGER_AFTER_LIMIT: set[str] = set()   # roles that hit dynamo's recompile limit: eager from then on (warned once)
+
+
+def _run(role, *args):
+    """``role`` compiled; eager (with one warning) for the rest of the process if dynamo refuses to compile it
+    again: a recompile limit must cost speed, never a multi-day run."""
+    if role.__name__ not in _EAGER_AFTER_LIMIT:
+        try:
+            return _compiled(role)(*args)
+        except _RECOMPILE_LIMIT_ERRORS as error:
+            _EAGER_AFTER_LIMIT.add(role.__name__)
+            warnings.warn(f"compiled draft piece {role.__name__} hit torch._dynamo's recompile limit ({error}); "
+                          f"it runs eager from now on (model.compile_layers)", RuntimeWarning, stacklevel=3)
+    return role(*args)
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The draft's pointwise pieces, eager or compiled (see the module docstring); layers take one as an argument.
 
-    Under a Python dispatch mode (FlopCounterMode, memory trackers) the compiled pieces run eager: such modes do
-    not compose with compiled graphs (as with flex_attention in dflash_lab.model.attention).
+    Compiled pieces run only where gradients are being recorded (the training forward): no-grad passes (fixed
+    anchors, probes, decoding) run eager, so evaluation compiles nothing and adds no graphs. Under a Python
+    dispatch mode (FlopCounterMode, memory trackers) the pieces run eager too: such modes do not compose with
+    compiled graphs (as with flex_attention in dflash_lab.model.attention).
     """
 
     compiled: bool
 
     def _use_compiled(self) -> bool:
-        return self.compiled and not torch._C._len_torch_dispatch_stack()
+        return self.compiled and torch.is_grad_enabled() and not torch._C._len_torch_dispatch_stack()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """A hidden-size norm (input, post-attention, context and final norms)."""
         if not self._use_compiled():
             return rms_norm(x, weight, eps)
-        return _compiled(rms_norm)(_tokens_first(x), weight, eps).view(x.shape)
+        return _run(_hidden_norm, _tokens_first(x), weight, eps).view(x.shape)
 
-    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def head_norm_rope(self, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+        """q or k [R, L, heads, d]: per-head norm, then rope with cos/sin [R, L, d]."""
+        rows, length, heads, dim = x.shape
         if not self._use_compiled():
-            return apply_rope(x, cos, sin)
-        for tensor, dims in ((x, (0, 2)), (cos, (0, 1)), (sin, (0, 1))):   # rows and length
-            torch._dynamo.maybe_mark_dynamic(tensor, dims)
-        return _compiled(apply_rope)(x, cos, sin)
+            return head_norm_rope(x, weight, eps, cos[:, :, None], sin[:, :, None])
+        # tokens first ([R L, heads, d], tables [R L, 1, d]): one layout whatever the rows, so a batch of one row
+        # (a size-1 dimension, which the compiler specialises) needs no graph of its own
+        flat, cos, sin = x.reshape(-1, heads, dim), cos.reshape(-1, 1, dim), sin.reshape(-1, 1, dim)
+        for tensor in (flat, cos, sin):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return _run(_qk_norm_rope, flat, weight, eps, cos, sin).view(x.shape)
 
     def mlp(self, h: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
             down_weight: torch.Tensor) -> torch.Tensor:
         if not self._use_compiled():
             return swiglu_mlp(h, gate_weight, up_weight, down_weight)
-        out = _compiled(swiglu_mlp)(_tokens_first(h), gate_weight, up_weight, down_weight)
+        out = _run(_mlp, _tokens_first(h), gate_weight, up_weight, down_weight)
         return out.view(*h.shape[:-1], out.shape[-1])
 
 
@@ -170,10 +221,21 @@ def check_compile_layers(compile_layers) -> bool | str:
     return compile_layers
 
 
+def compiles_layers(compile_layers: bool | str, device_type: str) -> bool:
+    """Whether a ``compile_layers`` setting compiles the draft's pieces on ``device_type`` (``"auto"``: on CUDA
+    only): the one rule, read by the draft and by the memory model (``dflash_lab.model.footprint``)."""
+    return compile_layers is True or (compile_layers == "auto" and device_type == "cuda")
+
+
 def layer_ops(compile_layers: bool | str, device: torch.device) -> LayerOps:
     """The pieces for a ``compile_layers`` setting on ``device`` (``"auto"``: compiled on CUDA only)."""
-    compiled = compile_layers is True or (compile_layers == "auto" and device.type == "cuda")
-    return LayerOps(compiled=compiled)
+    return LayerOps(compiled=compiles_layers(compile_layers, device.type))
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype:
+    if hasattr(torch, "get_autocast_dtype"):   # torch >= 2.4
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
 
 
 class RMSNorm(nn.Module):
@@ -187,6 +249,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps = EAGER) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps = EAGER) -> torch.Tensor:
+        """A per-head norm (q/k norm) of ``x`` [R, L, heads, d], then rope with cos/sin [R, L, d]."""
+        return ops.head_norm_rope(x, self.weight, self.eps, cos, sin)
+
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables [..., L, head_dim] for integer ``positions`` [..., L] (rotate-half convention)."""
@@ -197,10 +263,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [R, heads, L, d] by cos/sin [R, L, d]."""
+    """Rotate ``x`` [..., d] by cos/sin tables that broadcast to it (rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
 
 
 class DraftAttention(nn.Module):
@@ -221,11 +287,10 @@ class DraftAttention(nn.Module):
         rows, q_len, _ = x.shape
         d = self.cfg.head_dim
         kv_in = torch.cat([context, x], dim=1)
-        q = self.q_norm(self.q_proj(x).view(rows, q_len, -1, d), ops).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(rows, kv_in.shape[1], -1, d), ops).transpose(1, 2)
+        q = self.q_norm.with_rope(self.q_proj(x).view(rows, q_len, -1, d), *rope_q, ops).transpose(1, 2)
+        k = self.k_norm.with_rope(self.k_proj(kv_in).view(rows, kv_in.shape[1], -1, d), *rope_kv, ops)
+        k = k.transpose(1, 2)
         v = self.v_proj(kv_in).view(rows, kv_in.shape[1], -1, d).transpose(1, 2)
-        q = ops.apply_rope(q, *rope_q)
-        k = ops.apply_rope(k, *rope_kv)
         # d ** -0.5 exactly as the HF target computes it: compiled flex guards on the scale's value
         out = attend(q, k, v, attention, scale=d ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1))
@@ -290,10 +355,13 @@ class DFlashDraft(nn.Module):
                 module.weight.fill_(1.0)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast the kernels pick the dtype; without it, inputs follow the draft's weights (a bf16
-        # target feeding a float32 draft on GPU would otherwise fail in the matmul).
-        if torch.is_autocast_enabled(x.device.type):
-            return x
+        # Under autocast: the autocast dtype, so the residual stream has one dtype from layer 0 on (float32
+        # embeddings of a float32 target would otherwise keep it in float32 and give every compiled norm a second
+        # graph); without autocast, inputs follow the draft's weights (a bf16 target feeding a float32 draft on
+        # GPU would otherwise fail in the matmul).
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            return x.to(_autocast_dtype(device_type))
         return x.to(self.fc.weight.dtype)
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
