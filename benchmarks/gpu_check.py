@@ -207,6 +207,8 @@ def parse_args(argv=None):
                         "from the start; report what was measured")
     parser.add_argument("--force", action="store_true", help="also run policies no memory plan fits (smallest "
                         "objective-preserving block budget, checkpointing on)")
+    parser.add_argument("--repredict", metavar="FILE.jsonl", default=None, help="re-predict every step of a "
+                        "recorded check with today's memory model (benchmarks/gpu_repredict.py); runs nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training config, e.g. "
                         "model.anchor_density=0.0625 sampler.max_block_tokens=65536 "
                         "trainer.activation_checkpointing=true gpu=h200")
@@ -968,6 +970,10 @@ def run_policy(name: str, memory, bench: Bench) -> tuple[dict, PolicyPlan | None
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.repredict:
+        import gpu_repredict
+
+        raise SystemExit(gpu_repredict.main(args.repredict, args.model))
     env, device = start_process(args)
     bench, setup, plans = build_bench(args, env, device)
     bench.emit({"setup": {**setup, "notes": setup_notes(bench, plans), "memory_plan": {

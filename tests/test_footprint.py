@@ -70,15 +70,20 @@ def test_batch_shapes_match_the_objective(packed):
     assert shapes["supervised"][0] == pytest.approx(float(blocks.label_ok.sum()))
 
 
-@pytest.mark.parametrize("precision,packed,layers,fused", [("fp32", True, 1, True), ("fp32", False, 3, True),
-                                                           ("bf16", True, 2, True), ("bf16", False, 2, True),
-                                                           ("fp32", True, 1, False), ("bf16", False, 2, False)])
+@pytest.mark.parametrize("precision,packed,layers,fused,compiled", [
+    ("fp32", True, 1, True, False), ("fp32", False, 3, True, False), ("bf16", True, 2, True, False),
+    ("bf16", False, 2, True, False), ("fp32", True, 1, False, False), ("bf16", False, 2, False, False),
+    ("fp32", True, 1, True, True), ("fp32", False, 3, True, True), ("bf16", True, 2, True, True),
+    ("bf16", False, 2, False, True)])
 @pytest.mark.integration
-def test_saved_activations_match_autograd(precision, packed, layers, fused):
+def test_saved_activations_match_autograd(precision, packed, layers, fused, compiled):
     """The draft-phase activation terms = the bytes autograd saves for backward (distinct storages, no weights);
-    with the fused LM head (no saved logits) and the reference one (saved log-probabilities)."""
+    with the fused LM head (no saved logits) and the reference one (saved log-probabilities); with the draft's
+    pieces eager and compiled by inductor (``compile_layers``: no float32 copies in the norms, three of the MLP's
+    four Q x I tensors)."""
     model, batch = tiny_model(draft_layers=layers, anchors_per_doc=8 if layers == 3 else 512), make_batch(packed)
     model.fused_head_ce = fused
+    model.draft.compile_layers = compiled
     if precision == "bf16":
         model.target.to(torch.bfloat16)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -143,14 +148,17 @@ def _allocated_peak_bytes(run_step) -> int:
 @pytest.mark.integration
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_predicted_peak_is_within_10_percent_of_the_allocators(packed, checkpointing):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_predicted_peak_is_within_10_percent_of_the_allocators(packed, checkpointing, compiled):
     """A real fp32 training step (forward, backward, AdamW) of a 3-layer draft whose activations dominate: the
     predicted peak is within 10% of the bytes the allocator held at its peak (tensors alive before the step +
-    the step's peak allocation), with and without draft activation checkpointing. Before issue 22 the checkpointed
-    step was predicted 1.2-1.3x: the head's saved tensors and a layer's MLP and attention backward transients were
-    added to the recomputed layer although autograd frees them before or after it."""
+    the step's peak allocation), with and without draft activation checkpointing, with the draft's pieces eager
+    and compiled. Before issue 22 the checkpointed step was predicted 1.2-1.3x: the head's saved tensors and a
+    layer's MLP and attention backward transients were added to the recomputed layer although autograd frees
+    them before or after it. (The GPU's bf16 steps: tests/test_gpu_repredict.py.)"""
     model, batch = tiny_model(draft_layers=3), make_batch(packed)
     model.draft.activation_checkpointing = checkpointing
+    model.draft.compile_layers = compiled
     model.train()
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
 
@@ -221,11 +229,11 @@ def test_qwen3_8b_preset_and_planner_columns(tmp_path):
                                      intermediate=12288, vocab=151936, tied=False)
     assert step.target.params == pytest.approx(8.19e9, rel=0.01) and step.draft.target_layer_ids == (1, 9, 17, 25, 33)
     # The preset draws anchors as the DFlash recipe does (up to 512 per document): a document shorter than 513
-    # tokens anchors almost every position, ~16 block tokens per token. Without a block budget 32K tokens fit no
-    # GPU, with or without checkpointing.
+    # tokens anchors almost every position, ~16 block tokens per token. Without a block budget 32K tokens do not
+    # fit the seed's 96 GB GPU, with or without checkpointing (the H200 run ran out of memory on such steps).
     assert plain["model"]["anchor_density"] is None and plain["sampler"]["max_block_tokens"] == "auto"
     unbounded = run_plan({**plain, "sampler": {**plain["sampler"], "max_block_tokens": None}})
-    assert (unbounded["fits"] == "no").all() and unbounded["pred_peak_mem_gb_ckpt"].min() > 141
+    assert (unbounded["fits"] == "no").all() and unbounded["pred_peak_mem_gb_ckpt"].min() > 0.9 * 96
     # With the block budget (auto: the largest that fits), the recipe's objective at 32K fits 96 GB without
     # checkpointing and 80 GB with it, each within 90%.
     table = run_plan(plain)

@@ -194,6 +194,8 @@ class StepModel:
     fixed_anchors: int = 0      # blocks per document of the no-grad fixed-anchor pass (0: no such pass)
     fused_head_ce: bool = FUSED_AVAILABLE   # LM head + CE as torch's linear_cross_entropy (dflash_lab.model.head;
     #                                          training runs it on CUDA: the planner's default prices a GPU step)
+    compiled_layers: bool = True   # the draft's RMSNorm/rope/MLP compiled (``compile_layers``; auto: on CUDA, which
+    #                                the planner's default prices): they save less for backward (module docstring)
 
     @property
     def layers_read(self) -> int:
@@ -201,8 +203,9 @@ class StepModel:
         return max(self.draft.target_layer_ids) + 1
 
     @classmethod
-    def from_model_config(cls, model_cfg: Mapping[str, Any]) -> "StepModel":
+    def from_model_config(cls, model_cfg: Mapping[str, Any], device_type: str = "cuda") -> "StepModel":
         """From the plain keys of ``conf/model/<name>.yaml``; the target needs only its config (no weights).
+        ``device_type``: where the step runs (``model.compile_layers: auto`` compiles the draft's pieces on CUDA).
 
         Example:
             >>> from dflash_lab.presets import preset
@@ -211,6 +214,7 @@ class StepModel:
             (64, 1, (2,))
         """
         from dflash_lab.model.build import draft_config_for_target, target_config_only
+        from dflash_lab.model.draft import compiles_layers
 
         config = target_config_only(**dict(model_cfg))
         draft_cfg = draft_config_for_target(
@@ -220,15 +224,20 @@ class StepModel:
                    block_size=int(model_cfg["block_size"]),
                    anchors_per_doc=_optional_int(model_cfg["anchors_per_doc"]),
                    anchor_density=_optional_float(model_cfg["anchor_density"]),
-                   fixed_anchors=int(model_cfg["fixed_anchors"]))
+                   fixed_anchors=int(model_cfg["fixed_anchors"]),
+                   compiled_layers=compiles_layers(model_cfg.get("compile_layers", "auto"), device_type))
 
     @classmethod
     def from_model(cls, model: Any) -> "StepModel":
         """From a built ``DFlashModel`` (what the trainer holds before step 1)."""
+        from dflash_lab.model.draft import compiles_layers
+
+        device_type = next(model.draft.parameters()).device.type
         return cls(TargetDims.from_hf_config(model.target.config), DraftDims.from_draft_config(model.draft.cfg),
                    block_size=model.block_size, anchors_per_doc=model.anchors_per_doc,
                    anchor_density=model.anchor_density, fixed_anchors=model.fixed_anchors,
-                   fused_head_ce=model.uses_fused_head() and FUSED_AVAILABLE)
+                   fused_head_ce=model.uses_fused_head() and FUSED_AVAILABLE,
+                   compiled_layers=compiles_layers(model.draft.compile_layers, device_type))
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,7 @@ class Settings:
     activation_checkpointing: bool = False
     attention: str = "flex"
     world_size: int = 1
+    grad_accum: int = 1     # micro-batches per optimizer step: above 1, earlier micro-batches' gradients are alive
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -364,6 +374,118 @@ def _mean_targets_per_anchor(lengths: np.ndarray, block_size: int) -> np.ndarray
 # --------------------------------------------------------------------------------------------------- memory
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """The symbols of the module docstring for a set of batches (arrays) and the step's byte sizes."""
+
+    R: np.ndarray
+    T: np.ndarray
+    Q: np.ndarray
+    K: np.ndarray
+    S: np.ndarray
+    c: float        # compute dtype bytes
+    f: float        # float32 bytes
+    copy: float     # the float32 copy an eager RMSNorm saves of its input (0 when the pieces are compiled)
+
+    @classmethod
+    def of(cls, model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> "_Sizes":
+        autocast = settings.precision == "bf16"
+        c, f = (2.0, 4.0) if autocast else (4.0, 4.0)
+        R = shapes["rows"].astype(np.float64)
+        T = shapes["row_len"].astype(np.float64)
+        Q = shapes["slots"].astype(np.float64) * model.block_size
+        return cls(R, T, Q, T + Q, shapes["supervised"].astype(np.float64), c, f,
+                   0.0 if model.compiled_layers else f)
+
+
+def _target_phase(model: StepModel, z: _Sizes, dense: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(captured features, the target phase: features + their concatenation + one layer's no-grad transient)."""
+    t, c, f = model.target, z.c, z.f
+    features = z.R * z.T * len(model.draft.target_layer_ids) * t.hidden * c
+    transient = z.R * z.T * (t.hidden * (2 * c + f) + 2 * (t.heads + 2 * t.kv_heads) * t.head_dim * c
+                             + 3 * t.intermediate * c)
+    if dense:
+        transient = transient + z.R * z.T * z.T * (1 + c)
+    return features, 2 * features + transient
+
+
+def _attention_saved(model: StepModel, z: _Sizes, shapes: Mapping[str, np.ndarray], attention: str):
+    """(the layer's whole keys and values as attention saves them, the path's extra saved bytes) per layer.
+
+    Beyond the q/k/v/output/log-sum-exp every path keeps: flex nothing more; dense the float copy of the Q x K
+    mask SDPA makes; segments that copy of each run's mask, each run's concatenated keys and values, and (rows of
+    several documents) the output concatenated from the runs, copied again into o_proj's input layout. The whole
+    keys and values (2 c K g d) are saved by flex and dense, by segments only while some run attends to a view of
+    them (``segment_whole_kv``, the expected share)."""
+    d, c = model.draft, z.c
+    hd, gd = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    whole_kv = 2 * c * z.K * gd
+    if attention == "dense":
+        return whole_kv, z.R * c * z.Q * z.K
+    if attention == "segments":
+        return whole_kv * shapes["segment_whole_kv"], c * (shapes["segment_pairs"] + 2 * shapes["segment_keys"] * gd
+                                                           + shapes["segment_queries"] * hd)
+    return whole_kv, 0.0
+
+
+def _layer_saved(model: StepModel, z: _Sizes, shapes: Mapping[str, np.ndarray], attention: str):
+    """(what one draft layer saves for backward, of which its MLP half) per the module docstring.
+
+    Eager pieces save each RMSNorm's float32 copy of its input (``copy``) and the SwiGLU's four Q x I tensors;
+    compiled pieces (AOTAutograd's partition) save the norm's input and its per-token statistics instead, and
+    three of the MLP's (measured: tests/test_footprint.py)."""
+    d, c, f, copy = model.draft, z.c, z.f, z.copy
+    H, I, hd, gd = d.hidden, d.intermediate, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    mlp_units = 3 * c if model.compiled_layers else 4 * c
+    whole_kv, extra = _attention_saved(model, z, shapes, attention)
+    mlp = z.R * z.Q * (H * (copy + c) + mlp_units * I + f)    # post-attention norm + SwiGLU
+    rest = z.R * (z.Q * H * (copy + c + 2 * c) + (copy + 3 * c) * z.Q * hd + 2 * f * z.Q * d.heads + f * z.Q
+                  + c * z.K * H + (copy + c) * z.K * gd + f * z.K * d.kv_heads + whole_kv) + extra
+    return mlp + rest, mlp
+
+
+def _layer_backward(model: StepModel, z: _Sizes, dense: bool, checkpointed: bool):
+    """(MLP, attention) transients of a layer's backward: its MLP runs first, then its attention (the grads of the
+    keys/values and of [context ; block]).
+
+    MLP, eager: the grads of the SwiGLU product and of its two factors (3 Q I) while down_proj's backward has
+    released the product it saved (- Q I), and the block hidden states' grads (2 Q H). Compiled: one backward graph,
+    the product's grad with the factors' (3 Q I) and the incoming grad (Q H); the saved product is released within
+    the graph only under checkpointing (- Q I: the graph then holds the only reference to the recomputed tensors;
+    otherwise its autograd node holds them to the end). Under autocast the weights' bf16 grads are alive until they
+    are accumulated into the float32 ``.grad``: one matrix at a time eager, the MLP's three (graph outputs)
+    compiled."""
+    d, c, f = model.draft, z.c, z.f
+    H, I = d.hidden, d.intermediate
+    if model.compiled_layers:
+        mlp = z.R * z.Q * ((2 if checkpointed else 3) * I + H) * c + (3 * H * I * c if c < f else 0.0)
+    else:
+        mlp = z.R * z.Q * (2 * I + 2 * H) * c + (H * I * c if c < f else 0.0)
+    attention = z.R * z.K * (d.hidden + 2 * d.kv_heads * d.head_dim) * c
+    if dense:
+        attention = attention + z.R * z.Q * z.K * c
+    return mlp, attention
+
+
+def _head_terms(model: StepModel, z: _Sizes) -> tuple[np.ndarray, np.ndarray]:
+    """(what the LM head saves, its transient) for the step's supervised slots."""
+    from dflash_lab.model.dflash import DFlashModel
+
+    vocab, H, c, f = model.target.vocab, model.draft.hidden, z.c, z.f
+    chunk = max(1, DFlashModel.CE_CHUNK_ELEMENTS // vocab)
+    if model.fused_head_ce:
+        # F.linear_cross_entropy saves its inputs only (hidden slots, head weight, labels) and recomputes one
+        # chunk of logits at a time in backward (accumulation dtype f); the argmax pass needs no more.
+        return z.S * H * c, np.minimum(z.S, chunk) * vocab * f
+    chunked = z.S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
+    # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
+    # fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad and the
+    # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu.md, "One GPU script").
+    per_logit = 2 * c + 4 * f if c < f else 3 * f
+    saved = z.S * H * c + np.where(chunked, 0.0, 4.0 * z.S * vocab)
+    return saved, np.where(chunked, np.minimum(z.S, chunk) * vocab * per_logit, z.S * vocab * (per_logit - f))
+
+
 def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> dict[str, np.ndarray]:
     """Bytes per term of the module docstring, and ``peak``, for each batch in ``shapes``.
 
@@ -375,101 +497,59 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
         >>> bool(mem["peak"][0] > mem["static"][0] > 0)
         True
     """
-    from dflash_lab.model.dflash import DFlashModel
-
     t, d = model.target, model.draft
-    autocast = settings.precision == "bf16"
-    c, f = (2.0, 4.0) if autocast else (4.0, 4.0)
+    z = _Sizes.of(model, shapes, settings)
+    c, f, R, Q, T, H = z.c, z.f, z.R, z.Q, z.T, d.hidden
     dense = settings.attention == "dense"
-    R = shapes["rows"].astype(np.float64)
-    T = shapes["row_len"].astype(np.float64)
-    Q = shapes["slots"].astype(np.float64) * model.block_size
-    K = T + Q
-    S = shapes["supervised"].astype(np.float64)
-    n_read = len(d.target_layer_ids)
-    H, I, hd, gd = d.hidden, d.intermediate, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    ckpt = settings.activation_checkpointing
 
     terms: dict[str, Any] = {}
     terms["target_weights"] = t.params * c
     terms["draft_weights_optimizer"] = d.params * 12.0
     terms["ddp_buckets"] = d.params * 4.0 if settings.world_size > 1 else 0.0
     static = terms["target_weights"] + terms["draft_weights_optimizer"] + terms["ddp_buckets"]
+    features, terms["target_phase"] = _target_phase(model, z, dense)
 
-    features = R * T * n_read * t.hidden * c
-    layer_transient = R * T * (t.hidden * (2 * c + f) + 2 * (t.heads + 2 * t.kv_heads) * t.head_dim * c
-                               + 3 * t.intermediate * c)
-    if dense:
-        layer_transient = layer_transient + R * T * T * (1 + c)
-    terms["target_phase"] = 2 * features + layer_transient
-
-    # Attention tensors saved per layer beyond the q/k/v/output/log-sum-exp every path keeps (keys and values
-    # at g heads): flex nothing more; dense the float copy of the Q x K mask SDPA makes; segments that copy of
-    # each run's mask, each run's concatenated keys and values, and (rows of several documents) the output
-    # concatenated from the runs, copied again into o_proj's input layout.
-    # The layer's whole keys and values (2 c K g d) are saved by flex and dense, by segments only while some run
-    # attends to a view of them (``segment_whole_kv``, the expected share).
-    whole_kv = 2 * c * K * gd
-    if settings.attention == "dense":
-        attention_extra = R * c * Q * K
-    elif settings.attention == "segments":
-        whole_kv = whole_kv * shapes["segment_whole_kv"]
-        attention_extra = c * (shapes["segment_pairs"] + 2 * shapes["segment_keys"] * gd
-                               + shapes["segment_queries"] * hd)
-    else:
-        attention_extra = 0.0
-    layer_saved = R * (Q * H * (2 * (f + c) + 2 * c) + 4 * c * Q * I + (f + 3 * c) * Q * hd
-                       + 2 * f * Q * d.heads + 2 * f * Q + c * K * H + (f + c) * K * gd + f * K * d.kv_heads
-                       + whole_kv) + attention_extra
-    layer_inputs = R * Q * H * c
-    if settings.activation_checkpointing:   # one layer's recomputed tensors: at its backward (layer_moment)
-        layers = d.layers * layer_inputs
-    else:
-        layers = d.layers * layer_saved - R * Q * H * f  # the first layer's input (embeddings) needs no grad
-    vocab = t.vocab
-    chunk = max(1, DFlashModel.CE_CHUNK_ELEMENTS // vocab)
-    if model.fused_head_ce:
-        # F.linear_cross_entropy saves its inputs only (hidden slots, head weight, labels) and recomputes one
-        # chunk of logits at a time in backward (accumulation dtype f); the argmax pass needs no more.
-        head_saved = S * H * c
-        head_transient = np.minimum(S, chunk) * vocab * f
-    else:
-        chunked = S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
-        # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
-        # fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad and the
-        # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu.md, "One GPU script").
-        per_logit = 2 * c + 4 * f if autocast else 3 * f
-        head_saved = S * H * c + np.where(chunked, 0.0, 4.0 * S * vocab)
-        head_transient = np.where(chunked, np.minimum(S, chunk) * vocab * per_logit, S * vocab * (per_logit - f))
-    # A layer's backward runs its MLP first, then its attention: the two transients are not alive together. MLP:
-    # the grads of the SwiGLU product and of its two factors (3 Q I) while down_proj's backward has already
-    # released the product it saved (- Q I), and the block hidden states' grads (2 Q H); attention: the grads of
-    # the keys/values and of [context ; block] (K (H + 2 g d)).
-    layer_backward = R * np.maximum(Q * (2 * I + 2 * H) * c, K * (H + 2 * gd) * c)
-    if dense:
-        layer_backward = layer_backward + R * Q * K * c
-    terms["grads_and_casts"] = d.params * 4.0 + (2.0 * (d.layers * d.layer_matmul_params + d.fc_params)
-                                                 if autocast else 0.0)
+    layer_saved, mlp_saved = _layer_saved(model, z, shapes, settings.attention)
+    # the first layer's input (the frozen embeddings) needs no grad: its norm saves no float32 copy; compiled, it
+    # saves the input's per-token statistics
+    first_layer = -R * Q * H * z.copy + (f * R * Q if model.compiled_layers else 0.0)
+    # checkpointed layers save only their input; one layer's tensors are recomputed at its backward (layer moment)
+    layers = d.layers * R * Q * H * c if ckpt else d.layers * layer_saved + first_layer
+    head_saved, head_transient = _head_terms(model, z)
+    mlp_backward, attention_backward = _layer_backward(model, z, dense, ckpt)
+    layer_params = d.layer_matmul_params + 2 * d.hidden + 2 * d.head_dim
+    # Gradients exist from the backward on, as autograd makes them: none at the head's backward (zero_grad frees
+    # them; with grad_accum > 1 the earlier micro-batches' are there), one layer's at the first layer's backward
+    # (the last layer's, which holds the layer moment), all of them (with AdamW's foreach temporaries, one more
+    # copy) at the optimizer step. Under autocast the bf16 casts of the weights are saved by their matmuls.
+    accumulated = d.params * 4.0 if settings.grad_accum > 1 else 0.0
+    terms["weight_casts"] = 2.0 * (d.layers * d.layer_matmul_params + d.fc_params) if c < f else 0.0
     terms["features"] = features
-    terms["context_and_rope"] = R * T * (H * (f + c) + f) + 2 * R * (Q + K) * d.head_dim * c
+    terms["context_and_rope"] = R * T * (H * (z.copy + c) + f) + 2 * R * (Q + z.K) * d.head_dim * c
     terms["objective"] = R * Q * 29.0 + R * T * 25.0   # block ids/positions/labels/weights; batch tensors
     # segments: the boolean run masks, built once per step and shared by every layer (dense rows: one per layer);
     # they live during the draft forward only (freed with the key intervals before the backward's transients)
     terms["attention_masks"] = shapes["segment_pairs"] * 1.0 if settings.attention == "segments" else 0.0
     terms["draft_layers"] = layers
-    terms["final_norm_and_head"] = R * Q * (H * (f + c) + f) + head_saved
-    terms["backward_transient"] = np.maximum(head_transient, layer_backward)
-    # Two moments can hold the draft's peak. Up to the head's backward: every layer's saved tensors (checkpointed:
-    # their inputs), the final norm's and head's, and the larger of the forward's run masks and the head's
-    # transient. At a layer's backward the head and final norm have freed theirs (autograd frees a node's saved
-    # tensors once it ran); the layer's own saved tensors are there (checkpointed: recomputed for it) with its
-    # backward transient. Summing both moments' terms over-predicted the checkpointed tiny step by ~25%.
-    terms["head_moment"] = terms["final_norm_and_head"] + np.maximum(terms["attention_masks"], head_transient)
-    terms["layer_moment"] = (layer_saved if settings.activation_checkpointing else 0.0) + layer_backward
-    draft_phase = (terms["grads_and_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
+    terms["final_norm_and_head"] = R * Q * (H * (z.copy + c) + f) + head_saved
+    terms["backward_transient"] = np.maximum(head_transient, np.maximum(mlp_backward, attention_backward))
+    # The draft's peak is at one of two moments. Up to the head's backward: every layer's saved tensors
+    # (checkpointed: their inputs), the final norm's and head's, and the larger of the forward's run masks and
+    # the head's transient. At the last layer's backward the head and final norm have freed theirs (autograd
+    # frees a node's saved tensors once it ran); the layer's own saved tensors are there (checkpointed: recomputed
+    # for it) with its MLP's backward transient, then (its MLP's tensors freed) its attention's.
+    terms["head_moment"] = (accumulated + terms["final_norm_and_head"]
+                            + np.maximum(terms["attention_masks"], head_transient))
+    own = layer_saved if ckpt else 0.0
+    terms["layer_moment"] = max(accumulated, 4.0 * layer_params) + np.maximum(
+        own + mlp_backward, own - mlp_saved + attention_backward)
+    draft_phase = (terms["weight_casts"] + features + terms["context_and_rope"] + terms["objective"] + layers
                    + np.maximum(terms["head_moment"], terms["layer_moment"]))
+    terms["optimizer_moment"] = 8.0 * d.params   # gradients + AdamW's foreach temporaries
     terms["static"] = static
     terms["draft_phase"] = draft_phase
-    terms["peak"] = static + np.maximum(terms["target_phase"], draft_phase)
+    terms["peak"] = static + np.maximum(np.maximum(terms["target_phase"], draft_phase), terms["optimizer_moment"])
     shape = np.shape(R)
     return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), shape) for name, value in terms.items()}
 

@@ -1,0 +1,193 @@
+"""Re-predict a recorded GPU check: the memory model of today's code against the peaks a GPU measured.
+
+    python benchmarks/gpu_check.py --repredict benchmarks/data/h200-2026-12-04/seed.jsonl
+
+For every ``gpu_check_step`` line of the file, the batch that step ran is rebuilt from the file's
+``gpu_check_setup`` line, as the check built it: the seed workload's lengths (``num_samples``, the shape's length
+scale), each policy's sampler config composed by Hydra with the recorded overrides and token budget, the recorded
+memory plan (block budget, checkpointing; a ``ckpt`` step ran with checkpointing on), the policy's epoch-0 plan,
+and the step's ``index`` in it. The rebuilt batch must have the recorded documents, real and padded tokens and
+block tokens (else the plan code changed since the run, and the line says so instead of predicting another batch).
+The memory model (``dflash_lab.model.footprint.step_memory``) then predicts its peak with the recorded precision,
+attention path, LM head and compiled pieces (``compile_layers: auto`` compiles them on CUDA: the same rule the draft
+uses, ``dflash_lab.model.draft.compiles_layers``).
+
+Output: one JSON line per step, ``{"check": "repredict", "policy", "phase", "step", "peak_gb", "pred_peak_gb",
+"ratio", "oom", "mem_cap_gb", "activation_checkpointing", "clean"}`` (``ratio`` = predicted / measured; ``clean``:
+a timed or checkpointing step that did not run out of memory; warm-up steps are not clean: the first one runs
+before AdamW's moments exist), then ``{"check": "repredict_summary", ...}``: the clean steps' ratio range with and
+without checkpointing, and whether every out-of-memory step is predicted above its memory cap.
+
+Bounds (``BOUNDS``): a clean step within [0.97, 1.10] of its measured peak, [0.97, 1.15] with checkpointing (the
+model keeps the larger of two moments where autograd's order can leave less alive; it must never under-predict by
+more than 3%: a plan sized by it would run out of memory). A step that ran out of memory must be predicted above
+what it had allocated when it failed and above the usable share of its cap (``USABLE_FRACTION``, what the memory
+plan fits against); the summary also counts those predicted above the cap itself. The cap limits the memory the
+CUDA allocator reserves, fragments included: a step whose allocated peak stays just under the cap can still fail
+(the H200 run: bucketed step 3 failed with 94.06 GiB allocated and 1.89 GiB reserved in fragments, asking for
+512 MiB more under a 96 GiB cap).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from dflash_lab.data.lengths import reference_lengths  # noqa: E402
+from dflash_lab.model import footprint  # noqa: E402
+from dflash_lab.model.draft import compiles_layers  # noqa: E402
+from dflash_lab.sampling import policy_from_config  # noqa: E402
+
+BOUNDS = {False: (0.97, 1.10), True: (0.97, 1.15)}   # predicted / measured, by activation checkpointing
+CLEAN_PHASES = ("timed", "ckpt")
+
+
+@dataclass
+class RecordedRun:
+    """One ``gpu_check_setup`` line and what it implies: the step model, the settings and the lengths."""
+
+    setup: dict
+    model_name: str
+    step_model: footprint.StepModel
+    settings: footprint.Settings
+    lengths: np.ndarray
+    plans: dict
+
+    @classmethod
+    def from_setup(cls, setup: dict, model_name: str) -> "RecordedRun":
+        from omegaconf import OmegaConf
+
+        from gpu_check import SHAPES, compose_config
+
+        shape = SHAPES[setup["shape"]]
+        cfg = compose_config(model_name, list(setup.get("overrides", [])))
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        if shape["target"] is not None:
+            model_cfg = {**model_cfg, "kind": "hf", "target_config": shape["target"], "target_path": None}
+        device_type = "cpu" if setup["device"] == "cpu" else "cuda"
+        step_model = replace(footprint.StepModel.from_model_config(model_cfg, device_type=device_type),
+                             fused_head_ce=bool(setup["fused_head_ce"]))
+        settings = footprint.Settings(precision=setup["precision"], attention=setup["attention"],
+                                      world_size=int(setup["world_size"]))
+        lengths = reference_lengths("seed", int(setup["num_samples"]), seed=0, scale=shape["length_scale"])
+        return cls(setup, model_name, step_model, settings, lengths, {})
+
+    def plan(self, policy: str) -> dict:
+        """The policy's epoch-0 batches and their layout numbers, as the check built them (cached per policy)."""
+        if policy not in self.plans:
+            self.plans[policy] = self._build_plan(policy)
+        return self.plans[policy]
+
+    def _build_plan(self, policy: str) -> dict:
+        from gpu_check import SHAPES, benchmark_block_tokens, sampler_config
+
+        setup, step_model = self.setup, self.step_model
+        budget = int(setup["budget"])
+        memory = setup["memory_plan"][policy]
+        cfg = sampler_config(policy, self.model_name, list(setup.get("overrides", [])), budget,
+                             SHAPES[setup["shape"]]["length_scale"], int(np.max(self.lengths)))
+        cfg["max_block_tokens"] = memory["max_block_tokens"]
+        blocks = benchmark_block_tokens(self.lengths, budget, step_model)
+        built = policy_from_config(cfg, self.lengths, seed=0, world_size=int(setup["world_size"]), rank=0,
+                                   block_tokens=blocks if memory["max_block_tokens"] is not None else None)
+        anchors = footprint.policy_anchors(built, step_model)
+        if anchors is None:
+            anchors = benchmark_block_tokens(built.lengths, budget, step_model) // step_model.block_size
+        batches = built.global_plan(0).batches
+        shapes = footprint.batch_shapes(batches, built.lengths, packed=built.packed, model=step_model, anchors=anchors)
+        return {"batches": batches, "shapes": shapes, "anchors": anchors, "lengths": built.lengths,
+                "packed": built.packed, "ckpt": bool(memory["activation_checkpointing"])}
+
+
+def _mismatch(plan: dict, index: int, record: dict, block_size: int) -> str | None:
+    """Why the rebuilt batch is not the recorded one (None when it is)."""
+    from dflash_lab.metrics.throughput import batch_token_counts
+
+    indices = plan["batches"][index]
+    counts = batch_token_counts([indices], plan["lengths"], packed=plan["packed"])
+    rebuilt = {"docs": len(indices), "real": int(counts.real[0]), "padded": int(counts.padded[0]),
+               "block_tokens": float(plan["anchors"][indices].sum() * block_size)}
+    wrong = {k: (record[k], v) for k, v in rebuilt.items() if k in record and float(record[k]) != float(v)}
+    if not wrong:
+        return None
+    return "rebuilt batch differs from the recorded one (recorded, rebuilt): " + ", ".join(
+        f"{k} {a} vs {b}" for k, (a, b) in wrong.items())
+
+
+def repredict(lines: Iterable[dict], model_name: str = "qwen3_8b") -> list[dict]:
+    """One ``repredict`` record per ``gpu_check_step`` line (each read against the setup line before it)."""
+    run: RecordedRun | None = None
+    out = []
+    for line in lines:
+        if line.get("check") == "gpu_check_setup":
+            run = RecordedRun.from_setup(line, model_name)
+            continue
+        if line.get("check") != "gpu_check_step":
+            continue
+        if run is None:
+            raise ValueError("a gpu_check_step line comes before any gpu_check_setup line: not a gpu_check file")
+        out.append(_repredict_step(run, line))
+    return out
+
+
+def _repredict_step(run: RecordedRun, record: dict) -> dict:
+    plan = run.plan(record["policy"])
+    ckpt = record["phase"] == "ckpt" or plan["ckpt"]
+    index = int(record["index"])
+    row = {"check": "repredict", "policy": record["policy"], "phase": record["phase"], "step": record["step"],
+           "peak_gb": record["peak_gb"], "oom": record.get("oom"), "mem_cap_gb": run.setup.get("mem_cap_gb"),
+           "activation_checkpointing": ckpt}
+    why = _mismatch(plan, index, record, run.step_model.block_size)
+    if why is not None:
+        return {**row, "pred_peak_gb": None, "ratio": None, "clean": False, "error": why}
+    shapes = {k: v[index:index + 1] for k, v in plan["shapes"].items()}
+    settings = replace(run.settings, activation_checkpointing=ckpt)
+    predicted = float(footprint.step_memory(run.step_model, shapes, settings)["peak"][0]) / footprint.GIB
+    clean = record["phase"] in CLEAN_PHASES and not record.get("oom")
+    return {**row, "pred_peak_gb": round(predicted, 3), "ratio": round(predicted / record["peak_gb"], 4),
+            "clean": clean}
+
+
+def summary(rows: list[dict]) -> dict:
+    """The clean steps' ratio range per checkpointing setting, the out-of-memory steps, and whether all hold."""
+    out: dict = {"check": "repredict_summary", "steps": len(rows)}
+    ok = not any("error" in r for r in rows)
+    for ckpt, (low, high) in BOUNDS.items():
+        ratios = [r["ratio"] for r in rows if r["clean"] and r["activation_checkpointing"] == ckpt]
+        key = "ckpt" if ckpt else "plain"
+        out[key] = {"clean_steps": len(ratios), "bounds": [low, high],
+                    "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None}
+        ok &= all(low <= r <= high for r in ratios)
+    ooms = [r for r in rows if r["oom"]]
+    predicted = [r for r in ooms if r["pred_peak_gb"] is not None and r["mem_cap_gb"] is not None]
+    out["oom_steps"] = len(ooms)
+    out["oom_predicted_above_cap"] = sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in predicted)
+    out["oom_predicted_above_usable_cap"] = sum(r["pred_peak_gb"] > footprint.USABLE_FRACTION * r["mem_cap_gb"]
+                                                for r in predicted)
+    out["oom_predicted_above_reached"] = sum(r["pred_peak_gb"] > r["peak_gb"] for r in predicted)
+    out["errors"] = [r["error"] for r in rows if "error" in r]
+    # A step that ran out of memory must be one no plan would run: predicted above the usable share of its cap
+    # (what the memory plan fits against) and above what it had allocated when it failed. Its allocated peak can
+    # lie below the cap itself: the allocator's cap counts the memory it reserved, fragments included.
+    out["ok"] = bool(ok and out["oom_predicted_above_usable_cap"] == out["oom_predicted_above_reached"] == len(ooms))
+    return out
+
+
+def main(path: str, model_name: str = "qwen3_8b") -> int:
+    """Print the re-prediction of ``path``; exit status 0 when every step is within its bounds."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = repredict(lines, model_name)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    result = summary(rows)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1

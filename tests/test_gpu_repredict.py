@@ -1,0 +1,49 @@
+"""The memory model against the first GPU run (one H200, benchmarks/data/h200-2026-12-04/): every recorded step's
+batch rebuilt from the file's setup line, its peak re-predicted by today's model (benchmarks/gpu_repredict.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data" / "h200-2026-12-04"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_repredict  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rows():
+    out = {}
+    for name in ("seed", "plan"):
+        lines = [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        out[name] = gpu_repredict.repredict(lines)
+    return out
+
+
+def test_every_recorded_batch_is_rebuilt_exactly(rows):
+    """Documents, real and padded tokens and block tokens of each rebuilt batch equal the recorded ones."""
+    for name, found in rows.items():
+        assert found and not [r["error"] for r in found if "error" in r], name
+
+
+def test_clean_steps_are_predicted_within_bounds_with_and_without_checkpointing(rows):
+    clean = [r for found in rows.values() for r in found if r["clean"]]
+    plain = [r["ratio"] for r in clean if not r["activation_checkpointing"]]
+    ckpt = [r["ratio"] for r in clean if r["activation_checkpointing"]]
+    assert len(plain) == 12 and len(ckpt) == 7   # the seed regime's timed steps; the plan regime's and one more
+    assert all(0.97 <= r <= 1.10 for r in plain), plain
+    assert all(0.97 <= r <= 1.15 for r in ckpt), ckpt
+    for name, found in rows.items():
+        assert gpu_repredict.summary(found)["ok"], name
+
+
+def test_steps_that_ran_out_of_memory_are_predicted_not_to_fit(rows):
+    ooms = [r for r in rows["seed"] if r["oom"]]
+    assert len(ooms) == 6
+    for r in ooms:
+        assert r["pred_peak_gb"] > r["peak_gb"]                     # above what it held when it failed
+        assert r["pred_peak_gb"] > 0.9 * r["mem_cap_gb"]            # no plan against the 96 GiB cap would run it
+    assert sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in ooms) >= 5
