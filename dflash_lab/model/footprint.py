@@ -98,6 +98,17 @@ PRECISIONS = ("bf16", "fp32")
 ATTENTION_PATHS = ("flex", "segments", "dense")
 
 
+def gpu_use(peak_gb: float, gpu_mem_gb: float) -> str:
+    """How much of the GPU the worst step uses, in words (the planner's and the trainer's preflight line).
+
+    Example:
+        >>> print(gpu_use(124.2, 139.8))
+        worst step 124.2 GiB of the GPU's 139.8 (89%; the plan may use 90%, 125.8)
+    """
+    return (f"worst step {peak_gb:.1f} GiB of the GPU's {gpu_mem_gb:.1f} ({peak_gb / gpu_mem_gb:.0%}; the plan may "
+            f"use {USABLE_FRACTION:.0%}, {USABLE_FRACTION * gpu_mem_gb:.1f})")
+
+
 class PreflightError(ValueError):
     """A training config whose predicted peak memory exceeds the GPU's; the message names the fix."""
 
@@ -799,7 +810,7 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
                            epoch=epoch, block_tokens=block_tokens)
     budget = USABLE_FRACTION * gpu_mem_gb * GIB
     if peak <= budget:
-        return {"pred_peak_mem_gb": peak / GIB, "budget_gb": budget / GIB}
+        return {"pred_peak_mem_gb": peak / GIB, "budget_gb": budget / GIB, "gpu_mem_gb": float(gpu_mem_gb)}
     fixes = []
     if block_tokens is not None:
         best_blocks = largest_fitting_block_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget / GIB,

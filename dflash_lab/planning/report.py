@@ -62,6 +62,8 @@ DIVERSITY_COLUMNS = (
     Column("adjacent_length_corr", "order r", _number(2),
            "correlation of consecutive batches' mean lengths (near 1 = a sorted, drifting order)"),
     Column("pred_peak_mem_gb", "peak GiB", _gib, "predicted peak GPU memory per rank, worst step"),
+    Column("pred_gpu_use", "GPU %", _number(0, 100), "the worst step's share of the GPU's memory (gpu_mem_gb; a plan "
+           "may use 90%)"),
     Column("fits", "fits", str, "yes | ckpt (only with activation checkpointing) | no, against 90% of gpu_mem_gb"),
 )
 NARROW_COLUMNS = STEP_COLUMNS + DIVERSITY_COLUMNS
@@ -73,7 +75,8 @@ FULL_COLUMNS = (
     "block_tokens", "block_tokens_max", "block_pad_eff", "block_per_token", "thinned", "max_block_tokens",
     "max_block_tokens_fit", "pred_mfu", "pred_target_flop_share", "pred_ktok_s_target_online",
     "pred_ktok_s_target_off",
-    "pred_peak_mem_gb", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "ckpt", "fits", "max_tokens_fit",
+    "pred_peak_mem_gb", "pred_gpu_use", "pred_peak_mem_gb_ckpt", "pred_tflop_per_step", "ckpt", "fits",
+    "max_tokens_fit",
 )
 
 

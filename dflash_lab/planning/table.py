@@ -157,13 +157,15 @@ def memory_inputs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
 def memory_columns(policy: Policy, lengths: np.ndarray, sampler_cfg: Mapping[str, Any], *, model, settings,
                    gpu_mem_gb: float, seed: int, block_tokens: np.ndarray | None = None,
                    activation_checkpointing: Any = None) -> dict[str, Any]:
-    """``pred_peak_mem_gb`` (worst step), ``pred_peak_mem_gb_ckpt``, ``pred_tflop_per_step``, ``fits``
+    """``pred_peak_mem_gb`` (worst step) and ``pred_gpu_use`` (its share of ``gpu_mem_gb``),
+    ``pred_peak_mem_gb_ckpt``, ``pred_tflop_per_step``, ``fits``
     (yes | ckpt | no, ``dflash_lab.model.footprint.plan_footprint``), ``ckpt`` (the checkpointing the memory plan
     uses) and ``max_tokens_fit``: the largest ``sampler.max_tokens`` that fits with that checkpointing (the
     configured one when it fits)."""
     from ..model.footprint import USABLE_FRACTION, largest_fitting_max_tokens, plan_footprint
 
     out = plan_footprint(policy, model, settings, gpu_mem_gb=gpu_mem_gb)
+    out["pred_gpu_use"] = out["pred_peak_mem_gb"] / gpu_mem_gb   # the worst step's share of the GPU's memory
     fits_now = out["fits"] == "yes" or (out["fits"] == "ckpt" and settings.activation_checkpointing)
     out["ckpt"] = "on" if settings.activation_checkpointing else "off"
     out["max_tokens_fit"] = int(sampler_cfg["max_tokens"]) if fits_now else largest_fitting_max_tokens(

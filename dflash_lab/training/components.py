@@ -92,7 +92,7 @@ def resolve_memory_plan(settings: RunSettings, model, step_model: footprint.Step
                                                anchor_density=model.anchor_density)
     memory = footprint.memory_plan(
         step_model, dataset.lengths, sampler_cfg,
-        footprint.Settings(precision=trainer.precision, world_size=world_size,
+        footprint.Settings(precision=trainer.precision, world_size=world_size, grad_accum=trainer.grad_accum,
                            attention=footprint.attention_path(device.type, model.attention_backend)),
         activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=settings.seed,
         block_tokens=block_tokens)
@@ -230,9 +230,10 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         fit = footprint.preflight(
             step_model, train_ds.lengths, sampler_cfg,
             footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
-                               world_size=env.world_size), gpu_mem_gb=settings.gpu_memory_gb(device),
-            seed=settings.seed, block_tokens=block_tokens)
-        log.info(f"preflight: predicted peak {fit['pred_peak_mem_gb']:.1f} GiB of {fit['budget_gb']:.1f} usable")
+                               world_size=env.world_size, grad_accum=trainer.grad_accum,
+                               attention=footprint.attention_path(device.type, model.attention_backend)),
+            gpu_mem_gb=settings.gpu_memory_gb(device), seed=settings.seed, block_tokens=block_tokens)
+        log.info(f"preflight: {footprint.gpu_use(fit['pred_peak_mem_gb'], fit['gpu_mem_gb'])}")
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
                     f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
