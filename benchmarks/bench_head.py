@@ -1,11 +1,12 @@
-"""Time and peak memory of one LM head + CE forward/backward: chunked reference vs torch's fused op.
+"""Time and peak memory of one LM head + CE forward/backward: chunked reference, torch's fused op, one pass.
 
     python benchmarks/bench_head.py --slots 4096 --vocab 32768 --hidden 512 --repeats 5
 
 Each variant runs in its own process (peak RSS is per process): ``reference`` (``head_ce_chunked`` with
 DFlashModel.CE_CHUNK_ELEMENTS: whole logits up to 2^27 elements), ``reference_chunked`` (forced chunks of
 ``--chunk-rows`` rows under checkpointing), ``fused`` (``head_ce_fused`` with CE_CHUNK_ELEMENTS) and
-``fused_small`` (fused, ``--chunk-rows`` rows). One step = per-slot CE and argmax, weighted sum, backward to the
+``fused_small`` (fused, ``--chunk-rows`` rows), ``one_pass`` (``head_ce_one_pass`` with CE_CHUNK_ELEMENTS, the
+default with gradients) and ``one_pass_small`` (``--chunk-rows`` rows). One step = per-slot CE and argmax, weighted sum, backward to the
 hidden slots (the head is frozen). Reports the median of ``--repeats`` timed steps after one warm-up step, and the
 peak RSS growth over the process's state before the first step (inputs allocated).
 """
@@ -23,14 +24,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("reference", "reference_chunked", "fused", "fused_small")
+VARIANTS = ("reference", "reference_chunked", "fused", "fused_small", "one_pass", "one_pass_small")
 
 
 def run_variant(args) -> dict:
     import torch
 
     from dflash_lab.model.dflash import DFlashModel
-    from dflash_lab.model.head import head_ce_chunked, head_ce_fused
+    from dflash_lab.model.head import head_ce_chunked, head_ce_fused, head_ce_one_pass
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5
@@ -40,7 +41,9 @@ def run_variant(args) -> dict:
     budget = DFlashModel.CE_CHUNK_ELEMENTS
     small = args.chunk_rows * args.vocab
     fn, chunk_elements = {"reference": (head_ce_chunked, budget), "reference_chunked": (head_ce_chunked, small),
-                          "fused": (head_ce_fused, budget), "fused_small": (head_ce_fused, small)}[args.variant]
+                          "fused": (head_ce_fused, budget), "fused_small": (head_ce_fused, small),
+                          "one_pass": (head_ce_one_pass, budget),
+                          "one_pass_small": (head_ce_one_pass, small)}[args.variant]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(args.repeats + 1):

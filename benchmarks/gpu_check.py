@@ -929,7 +929,7 @@ def build_bench(args, env, device):
     setup = {"regime": args.regime, "mode": "quick" if args.quick else "full", "shape": args.shape,
              "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
              "world_size": env.world_size, "threads": torch.get_num_threads(), "precision": settings.precision,
-             "attention": settings.attention, "fused_head_ce": step_model.fused_head_ce, "budget": budget,
+             "attention": settings.attention, "head_ce": step_model.head_ce, "budget": budget,
              "budget_source": budget_source, "gpu_mem_gb": gpu_mem_gb, "gpu_mem_source": mem_source,
              "mem_cap_gb": cap, "peak_tflops": peak_tflops, "peak_source": peak_source,
              "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,

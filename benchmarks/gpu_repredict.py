@@ -51,6 +51,14 @@ BOUNDS = {False: (0.97, 1.10), True: (0.97, 1.15)}   # predicted / measured, by 
 CLEAN_PHASES = ("timed", "ckpt")
 
 
+def recorded_head(setup: dict) -> str:
+    """The LM head path a recorded check ran (``StepModel.head_ce``): its setup line's ``head_ce``; a line from
+    before the one-pass head says ``fused_head_ce``: torch's fused op, else the reference's checkpointed chunks."""
+    if "head_ce" in setup:
+        return setup["head_ce"]
+    return "fused" if setup["fused_head_ce"] else "reference"
+
+
 @dataclass
 class RecordedRun:
     """One ``gpu_check_setup`` line and what it implies: the step model, the settings and the lengths."""
@@ -75,7 +83,7 @@ class RecordedRun:
             model_cfg = {**model_cfg, "kind": "hf", "target_config": shape["target"], "target_path": None}
         device_type = "cpu" if setup["device"] == "cpu" else "cuda"
         step_model = replace(footprint.StepModel.from_model_config(model_cfg, device_type=device_type),
-                             fused_head_ce=bool(setup["fused_head_ce"]))
+                             head_ce=recorded_head(setup))
         settings = footprint.Settings(precision=setup["precision"], attention=setup["attention"],
                                       world_size=int(setup["world_size"]))
         lengths = reference_lengths("seed", int(setup["num_samples"]), seed=0, scale=shape["length_scale"])

@@ -1,4 +1,5 @@
-"""LM head + CE (dflash_lab.model.head): the fused F.linear_cross_entropy path against the chunked reference."""
+"""LM head + CE (dflash_lab.model.head): the one-pass head and the fused F.linear_cross_entropy path against the
+chunked reference."""
 
 import warnings
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_lab.model import head
-from dflash_lab.model.head import head_ce, head_ce_chunked, head_ce_fused
+from dflash_lab.model.head import head_ce, head_ce_chunked, head_ce_fused, head_ce_one_pass
 
 torch.set_num_threads(1)
 WHOLE = 1 << 40   # chunk budget that never chunks
@@ -77,46 +78,86 @@ def test_fused_head_saves_no_logits():
     assert sum(saved.values()) == x.nbytes + labels.nbytes + slot_weights.nbytes
 
 
-@needs_fused
-def test_bf16_head_runs_fused_close_to_the_reference():
-    x, weight, bias, labels, slot_weights = _problem(64, 264, 32, dtype=torch.bfloat16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # no fallback
-        ce, pred, loss, grad = _run(lambda *a: head_ce(*a[:4], chunk_elements=a[4]), x, weight, bias, labels,
-                                    slot_weights, WHOLE)
-    ref_ce, ref_pred, ref_loss, ref_grad = _run(head_ce_chunked, x, weight, bias, labels, slot_weights, WHOLE)
-    assert grad.dtype == torch.bfloat16 and torch.equal(pred, ref_pred)
-    torch.testing.assert_close(ce.float(), ref_ce, rtol=1e-2, atol=1e-2)   # bf16 CE values
-    assert _relative(grad.float(), ref_grad.float()) < 1e-2
+@pytest.mark.parametrize("slots,vocab,hidden,chunk_elements,bias", [
+    (50, 264, 32, WHOLE, False),            # one chunk
+    (700, 5000, 48, 5000 * 128, False),     # 128-row chunks, a partial last one
+    (300, 3000, 40, 3000 * 64, True),       # a head with a bias
+])
+def test_one_pass_head_matches_the_reference_loss_gradients_and_argmax(slots, vocab, hidden, chunk_elements, bias):
+    """The input gradient computed in the forward, scaled by each slot's loss weight in backward, is the
+    reference's backward (float64 inputs: both paths compute the logits' softmax in float32)."""
+    problem = _problem(slots, vocab, hidden, bias=bias, dtype=torch.float64)
+    ref_ce, ref_pred, ref_loss, ref_grad = _run(head_ce_chunked, *problem, WHOLE)
+    ce, pred, loss, grad = _run(head_ce_one_pass, *problem, chunk_elements)
+    assert ce.dtype == torch.float32 and ce.shape == (slots,) and grad.dtype == torch.float64
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-6, atol=1e-6)
+    assert _relative(grad, ref_grad) < 1e-6 and torch.equal(pred, ref_pred)
+
+
+def test_one_pass_head_saves_only_the_input_gradient_and_refuses_a_trainable_head():
+    x, weight, bias, labels, slot_weights = _problem(64, 4096, 32)
+    x.requires_grad_()
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        ce, _ = head_ce_one_pass(x, weight, bias, labels, WHOLE)
+        (ce * slot_weights).sum()
+    assert sum(saved.values()) == x.nbytes + slot_weights.nbytes   # S x H (the gradient) and the slot weights
+    with pytest.raises(ValueError, match="frozen"):
+        head_ce_one_pass(x, weight.requires_grad_(), bias, labels, WHOLE)
+
+
+@pytest.mark.parametrize("under_autocast", [False, True], ids=["bf16-head", "bf16-autocast"])
+def test_bf16_head_runs_one_pass_close_to_the_reference(under_autocast):
+    """The default with gradients: the one-pass head, no fused op, no warning; within bf16 rounding of the
+    reference, and computing its logits in the dtype autocast gives the head's matmul."""
+    x, weight, bias, labels, slot_weights = _problem(256, 2048, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+        warnings.simplefilter("error")
+        args = (x.float() if under_autocast else x, weight.float() if under_autocast else weight, bias, labels,
+                slot_weights, 2048 * 64)
+        ce, pred, loss, grad = _run(_head_ce_default, *args)
+        ref_ce, ref_pred, ref_loss, ref_grad = _run(head_ce_chunked, *args[:5], WHOLE)
+    assert grad.dtype == (torch.float32 if under_autocast else torch.bfloat16)
+    torch.testing.assert_close(ce.float(), ref_ce, rtol=1e-2, atol=1e-2)
+    assert _relative(grad.float(), ref_grad.float()) < 1e-2 and float((pred != ref_pred).float().mean()) < 0.02
 
 
 def _head_ce_default(*args):
     return head_ce(*args[:4], chunk_elements=args[4])
 
 
+def _head_ce_fused(*args):
+    return head_ce(*args[:4], chunk_elements=args[4], fused=True)
+
+
 @needs_fused
-def test_head_ce_falls_back_to_the_reference_when_the_fused_op_fails(monkeypatch):
+def test_head_ce_falls_back_to_one_pass_when_the_fused_op_fails(monkeypatch):
     problem = _problem(120, 1000, 24)
-    reference = _run(head_ce_chunked, *problem, 1000 * 32)
+    one_pass = _run(head_ce_one_pass, *problem, 1000 * 32)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this dtype")
 
     monkeypatch.setattr(F, "linear_cross_entropy", broken)
-    with pytest.warns(RuntimeWarning, match="chunked reference path"):
-        fallback = _run(_head_ce_default, *problem, 1000 * 32)
-    assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
+    with pytest.warns(RuntimeWarning, match="one-pass path"):
+        fallback = _run(_head_ce_fused, *problem, 1000 * 32)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, one_pass))
 
 
-def test_head_ce_runs_the_reference_silently_when_torch_has_no_fused_op(monkeypatch):
-    """torch < 2.13 (e.g. the GPU image's 2.11) has no F.linear_cross_entropy: the chunked head, no warning."""
+def test_head_ce_runs_one_pass_silently_when_torch_has_no_fused_op(monkeypatch):
+    """torch < 2.13 (e.g. the GPU image's 2.11) has no F.linear_cross_entropy: the one-pass head, no warning."""
     problem = _problem(120, 1000, 24)
-    reference = _run(head_ce_chunked, *problem, 1000 * 32)
+    one_pass = _run(head_ce_one_pass, *problem, 1000 * 32)
     monkeypatch.setattr(head, "FUSED_AVAILABLE", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        missing = _run(_head_ce_default, *problem, 1000 * 32)
-    assert all(torch.equal(a, b) for a, b in zip(missing, reference))
+        missing = _run(_head_ce_fused, *problem, 1000 * 32)
+    assert all(torch.equal(a, b) for a, b in zip(missing, one_pass))
 
 
 def test_without_gradients_one_chunked_pass_gives_both_outputs(monkeypatch):

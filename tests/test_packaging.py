@@ -50,9 +50,22 @@ def _run(args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def _venv(path: Path) -> Path:
-    # No pip/setuptools of its own: the system's (newer) setuptools builds, this interpreter's pip installs.
+    """A venv that sees the packages this test process sees (torch and every other dependency).
+
+    ``--system-site-packages`` gives the base interpreter's site-packages only: when the tests themselves run in a
+    venv (a user's ``python -m venv``), its packages would be missing, so a .pth file adds this process's
+    site-packages after the new venv's own (a .pth path line adds the directory without running the .pth files in
+    it: the checkout's editable install stays out, and the wheel installed here is the one imported). No
+    pip/setuptools of its own: the system's (newer) setuptools builds, this interpreter's pip installs."""
+    import site
+    import sysconfig
+
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True,
                    timeout=300)
+    outer = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    inner = subprocess.run([path / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    (Path(inner) / "_dflash_lab_test_outer_env.pth").write_text("\n".join(outer) + "\n")
     return path / "bin"
 
 

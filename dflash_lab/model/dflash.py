@@ -167,9 +167,10 @@ class DFlashModel(nn.Module):
             the dense document mask).
         max_block_tokens: the step's block budget (``sampler.max_block_tokens``); a batch whose anchors exceed
             it is thinned proportionally (``objective.thin_quota``). None: no budget.
-        fused_head_ce: the LM head + CE run as torch's fused ``F.linear_cross_entropy`` when gradients are needed
-            (dflash_lab.model.head; False: the chunked reference path, also the fallback where the op is missing;
-            auto: fused on CUDA only, where it saves the logits' memory; on CPU it measured 3.3x slower).
+        fused_head_ce: with gradients, the LM head + CE run as torch's fused ``F.linear_cross_entropy`` (true,
+            where torch has it) or in one pass (false or auto: logits computed once per chunk, CE, argmax and the
+            input gradient from them; half the fused op's head FLOPs, two thirds of the checkpointed chunks', the
+            same saved bytes; dflash_lab.model.head).
     """
 
     CE_CHUNK_ELEMENTS = 1 << 27   # logits elements the LM head holds at once (chunks above it; fused: chunk size)
@@ -201,7 +202,8 @@ class DFlashModel(nn.Module):
             raise ValueError(f"attention_backend={attention_backend!r}: choose one of {', '.join(BACKENDS)}")
         self.attention_backend = attention_backend
         if fused_head_ce not in (True, False, "auto"):
-            raise ValueError(f"fused_head_ce={fused_head_ce!r}: use true, false or auto (fused on CUDA only)")
+            raise ValueError(f"fused_head_ce={fused_head_ce!r}: use true (torch's fused op), false or auto (the "
+                             f"one-pass head)")
         self.fused_head_ce = fused_head_ce
         register_with_transformers()
         self.target_layer_ids = list(draft.cfg.target_layer_ids)
@@ -398,12 +400,9 @@ class DFlashModel(nn.Module):
                        fused=self.uses_fused_head(hidden.device))
 
     def uses_fused_head(self, device: torch.device | str | None = None) -> bool:
-        """Whether the LM head runs fused on ``device`` (default: the target's): ``fused_head_ce`` true, or auto
-        on CUDA (on these CPUs the fused op measured 3.3x slower than the chunked reference, docs/model_speed.md)."""
-        if self.fused_head_ce != "auto":
-            return bool(self.fused_head_ce)
-        device = torch.device(device) if device is not None else self.target.get_input_embeddings().weight.device
-        return device.type == "cuda"
+        """Whether the LM head runs torch's fused op (``fused_head_ce`` true; auto runs the one-pass head on every
+        device: it does half the fused op's head work for the same saved bytes, docs/model_speed.md)."""
+        return self.fused_head_ce is True
 
     # -- decoding helpers ----------------------------------------------------------------------------------
     @torch.no_grad()

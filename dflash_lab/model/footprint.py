@@ -31,35 +31,49 @@ and values (keeping them: the 2 c K g d term); a row of one document: M = Q K, K
 
 Bytes: c = element size of the compute dtype (2 under bf16 autocast, 4 in fp32), f = 4 (float32 statistics and
 the float32 upcasts inside RMSNorm). RMSNorm returns the compute dtype, so every projection's input is already in
-it (autocast makes no activation copies).
+it (autocast makes no activation copies). e = the float32 copy of its input an eager RMSNorm saves: f with eager
+pieces, 0 when the draft's RMSNorm/rope/MLP are compiled (``StepModel.compiled_layers``, decided by the rule the
+draft uses, ``dflash_lab.model.draft.compiles_layers``: ``compile_layers: auto`` compiles on CUDA); m = the
+SwiGLU's saved Q x I tensors: 4 eager (gate, silu, up, product), 3 compiled.
 
     static    = P_target ct + P_draft (4 weights + 8 AdamW moments) [+ 4 P_draft DDP buckets when W > 1]
-    draft     = 4 P_draft grads + 2 P_draft autocast weight casts (bf16)
+    draft     = 2 (L P_layer + P_fc) autocast weight casts (bf16; saved by their matmuls)
               + R T n Ht c                                   features (saved by fc)
-              + R T (Ht (f + c) + f)                         context norm
+              + R T (Ht (e + c) + f)                         context norm
               + 2 R (Q + K) d c                              rotary tables
               + 29 R Q + 25 R T                              block ids/positions/labels/weights; the batch
-              + (R [Q (2(f+c) + 2c) H + 4 c Q I + (f + 3c) Q h d + 2f Q h + 2f Q
-                   + c K H + (f + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H f   saved, per draft layer
+              + (R [Q (2(e+c) + 2c) H + m c Q I + (e + 3c) Q h d + 2f Q h + 2f Q
+                   + c K H + (e + c) K g d + f K g + 2 c K g d] + extra) x L - R Q H e [+ f R Q compiled]
+                                                             saved, per draft layer (the first layer's input, the
+                                                             frozen embeddings, needs no grad)
                 extra: flex 0; segments c (M + 2 Kc g d + Qc h d) - (1 - w) 2 c R K g d; dense c R Q K
               + max(head moment, layer moment)               (autograd frees a node's saved tensors once it ran)
                 head moment (up to the head's backward):
-                  R Q (H (f + c) + f)                        final norm
-                  + head: S H c (the hidden slots; fused head: nothing more, no logits),
-                          reference head with S V <= CE_CHUNK_ELEMENTS: + the saved log-probabilities 4 S V
+                  R Q (H (e + c) + f)                        final norm
+                  + head: S H c (one-pass: the input gradient per unit loss; fused: the hidden slots)
                   + max(head transient, segments: the M boolean run masks of the forward)
-                  head transient: fused s V f (one chunk's logits, s = min(S, CE_CHUNK_ELEMENTS / V) rows);
-                  reference: s V (2c + 4f) chunked, S V (2c + 3f) whole (bf16; 4f and 3f in fp32)
-                layer moment (a draft layer's backward; the head's and final norm's tensors freed):
-                  [checkpointing: the layer's saved tensors, recomputed] + its backward transient
-                  R max(Q (2 I + 2 H) c, K (H + 2 g d) c)   (MLP first: the product's and its factors' grads
-                                                              with the product released; then attention)
+                  head transient: one chunk of s = min(S, CE_CHUNK_ELEMENTS / V) rows: one-pass s V (2c + f)
+                  (logits, their float32 copy, its cast back; fp32: s V f), fused s V f
+                  [+ 4 P_draft gradients of earlier micro-batches when grad_accum > 1]
+                layer moment (the last draft layer's backward; the head's and final norm's tensors freed):
+                  4 P_layer: that layer's gradients (no other layer has any yet)
+                  + [checkpointing: the layer's saved tensors, recomputed]
+                  + max(MLP stage, attention stage): its MLP's backward transient, then (the MLP's saved tensors
+                  freed) its attention's: R K (H + 2 g d) c
+                  MLP transient, eager: R Q (2 I + 2 H) c (the product's and its factors' grads with the product
+                  released) + H I c (one weight's bf16 grad before it is accumulated);
+                  compiled: R Q (3 I + H) c, checkpointed R Q (2 I + H) c (one backward graph: its node holds the
+                  saved product to the end unless checkpointing handed the graph the only reference)
+                  + 3 H I c (the graph's three bf16 weight grads)
     checkpointed draft layers save only their input (R Q H c each) and recompute one layer in backward.
-    Checked against the CPU allocator's peak of real fp32 steps, with and without checkpointing
-    (tests/test_footprint.py::test_predicted_peak_is_within_10_percent_of_the_allocators).
+    optimizer = 8 P_draft: the gradients and AdamW's foreach temporaries (the activations are gone)
+    Checked against the CPU allocator's peak of real fp32 steps, eager and compiled, with and without checkpointing
+    (tests/test_footprint.py::test_predicted_peak_is_within_10_percent_of_the_allocators), the bytes autograd
+    saves (::test_saved_activations_match_autograd, within 3%), and an H200's bf16 steps at the Qwen3-8B shape
+    (tests/test_gpu_repredict.py: 0.99-1.02 of the measured peak without checkpointing, 1.02-1.09 with it).
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
-    peak      = static + max(target, draft)
+    peak      = static + max(target, draft, optimizer)
 The fixed-anchor pass (``fixed_anchors`` = k blocks per document, no grad) runs after the training forward, while
 its saved tensors are alive; its transient (one layer over the context keys and k bs block tokens per document,
 the LM head on its few slots) is smaller than the backward transient of the training blocks, so it adds no term.
@@ -71,7 +85,8 @@ FLOPs (model FLOPs: the real work of a step, no padding, no recomputation; one m
                      + 4 h d (bs sum_anchors p + A bs^2)]                         forward + backward
               + 2 x 2 n Ht H sum_docs l                                           fc: forward + weight grad
               + 2 x 2 H V S                                                       LM head: forward + input grad
-                (the fused head's argmax pass and backward recompute, 2 H V S more, are recomputation)
+                (the one-pass head runs exactly these; the fused op's argmax pass and backward recompute,
+                2 H V S more, are recomputation)
     fixed     = L [the draft layer term with Af, pf] + 2 H V Sf                   fixed anchors: forward only
 with A valid anchors, p an anchor's position in its document (visible context keys, mean (l - 2) / 2); Af =
 sum_docs min(k, l - 1) fixed anchors, pf their positions, Sf their supervised slots (the fixed pass reuses the
@@ -95,6 +110,7 @@ from dflash_lab.model.head import FUSED_AVAILABLE
 GIB = float(2**30)
 USABLE_FRACTION = 0.9   # of a GPU's memory a step may plan for: CUDA context, allocator fragmentation, workspaces
 PRECISIONS = ("bf16", "fp32")
+HEAD_PATHS = ("one_pass", "fused", "reference")   # StepModel.head_ce
 ATTENTION_PATHS = ("flex", "segments", "dense")
 
 
@@ -203,10 +219,15 @@ class StepModel:
     anchors_per_doc: int | None
     anchor_density: float | None
     fixed_anchors: int = 0      # blocks per document of the no-grad fixed-anchor pass (0: no such pass)
-    fused_head_ce: bool = FUSED_AVAILABLE   # LM head + CE as torch's linear_cross_entropy (dflash_lab.model.head;
-    #                                          training runs it on CUDA: the planner's default prices a GPU step)
+    head_ce: str = "one_pass"   # how the LM head + CE run with gradients (dflash_lab.model.head): one_pass (what
+    #                             training runs unless ``fused_head_ce=True``), fused (torch's linear_cross_entropy)
+    #                             or reference (checkpointed chunks: what runs before the one-pass head existed)
     compiled_layers: bool = True   # the draft's RMSNorm/rope/MLP compiled (``compile_layers``; auto: on CUDA, which
     #                                the planner's default prices): they save less for backward (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.head_ce not in HEAD_PATHS:
+            raise ValueError(f"head_ce={self.head_ce!r}: choose one of {', '.join(HEAD_PATHS)}")
 
     @property
     def layers_read(self) -> int:
@@ -247,7 +268,7 @@ class StepModel:
         return cls(TargetDims.from_hf_config(model.target.config), DraftDims.from_draft_config(model.draft.cfg),
                    block_size=model.block_size, anchors_per_doc=model.anchors_per_doc,
                    anchor_density=model.anchor_density, fixed_anchors=model.fixed_anchors,
-                   fused_head_ce=model.uses_fused_head() and FUSED_AVAILABLE,
+                   head_ce="fused" if model.uses_fused_head() and FUSED_AVAILABLE else "one_pass",
                    compiled_layers=compiles_layers(model.draft.compile_layers, device_type))
 
 
@@ -484,17 +505,22 @@ def _head_terms(model: StepModel, z: _Sizes) -> tuple[np.ndarray, np.ndarray]:
 
     vocab, H, c, f = model.target.vocab, model.draft.hidden, z.c, z.f
     chunk = max(1, DFlashModel.CE_CHUNK_ELEMENTS // vocab)
-    if model.fused_head_ce:
+    if model.head_ce == "fused":
         # F.linear_cross_entropy saves its inputs only (hidden slots, head weight, labels) and recomputes one
         # chunk of logits at a time in backward (accumulation dtype f); the argmax pass needs no more.
         return z.S * H * c, np.minimum(z.S, chunk) * vocab * f
-    chunked = z.S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
-    # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their grads.
-    # fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad and the
-    # logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium, docs/gpu.md, "One GPU script").
-    per_logit = 2 * c + 4 * f if c < f else 3 * f
-    saved = z.S * H * c + np.where(chunked, 0.0, 4.0 * z.S * vocab)
-    return saved, np.where(chunked, np.minimum(z.S, chunk) * vocab * per_logit, z.S * vocab * (per_logit - f))
+    if model.head_ce == "reference":
+        chunked = z.S * vocab > DFlashModel.CE_CHUNK_ELEMENTS
+        # Logits of one chunk: recomputed (logits, float32 copy under autocast, log-probabilities) and their
+        # grads. fp32: ``.float()`` is the logits themselves and nothing saves them: log-probabilities, their grad
+        # and the logits' grad, 3 f (measured: benchmarks/gpu_check.py --shape medium).
+        per_logit = 2 * c + 4 * f if c < f else 3 * f
+        saved = z.S * H * c + np.where(chunked, 0.0, 4.0 * z.S * vocab)
+        return saved, np.where(chunked, np.minimum(z.S, chunk) * vocab * per_logit, z.S * vocab * (per_logit - f))
+    # The one-pass head saves the input gradient per unit loss (S x H); one chunk's logits are alive in the
+    # forward: in the compute dtype, their float32 copy (the softmax in place) and its cast back (fp32: one tensor).
+    per_logit = 2 * c + f if c < f else f
+    return z.S * H * c, np.minimum(z.S, chunk) * vocab * per_logit
 
 
 def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> dict[str, np.ndarray]:

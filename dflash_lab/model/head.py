@@ -15,12 +15,20 @@ for S supervised slots, hidden size H and a vocabulary of V words:
   Cost: 2 S H V multiply-adds unchunked (saved: the float32 log-probabilities, 4 S V bytes), 3 S H V chunked
   (saved: the hidden slots; transient: one chunk's logits, their float32 copy, log-probabilities and gradients).
 
-``head_ce`` picks ``fused`` when gradients are needed, the head is a plain weight (+ bias) and torch has
-``F.linear_cross_entropy`` (2.13+); without gradients (fixed anchors, probes) one chunked no-grad pass gives both
-outputs from one matmul. If the fused op raises for a dtype or device, the step falls back to ``chunked`` (with a
-warning). The fused op runs outside autocast on the head's dtype (the hidden slots are cast to it, as autocast
-would): on a bf16 target the per-slot CE values come back in bf16 (their gradient accumulates in float32);
-the reference returns float32 CE.
+* ``one_pass`` (``head_ce_one_pass``, the default when gradients are needed): the head is frozen, so the only
+  gradient the loss needs from it is the input gradient, and CE's is known in the forward: per slot
+  d CE / d hidden = (softmax(logits) - onehot(label)) W, whatever weight the loss later gives the slot. Each chunk's
+  logits are computed once; CE, argmax and that gradient come from them, and only the gradient (S x H, the size of
+  the hidden slots) is saved; backward scales it by each slot's incoming gradient. Cost: 2 S H V multiply-adds
+  (forward and input gradient, no recomputation: the chunked reference does 3, the fused op 4); saved: S x H;
+  transient: one chunk's logits, their float32 copy (the softmax in place) and its cast back.
+
+``head_ce`` picks ``one_pass`` when gradients are needed (``fused``: torch's op instead, where it exists); without
+gradients (fixed anchors, probes) one chunked no-grad pass gives both outputs from one matmul. If the fused op
+raises for a dtype or device, the step falls back to ``one_pass`` (with a warning). The fused op runs outside
+autocast on the head's dtype (the hidden slots are cast to it, as autocast would): on a bf16 target the per-slot
+CE values come back in bf16 (their gradient accumulates in float32); the reference and the one-pass head return
+float32 CE.
 
 Measured (docs/model_speed.md, 2-core CPU, S 4096 x V 32768 x H 512, float32): fused 8.8 s and +580 MiB peak RSS
 per forward + backward, reference 2.7 s and +1537 MiB (4.4 s and +472 MiB in 1024-row chunks): on CPU the fused
@@ -101,18 +109,71 @@ def head_ce_fused(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return ce, predicted
 
 
+class _OnePassHeadCE(torch.autograd.Function):
+    """CE and argmax of a frozen head's logits, the input gradient computed in the same pass (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows: int, dtype: torch.dtype):
+        ces, preds, grads = [], [], []
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        for start in range(0, hidden.shape[0], rows):
+            part = slice(start, start + rows)
+            logits = F.linear(hidden[part].to(dtype), weight, bias).float()
+            target = labels[part]
+            lse = torch.logsumexp(logits, dim=-1)
+            ces.append(lse - logits.gather(1, target[:, None]).squeeze(1))
+            preds.append(logits.argmax(dim=-1))
+            probs = logits.sub_(lse[:, None]).exp_()                # softmax, in place
+            probs[torch.arange(len(target), device=probs.device), target] -= 1.0
+            grads.append((probs.to(dtype) @ weight).to(hidden.dtype))
+        if not ces:   # no supervised slot
+            ces, preds, grads = [hidden.new_empty(0, dtype=torch.float32)], [labels.new_empty(0)], [hidden.detach()]
+        predicted = torch.cat(preds)
+        ctx.save_for_backward(torch.cat(grads))
+        ctx.mark_non_differentiable(predicted)
+        return torch.cat(ces), predicted
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_pred):
+        (grad_per_unit,) = ctx.saved_tensors
+        return grad_per_unit * grad_ce[:, None].to(grad_per_unit.dtype), None, None, None, None, None
+
+
+def head_ce_one_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                     chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CE Float[S], argmax Long[S] and (for backward) the input gradient, from one pass over chunks of at most
+    ``chunk_elements`` logits. The head (``weight``, ``bias``) gets no gradient: it must be frozen.
+
+    Logits are computed in the dtype autocast would give the head's matmul (the autocast dtype when it is on,
+    else the head's own), then upcast to float32, as the reference path computes them.
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("head_ce_one_pass computes no weight gradient: the LM head must be frozen")
+    device_type = hidden.device.type
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(device_type):
+        dtype = (torch.get_autocast_dtype(device_type) if hasattr(torch, "get_autocast_dtype")
+                 else torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype())
+    with torch.autocast(device_type, enabled=False):
+        return _OnePassHeadCE.apply(hidden, weight, bias, labels, chunk_rows(weight.shape[0], chunk_elements), dtype)
+
+
 def head_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, *,
-            chunk_elements: int, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            chunk_elements: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot CE Float[S] and argmax Long[S] of ``hidden`` [S, H] through the head (``weight`` [V, H], ``bias``).
 
-    ``fused``: use ``head_ce_fused`` when gradients are needed and torch has it (see the module docstring).
+    With gradients: ``head_ce_one_pass``, or with ``fused`` torch's ``head_ce_fused`` where it exists; without,
+    one chunked no-grad pass (see the module docstring).
     """
     needs_grad = torch.is_grad_enabled() and hidden.requires_grad
-    if fused and needs_grad and FUSED_AVAILABLE and hidden.shape[0] > 0:   # (the op needs a positive chunk)
+    if not needs_grad:
+        return head_ce_chunked(hidden, weight, bias, labels, chunk_elements)
+    if fused and FUSED_AVAILABLE and hidden.shape[0] > 0:   # (the op needs a positive chunk)
         try:
             return head_ce_fused(hidden, weight, bias, labels, chunk_elements)
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
             warnings.warn(f"F.linear_cross_entropy failed on {hidden.dtype} {hidden.device.type} ({error}); "
-                          f"the LM head runs the chunked reference path", RuntimeWarning, stacklevel=2)
-    return head_ce_chunked(hidden, weight, bias, labels, chunk_elements)
+                          f"the LM head runs the one-pass path", RuntimeWarning, stacklevel=2)
+    return head_ce_one_pass(hidden, weight, bias, labels, chunk_elements)
 
