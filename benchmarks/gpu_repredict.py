@@ -165,29 +165,37 @@ def _repredict_step(run: RecordedRun, record: dict) -> dict:
             "clean": clean}
 
 
+def _ratio_range(rows: list[dict], ckpt: bool) -> dict:
+    """The clean steps' predicted / measured range with or without checkpointing, against its bounds."""
+    low, high = BOUNDS[ckpt]
+    ratios = [r["ratio"] for r in rows if r["clean"] and r["activation_checkpointing"] == ckpt]
+    return {"clean_steps": len(ratios), "bounds": [low, high], "ratio_min": min(ratios, default=None),
+            "ratio_max": max(ratios, default=None), "ok": all(low <= r <= high for r in ratios)}
+
+
+def _out_of_memory(rows: list[dict]) -> dict:
+    """How the steps that ran out of memory are predicted: above the cap, its usable share, what they reached."""
+    ooms = [r for r in rows if r["oom"] and r["pred_peak_gb"] is not None and r["mem_cap_gb"] is not None]
+    return {"oom_steps": sum(bool(r["oom"]) for r in rows),
+            "oom_predicted_above_cap": sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in ooms),
+            "oom_predicted_above_usable_cap": sum(r["pred_peak_gb"] > footprint.USABLE_FRACTION * r["mem_cap_gb"]
+                                                  for r in ooms),
+            "oom_predicted_above_reached": sum(r["pred_peak_gb"] > r["peak_gb"] for r in ooms)}
+
+
 def summary(rows: list[dict]) -> dict:
-    """The clean steps' ratio range per checkpointing setting, the out-of-memory steps, and whether all hold."""
-    out: dict = {"check": "repredict_summary", "steps": len(rows)}
-    ok = not any("error" in r for r in rows)
-    for ckpt, (low, high) in BOUNDS.items():
-        ratios = [r["ratio"] for r in rows if r["clean"] and r["activation_checkpointing"] == ckpt]
-        key = "ckpt" if ckpt else "plain"
-        out[key] = {"clean_steps": len(ratios), "bounds": [low, high],
-                    "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None}
-        ok &= all(low <= r <= high for r in ratios)
-    ooms = [r for r in rows if r["oom"]]
-    predicted = [r for r in ooms if r["pred_peak_gb"] is not None and r["mem_cap_gb"] is not None]
-    out["oom_steps"] = len(ooms)
-    out["oom_predicted_above_cap"] = sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in predicted)
-    out["oom_predicted_above_usable_cap"] = sum(r["pred_peak_gb"] > footprint.USABLE_FRACTION * r["mem_cap_gb"]
-                                                for r in predicted)
-    out["oom_predicted_above_reached"] = sum(r["pred_peak_gb"] > r["peak_gb"] for r in predicted)
-    out["errors"] = [r["error"] for r in rows if "error" in r]
-    # A step that ran out of memory must be one no plan would run: predicted above the usable share of its cap
-    # (what the memory plan fits against) and above what it had allocated when it failed. Its allocated peak can
-    # lie below the cap itself: the allocator's cap counts the memory it reserved, fragments included.
-    out["ok"] = bool(ok and out["oom_predicted_above_usable_cap"] == out["oom_predicted_above_reached"] == len(ooms))
-    return out
+    """The clean steps' ratio range per checkpointing setting, the out-of-memory steps, and whether all hold.
+
+    A step that ran out of memory must be one no plan would run: predicted above the usable share of its cap (what
+    the memory plan fits against) and above what it had allocated when it failed. Its allocated peak can lie below
+    the cap itself: the allocator's cap counts the memory it reserved, fragments included."""
+    plain, ckpt, ooms = _ratio_range(rows, False), _ratio_range(rows, True), _out_of_memory(rows)
+    errors = [r["error"] for r in rows if "error" in r]
+    within = [plain.pop("ok"), ckpt.pop("ok")]
+    ok = (not errors and all(within)
+          and ooms["oom_predicted_above_usable_cap"] == ooms["oom_predicted_above_reached"] == ooms["oom_steps"])
+    return {"check": "repredict_summary", "steps": len(rows), "plain": plain, "ckpt": ckpt, **ooms,
+            "errors": errors, "ok": bool(ok)}
 
 
 def main(path: str, model_name: str = "qwen3_8b") -> int:

@@ -933,36 +933,50 @@ def memory_plan(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str,
         raise ValueError("sampler.max_block_tokens needs per-sample block tokens (sampling.anchors)")
     budget_gb = USABLE_FRACTION * gpu_mem_gb
     candidates = [False, True] if ckpt == AUTO or ckpt is None else [bool(ckpt)]
-    found: dict[bool, int | None] = {}
-    fits: dict[bool, bool] = {}
+    found: dict[bool, int | None] = {}   # the block budget each checkpointing choice fits with (absent: none)
     for choice in candidates:
-        run = replace(settings, activation_checkpointing=choice)
-        if value == AUTO:
-            found[choice] = largest_fitting_block_tokens(lengths, sampler_cfg, model, run, budget_gb=budget_gb,
-                                                         seed=seed, world_size=settings.world_size,
-                                                         block_tokens=block_tokens)
-            fits[choice] = found[choice] is not None
-        else:
-            found[choice] = value
-            cfg = {**dict(sampler_cfg), "max_block_tokens": value}
-            fits[choice] = plan_peak_bytes(lengths, cfg, model, run, seed=seed, world_size=settings.world_size,
-                                           block_tokens=block_tokens) <= budget_gb * GIB
-        if choice is False and fits[False] and value != AUTO:
+        fitted = _block_budget_that_fits(value, model, lengths, sampler_cfg,
+                                         replace(settings, activation_checkpointing=choice), budget_gb=budget_gb,
+                                         seed=seed, block_tokens=block_tokens)
+        if fitted is not _NO_FIT:
+            found[choice] = fitted
+        if choice is False and False in found and value != AUTO:
             break   # fits without checkpointing: never pay for recomputation
-    if len(candidates) == 2 and fits.get(False) and fits.get(True) and value == AUTO:
-        choose = not (found[False] >= found[True] / 2)
-        why = (f"checkpointing {'on' if choose else 'off'}: block budget {found[False]:,} without it, "
-               f"{found[True]:,} with it")
-    elif any(fits.values()):
-        choose = next(c for c in candidates if fits.get(c))
-        why = ("fits without draft activation checkpointing" if not choose else
-               "draft activation checkpointing on: the step does not fit without it")
-    else:
+    if not found:
         tried = ", ".join(f"checkpointing {'on' if c else 'off'}" for c in candidates)
         raise PreflightError(
             f"no block budget keeps the objective within {budget_gb:.1f} GiB ({USABLE_FRACTION:.0%} of "
             f"{gpu_mem_gb:g}) for sampler={sampler_cfg['name']} max_tokens={sampler_cfg['max_tokens']} ({tried}): "
             f"lower sampler.max_tokens, set trainer.activation_checkpointing=true, use model.anchor_density, or a "
             f"GPU with more memory")
+    choose, why = _choose_checkpointing(found, auto_budget=value == AUTO)
     blocks = found[choose]
     return MemoryPlan(blocks, choose, f"block budget {blocks if blocks is not None else 'none'}; {why}")
+
+
+_NO_FIT = object()
+
+
+def _block_budget_that_fits(value: Any, model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, Any],
+                            settings: Settings, *, budget_gb: float, seed: int, block_tokens: np.ndarray | None):
+    """With ``settings``' checkpointing: the largest block budget that fits (``value`` auto), or ``value`` itself
+    if its plan fits; ``_NO_FIT`` when nothing does."""
+    if value == AUTO:
+        fitted = largest_fitting_block_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget_gb, seed=seed,
+                                              world_size=settings.world_size, block_tokens=block_tokens)
+        return _NO_FIT if fitted is None else fitted
+    cfg = {**dict(sampler_cfg), "max_block_tokens": value}
+    peak = plan_peak_bytes(lengths, cfg, model, settings, seed=seed, world_size=settings.world_size,
+                           block_tokens=block_tokens)
+    return value if peak <= budget_gb * GIB else _NO_FIT
+
+
+def _choose_checkpointing(found: dict[bool, int | None], *, auto_budget: bool) -> tuple[bool, str]:
+    """Checkpointing on or off among the choices that fit (``found``), and why (``memory_plan``'s rule)."""
+    if auto_budget and len(found) == 2:
+        choose = not (found[False] >= found[True] / 2)
+        return choose, (f"checkpointing {'on' if choose else 'off'}: block budget {found[False]:,} without it, "
+                        f"{found[True]:,} with it")
+    if False in found:
+        return False, "fits without draft activation checkpointing"
+    return True, "draft activation checkpointing on: the step does not fit without it"
