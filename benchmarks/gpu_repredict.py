@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dflash_lab.data.lengths import reference_lengths  # noqa: E402
 from dflash_lab.model import footprint  # noqa: E402
-from dflash_lab.model.draft import compiles_layers  # noqa: E402
 from dflash_lab.sampling import policy_from_config  # noqa: E402
 
 BOUNDS = {False: (0.97, 1.10), True: (0.97, 1.15)}   # predicted / measured, by activation checkpointing
