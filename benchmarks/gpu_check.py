@@ -838,12 +838,14 @@ def epoch_policy(plan: PolicyPlan, grid: list[list[dict]], row: dict, bench: Ben
     and executed FLOPs per step), the epoch's Ktok/s priced by the fit, the planner's beside it."""
     from dflash_lab.plan import predict_throughput
 
-    kept = kept_steps(grid, {})
-    entry = {"sampled_steps": len(grid), "fit_steps": len(kept), "ktok_s_sample": row.get("ktok_s"),
-             **planner_prediction(plan.policy, bench, recompute=plan.ckpt)}
+    steps = [{"phase": step[0]["phase"], "seconds": max(r["seconds"] for r in step),   # the slowest rank's
+              "executed_tflop": max(r["executed_tflop"] for r in step),
+              "compiled": any(r["compiled"] for r in step), "oom": next((r["oom"] for r in step if r["oom"]), None)}
+             for step in grid]
+    entry = {"sampled_steps": len(grid), "fit_steps": len(gpu_epoch.clean_step_records(steps)),
+             "ktok_s_sample": row.get("ktok_s"), **planner_prediction(plan.policy, bench, recompute=plan.ckpt)}
     try:
-        fit = gpu_epoch.fit_step_time([max(r["executed_tflop"] for r in step) * 1e12 for step in kept],
-                                      [max(r["seconds"] for r in step) for step in kept])
+        fit = gpu_epoch.fit_step_records(steps)
         cost = gpu_epoch.fitted_cost(fit)
     except ValueError as exc:
         return {**entry, "error": str(exc)}
@@ -912,12 +914,12 @@ def profile_line(plans: dict[str, PolicyPlan], records: dict[str, list[dict]], b
     and a profiled CPU step is slow), run again with its checkpointing; time by kernel class, by range and the top
     kernels."""
     name = "bucketed" if "bucketed" in plans else next(iter(plans))
-    clean = sorted(gpu_epoch.clean_step_records(records[name]), key=lambda r: r["executed_tflop"])
-    if not clean:
+    kept = sorted(kept_steps(step_grid(records[name]), {}), key=lambda step: max(r["executed_tflop"] for r in step))
+    if not kept:
         return {"profile": {"policy": name, "error": "no clean timed step to profile"}}
     if bench.past_deadline():
         return {"profile": {"policy": name, "error": "deadline passed before the profiled step"}}
-    record = clean[(len(clean) - 1) // 2 if bench.device.type == "cuda" else 0]
+    record = kept[(len(kept) - 1) // 2 if bench.device.type == "cuda" else 0][bench.env.rank]
     plan, index = plans[name], record["index"]
     batch = step_batch(plan, index, torch.Generator().manual_seed(1), bench)
     anchors = torch.Generator().manual_seed(1000 * record["step"] + bench.env.rank)

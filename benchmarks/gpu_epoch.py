@@ -66,12 +66,9 @@ class StepTimeFit:
     rms_rel_residual: float   # root mean square of (measured - fitted) / measured over the points
 
     @property
-    def marginal_tflops(self) -> float:
-        """The FLOP rate of one more FLOP: 1 / slope, in TFLOP/s."""
-        return 1.0 / self.slope_s_per_flop / 1e12
-
-    def seconds(self, flops: np.ndarray | float) -> np.ndarray:
-        return self.intercept_s + self.slope_s_per_flop * np.asarray(flops, dtype=np.float64)
+    def marginal_tflops(self) -> float | None:
+        """The rate of one more FLOP: 1 / slope, in TFLOP/s (None for a slope of 0: more work took no longer)."""
+        return 1.0 / self.slope_s_per_flop / 1e12 if self.slope_s_per_flop > 0 else None
 
     def as_dict(self) -> dict:
         return {**asdict(self), "slope_s_per_pflop": self.slope_s_per_flop * 1e15,

@@ -300,3 +300,60 @@ def test_gpu_check_sh_cpu_train_stage(tmp_path):
     assert train["target_digest"].startswith("random-") and train["compiled_graphs"] >= 0
     assert train["memory_log"][0].startswith("memory plan: block budget") and train["peak_rss_gb"] > 0
     assert train["recompiles"] == 0 and not list((tmp_path / "work" / "qwen3_random").glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def stages():
+    """scripts/gpu_check_stages.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_stages", ROOT / "scripts" / "gpu_check_stages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stage_limits_keep_the_modes_within_4_and_8_minutes_and_say_where_they_come_from(stages):
+    for run_mode, minutes in (("quick", 4), ("full", 8)):
+        limits = stages.TIMEOUTS[("gpu", run_mode)]
+        assert sum(limits[name] for name in stages.STAGES[run_mode]) <= minutes * 60
+    assert stages.TIMEOUTS[("gpu", "full")]["attention_tests"] >= 1.15 * 114   # the H200's cold-cache 114 s
+    assert set(stages.LIMIT_SOURCES) == set(stages.TIMEOUTS[("gpu", "full")])
+
+
+def test_train_line_reads_the_preflight_the_probe_and_dynamos_recompiles(stages):
+    log = ("memory plan: block budget 53344; checkpointing off\npreflight: predicted peak 16.7 GiB of 125.8 usable\n"
+           "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n"
+           "    triggered by the following guard failure(s):\n"
+           "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n")
+    row = stages.train_figures(log, {"status": "finished", "ktok_s": 8.5, "other": 1},
+                               {"peak_mem_gb": 12.5, "peak_rss_gb": 3.0, "compiled_graphs": 7, "flex_graphs": 2})
+    assert row["status"] == "finished" and "other" not in row and row["compiled_graphs"] == 7
+    assert row["pred_peak_mem_gb"] == 16.7 and row["mem_ratio"] == pytest.approx(16.7 / 12.5)
+    assert row["recompiles"] == 2 and row["recompiled_functions"] == ["rms_norm (draft.py:40)"]
+    cpu = stages.train_figures("memory plan: block budget 13442\n", {}, {"peak_mem_gb": None, "compiled_graphs": 0})
+    assert cpu["pred_peak_mem_gb"] is None and "mem_ratio" not in cpu and "CUDA" in cpu["pred_peak_scope"]
+
+
+def test_a_seed_stage_without_its_epoch_or_profile_line_fails(stages):
+    rows = [{"check": "gpu_check", "policy": p, "finite": True, "steps": 2} for p in ("full_random", "bucketed",
+                                                                                     "packed")]
+    assert stages.gpu_check_problems("seed", rows) == ["gpu_check_epoch: no line", "gpu_check_profile: no line"]
+    rows += [{"check": "gpu_check_epoch", "ratio": 0.8}, {"check": "gpu_check_profile", "error": "deadline passed"}]
+    assert stages.gpu_check_problems("seed", rows) == ["gpu_check_profile: deadline passed"]
+    assert stages.gpu_check_problems("plan", rows[1:3]) == []
+
+
+def test_the_train_probe_names_its_file_per_rank(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train_probe", ROOT / "scripts" / "gpu_train_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.delenv("RANK", raising=False)
+    assert probe.probe_path("/w/probe.json") == Path("/w/probe.json")
+    monkeypatch.setenv("RANK", "1")
+    assert probe.probe_path("/w/probe.json") == Path("/w/probe.rank1.json")
+    assert probe.main(["trainer=gpu"]) == 2   # the probe file first: a forgotten one is not taken for an override
+    figures = probe.measurements(3)
+    assert figures["exit_code"] == 3 and figures["compiled_graphs"] >= 0 and figures["peak_rss_gb"] > 0

@@ -120,3 +120,10 @@ def test_ratio_is_none_without_both_figures(gpu_epoch):
     assert gpu_epoch.ratio(6.0, 10.0) == 0.6
     assert gpu_epoch.ratio(None, 10.0) is None and gpu_epoch.ratio(6.0, None) is None
     assert gpu_epoch.ratio(6.0, 0.0) is None and gpu_epoch.ratio(float("nan"), 1.0) is None
+
+
+def test_a_flat_fit_has_no_marginal_rate_and_still_reports(gpu_epoch):
+    import json
+
+    flat = gpu_epoch.fit_step_time([1e15, 2e15, 4e15], [3.0, 2.0, 2.5])
+    assert flat.marginal_tflops is None and json.loads(json.dumps(flat.as_dict()))["slope_s_per_pflop"] == 0.0
