@@ -150,26 +150,37 @@ def profile_ranges(events) -> list[Range]:
             if _is_range(e) and e.device_type == torch.autograd.DeviceType.CPU]
 
 
+def _annotation(event) -> bool:
+    """A ``record_function`` range (its CPU event, or the span kineto draws for it on the GPU's timeline)."""
+    return bool(getattr(event, "is_user_annotation", False))
+
+
 def device_kernels(events) -> list[Kernel]:
-    """CUDA kernels (memcpy and memset included): those an operator launched at that operator's start (the
-    profiler links them, ``FunctionEvent.kernels``), the others (no operator launched them) with no launch time, so
-    they count in their class and as ``unattributed``."""
-    launched = [Kernel(k.name, e.time_range.start, k.duration) for e in events
-                if e.device_type == torch.autograd.DeviceType.CPU and e.kernels for k in e.kernels]
-    linked = Counter(k.name for k in launched)
-    unlinked = []
+    """CUDA kernels (memcpy and memset included; the ranges' GPU-timeline spans left out, as torch's own tables
+    do): those an operator launched at that operator's start (the profiler links them, ``FunctionEvent.kernels``),
+    the others (no operator launched them) with no launch time, so they count in their class and as
+    ``unattributed``."""
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not _annotation(e)]
+    unmatched = Counter(e.name for e in device)
+    launched = []
     for event in events:
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if linked[event.name] > 0:
-            linked[event.name] -= 1
-        else:
+        if event.device_type != torch.autograd.DeviceType.CPU:   # (an annotation launches what runs in it
+            continue                                             # directly, e.g. a compiled graph's Triton kernels)
+        for kernel in event.kernels:
+            if unmatched[kernel.name] > 0:
+                unmatched[kernel.name] -= 1
+                launched.append(Kernel(kernel.name, event.time_range.start, kernel.duration))
+    unlinked = []
+    for event in device:
+        if unmatched[event.name] > 0:
+            unmatched[event.name] -= 1
             unlinked.append(Kernel(event.name, None, event.time_range.end - event.time_range.start))
     return launched + unlinked
 
 
 def cpu_operators(events) -> list[Kernel]:
-    """Every CPU operator's self time (the ranges themselves left out: their own time is Python)."""
+    """Every CPU operator's self time (the step's ranges left out: their own time is Python; other annotations
+    stay: a compiled graph's own time is its C++ kernel)."""
     return [Kernel(e.name, e.time_range.start, e.self_cpu_time_total) for e in events
             if e.device_type == torch.autograd.DeviceType.CPU and not _is_range(e) and e.self_cpu_time_total > 0]
 

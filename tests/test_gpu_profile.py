@@ -190,3 +190,35 @@ def test_a_missing_model_method_is_named(gpu_profile):
     with pytest.raises(AttributeError, match="project_context"):
         with gpu_profile.model_ranges(NoHead()):
             pass
+
+
+def test_cuda_kernels_are_placed_at_their_launch_and_range_spans_are_not_kernels(gpu_profile):
+    """The CUDA path on hand-made profiler events: a kernel counts at its launching operator's (or annotation's)
+    start; kineto's GPU-timeline span of a range is no kernel; a kernel no operator launched is unattributed."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    def event(name, device, start, end, kernels=(), annotation=False):
+        return Event(name=name, device_type=device, time_range=Event(start=start, end=end), kernels=list(kernels),
+                     is_user_annotation=annotation, self_cpu_time_total=end - start)
+
+    events = [
+        event("gpu_check.target", DeviceType.CPU, 0, 50, annotation=True),
+        event("aten::mm", DeviceType.CPU, 10, 12, [Kernel("nvjet_tst_x", 0, 30.0)]),
+        event("## Call CompiledFxGraph abc ##", DeviceType.CPU, 20, 22, [Kernel("triton_poi_fused_0", 0, 5.0)],
+              annotation=True),
+        event("gpu_check.backward", DeviceType.CPU, 60, 100, annotation=True),
+        event("aten::mm", DeviceType.CPU, 70, 71, [Kernel("nvjet_tst_x", 0, 40.0)]),
+        event("gpu_check.target", DeviceType.CUDA, 15, 90, annotation=True),   # the range's span on the GPU
+        event("nvjet_tst_x", DeviceType.CUDA, 15, 45), event("triton_poi_fused_0", DeviceType.CUDA, 45, 50),
+        event("nvjet_tst_x", DeviceType.CUDA, 72, 112),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 112, 132),   # launched by no operator
+    ]
+    kernels = gpu_profile.device_kernels(events)
+    assert sorted((k.name, k.launch_us, k.duration_us) for k in kernels if k.launch_us is not None) == [
+        ("nvjet_tst_x", 10, 30.0), ("nvjet_tst_x", 70, 40.0), ("triton_poi_fused_0", 20, 5.0)]
+    out = gpu_profile.summarize_kernels(kernels, gpu_profile.profile_ranges(events))
+    assert out["total_ms"] == 0.095 and "other" not in out["classes"]
+    assert {k: v["ms"] for k, v in out["ranges"].items()} == {"target": 0.035, "backward": 0.04, "unattributed": 0.02}
