@@ -15,26 +15,42 @@ Regimes (``--regime``):
   against the GPU's memory (or ``--gpu``'s), every policy unless ``--policies``.
 * ``seed``: the seed run's regime, the one its 25.1 Ktok/s and full_random/bucketed = 0.478 are about: one
   rank (``--nproc 1`` unless given), memory capped at the seed's RTX PRO 6000 (``--mem-cap-gb``, default 96 GiB:
-  ``torch.cuda.set_per_process_memory_fraction``; the CUDA context is outside the cap), no draft activation
-  checkpointing, no block budget (``sampler.max_block_tokens=null``), the shape's token budget (32,768 at
-  qwen3-8b), the model config's anchors (qwen3_8b: the recipe's ``min(512, valid positions)``), policies
-  full_random, bucketed and packed. The memory model predicts that many of these steps do not fit 96 GiB
-  without checkpointing: such a step is run anyway, and if it runs out of memory it is recorded (``oom_steps``:
-  its predicted peak) and the next one runs (one rank only: under DDP an out-of-memory rank would stall the
-  others). After the policies, a ``comparison`` line: the measured full_random / bucketed Ktok/s ratio next to
-  the planner's prediction for the same batches (``dflash_lab.plan.cost_from_config`` with
-  conf_plan/cost/seed.yaml and the rtx_pro_6000 preset, ``dflash_lab.plan.predict_throughput``: the FLOPs form,
-  whose ratio does not depend on the utilisation). Last, one checkpointing-on step (``--ckpt-step``, on by default
-  in this regime): the first timed batch that ran out of memory, else the one with the largest predicted peak,
-  again with checkpointing, to measure its time and peak against the prediction.
+  ``torch.cuda.set_per_process_memory_fraction``; the CUDA context is outside the cap), no block budget
+  (``sampler.max_block_tokens=null``), the shape's token budget (32,768 at qwen3-8b), the model config's anchors
+  (qwen3_8b: the recipe's ``min(512, valid positions)``), policies full_random, bucketed and packed. Draft
+  activation checkpointing only on the steps the memory model says do not fit 90% of the cap without it (on a
+  CPU, with no cap, the shape's stand-in figure, ``SHAPES``); a step that still runs out of memory is recorded
+  (``oom_steps``: its predicted peak) and the next one runs (one rank only: under DDP an out-of-memory rank would
+  stall the others). Per policy ``pred_fit_frac``: the share of the epoch plan's steps that fit without it. After
+  the policies, one step again with checkpointing on (``--ckpt-step``, on by default in this regime): the first
+  timed batch that ran out of memory, else of those run without checkpointing the one with the largest predicted
+  peak, to measure checkpointing's time and peak on the same batch.
 
-Modes: ``--quick``: fewer documents to plan from (8,000), two warm-up steps per policy and three timed ones on GPU
-(one and one on CPU); the default: 20,000 documents, two warm-up and six timed steps on GPU (two on CPU).
-Warm-up steps run each policy's cheapest batches (fewest executed FLOPs; two different shapes, so that
-flex_attention compiles its static and its dynamic graph there: "everything compiled once"), then the timed steps
-run the plan's first batches in order. ``--deadline-s S``: no step starts that could not end S seconds from the start
-(as long as the longest step so far); what has been measured is still reported (a policy cut short says so in
-``stopped``).
+After the policies (both regimes), the ``epoch`` line (benchmarks/gpu_epoch.py): per policy a least-squares fit of
+its clean timed steps' seconds on their executed FLOPs (``seconds = a + b x FLOPs``, a, b >= 0), and the epoch's
+Ktok/s (over time, and the median step's) with every step of its epoch plan priced by that fit through the
+planner's ``predict_throughput``, next to the planner's own (``planner_prediction``: conf_plan/cost/seed.yaml and
+the rtx_pro_6000 preset, the FLOPs form, whose ratios do not depend on the utilisation); ``ratio`` /
+``planner_ratio``: full_random / bucketed Ktok/s over the epoch, measured and planned, and ``ratios`` every figure
+for full_random / bucketed and packed / bucketed (``sample``: the timed steps' own Ktok/s). The epoch is priced as
+the memory plan runs it (no checkpointing in the seed regime, as the planner assumes; a checkpointed sample step
+enters the fit with its recomputed FLOPs). Then the ``profile`` line (``--profile``, on by default;
+benchmarks/gpu_profile.py): bucketed's clean timed step of median executed FLOPs (on a CPU its cheapest) once
+more under ``torch.profiler``: device time (CPU operator time on a CPU) by kernel class, by range of the step
+(target, draft forward, head, fixed anchors, the rest of the forward, backward, optimizer) and the top kernels;
+``--profile-trace PATH`` also writes its Chrome trace.
+
+Modes: ``--quick``: fewer documents to plan from (8,000), two warm-up steps per policy and five timed ones on GPU
+(one and two on CPU); the default: 20,000 documents, two warm-up and eight timed steps on GPU (two and three on
+CPU). Warm-up steps run each policy's cheapest batches (fewest executed FLOPs; two different shapes, so that
+flex_attention compiles its static and its dynamic graph there: "everything compiled once"). Timed steps
+(``--sample``): ``stratified`` (default) one step from each of ``--steps`` equal-count cost strata of the epoch
+plan (``gpu_epoch.stratified_steps``: one per decile at 10), so that the sample stands for the epoch; ``first``
+the plan's first batches in order (what the first H200 run timed: its six steps carried 25.3 real Ktok per
+executed PFLOP where the epoch carries 19.7). AdamW's moments exist before the first step is measured
+(``create_optimizer_state``: that run's first warm-up step measured its peak 7.9 GiB low without them).
+``--deadline-s S``: no step starts that could not end S seconds from the start (as long as the longest step so
+far); what has been measured is still reported (a policy cut short says so in ``stopped``).
 
 What runs: the training config composed by Hydra (``conf/train.yaml`` with ``model=qwen3_8b`` and each
 ``conf/sampler/<policy>.yaml``; extra ``key=value`` arguments are Hydra overrides, e.g. ``gpu=h200``,
@@ -68,14 +84,13 @@ gradient clipping and AdamW.
 Output (rank 0), one JSON object per line: ``setup`` (device, world size, regime, peak FLOP/s and its source,
 attention path, token budget and its source, memory figure and cap, the checkpointing choice and its source,
 ``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one ``step`` line per step as
-it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, executed TFLOP, predicted and
-measured peak, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
-activation_checkpointing, truncated, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
+it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its checkpointing, executed
+TFLOP, predicted and measured peak, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
+activation_checkpointing, truncated, sample, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
 executed_tflop_per_step, executed_tflops, peak_mem_gb, peak_reserved_gb, pred_peak_mem_gb, pred_peak_mem_gb_ckpt,
-mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, loss, finite, steps,
-compiled_steps, oom_steps, flex_graphs`` (+ in the seed regime ``pred_fit_frac``: the share of the epoch plan's
-steps predicted to fit 90% of the cap, and the planner's ``planner_ktok_s``, ``planner_ktok_s_wall``); the seed
-regime's ``comparison`` and ``ckpt_step`` lines.
+mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, ckpt_steps, loss,
+finite, steps, compiled_steps, oom_steps, flex_graphs`` (+ in the seed regime ``epoch_steps, pred_fit_frac,
+mem_cap_gb``); the ``epoch`` line; the ``ckpt_step`` line (``--ckpt-step``); the ``profile`` line (``--profile``).
 
 Definitions. Ktok/s (``ktok_s``): real tokens of the timed steps over their summed wall time (all ranks' tokens;
 the slowest rank sets each step's time), as a multi-day run's tokens / wall time; ``ktok_s_median_step`` the
@@ -122,6 +137,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))   # gpu_epoch, gpu_profile (also when loaded from its path)
 
 from dflash_lab.training import dist  # noqa: E402
 from dflash_lab.data import collate_packed, collate_padded  # noqa: E402
@@ -132,6 +148,8 @@ from dflash_lab.model.attention import flex_compile_count  # noqa: E402
 from dflash_lab.model.build import DRAFT_KEYS, target_config_only, wrap_target  # noqa: E402
 from dflash_lab.sampling import SEED_BOUNDARIES, policy_from_config  # noqa: E402
 from dflash_lab.sampling.anchors import block_tokens_per_sample, valid_positions_from_lengths  # noqa: E402
+import gpu_epoch  # noqa: E402
+import gpu_profile  # noqa: E402
 
 POLICIES = ("sorted_static", "full_random", "bucketed", "bucketed_megabatch", "packed")
 REGIMES = ("plan", "seed")
@@ -139,9 +157,11 @@ SEED_POLICIES = ("full_random", "bucketed", "packed")
 SEED_MEM_CAP_GB = 96.0   # the seed's RTX PRO 6000 (conf/gpu/rtx_pro_6000.yaml memory_gb, read as GiB as the planner does)
 SEED_COST = ROOT / "conf_plan" / "cost" / "seed.yaml"
 SEED_GPU = ROOT / "conf" / "gpu" / "rtx_pro_6000.yaml"
-# (warm-up steps, timed steps, documents to plan from) per mode and device
-MODES = {("quick", "cuda"): (2, 3, 8000), ("quick", "cpu"): (1, 1, 8000),
-         ("full", "cuda"): (2, 6, 20000), ("full", "cpu"): (2, 2, 20000)}
+# (warm-up steps, timed steps = cost strata, documents to plan from) per mode and device. The H200 ran a timed
+# Qwen3-8B step in 1.3-3.6 s (2.1 s median), so full mode's 8 strata x 3 policies fit its stage limit with the
+# warm-up's compiling (scripts/gpu_check_stages.py, TIMEOUTS)
+MODES = {("quick", "cuda"): (2, 5, 8000), ("quick", "cpu"): (1, 2, 8000),
+         ("full", "cuda"): (2, 8, 20000), ("full", "cpu"): (2, 3, 20000)}
 # The only shapes not read from conf/model: Qwen3s small enough for a CPU. tiny: deep enough for 5 evenly spaced
 # reads; medium: a CPU-sized step big enough that the memory model's large terms dominate (>= 512 hidden, 32K vocab).
 TINY_TARGET = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -154,12 +174,16 @@ TINY_MEM_GB = 0.1 / footprint.USABLE_FRACTION   # CPU: plan the tiny step for ~1
 MEDIUM_MEM_GB = 5.0                              # CPU: plan the medium step for 90% of 5 GiB (~1 TFLOP a step)
 # Per shape: the target (None: conf/model's), the seed workload's length divisor, the token budget (training's
 # sampler.max_tokens at that shape), the granule of a shrunk budget, the memory figure on a CPU (the "GPU memory"
-# the memory plan fits), Hydra overrides of the model config.
+# the memory plan fits) and the seed regime's stand-in for its 96 GiB cap on a CPU (which steps run with
+# checkpointing; tiny: 0.28 GiB, so that about as many steps fit as fit 96 GiB at the Qwen3-8B shape: full_random
+# ~60%, bucketed ~35%, packed ~5%), Hydra overrides of the model config.
 SHAPES = {"qwen3-8b": {"target": None, "length_scale": 1, "budget": 32768, "granule": 1024, "cpu_mem_gb": 80.0,
-                       "overrides": []},
+                       "seed_cpu_mem_gb": SEED_MEM_CAP_GB, "overrides": []},
           "medium": {"target": MEDIUM_TARGET, "length_scale": 2, "budget": 4096, "granule": 256,
-                     "cpu_mem_gb": MEDIUM_MEM_GB, "overrides": ["model.draft_layers=2"]},
+                     "cpu_mem_gb": MEDIUM_MEM_GB, "seed_cpu_mem_gb": MEDIUM_MEM_GB,
+                     "overrides": ["model.draft_layers=2"]},
           "tiny": {"target": TINY_TARGET, "length_scale": 32, "budget": 4096, "granule": 64, "cpu_mem_gb": TINY_MEM_GB,
+                   "seed_cpu_mem_gb": 0.28,
                    "overrides": ["model.anchors_per_doc=16"]}}   # the recipe's 512 scaled with the lengths
 DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 GPU_PRESETS = ("none", "rtx_pro_6000", "h100", "h200")
@@ -189,7 +213,13 @@ def parse_args(argv=None):
                         "CUDA in the plan regime, else 1; gloo on CPU); ignored under torchrun")
     parser.add_argument("--gpu", default=None, choices=GPU_PRESETS, help="conf/gpu/<name>.yaml: memory for the "
                         "memory plan and bf16_dense_tflops for MFU (default: the device's own)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: the mode's)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: the mode's); "
+                        "with --sample stratified the number of cost strata, one step from each")
+    parser.add_argument("--sample", default="stratified", choices=["stratified", "first"], help="which steps to "
+                        "time: one per cost stratum of the epoch plan (default), or the plan's first steps")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="after the "
+                        "policies, one bucketed step under torch.profiler: the gpu_check_profile line (default: on)")
+    parser.add_argument("--profile-trace", default=None, help="also write the profiled step's Chrome trace here")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, on the policy's cheapest "
                         "batches (compilation, allocator; default 2, 1 in quick mode on CPU)")
     parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; the seed "
@@ -226,21 +256,28 @@ def resolve_mode(parser, args) -> None:
     seed = args.regime == "seed"
     args.policies = args.policies or ",".join(SEED_POLICIES if seed else POLICIES)
     args.ckpt_step = seed if args.ckpt_step is None else args.ckpt_step
+    problem = argument_problem(args)
+    if problem:
+        parser.error(problem)
+
+
+def argument_problem(args) -> str | None:
+    """The first contradiction among the resolved arguments, as the one-line error, or None."""
+    seed = args.regime == "seed"
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
-    if unknown:
-        parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
-    if args.nproc is not None and args.nproc < 1:
-        parser.error("--nproc must be >= 1")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
-    if seed and args.activation_checkpointing not in (None, "false"):
-        parser.error("--regime seed runs without checkpointing (its one checkpointing-on step is --ckpt-step); "
-                     "drop --activation-checkpointing or use --regime plan")
-    if seed and args.nproc not in (None, 1):
-        parser.error("--regime seed runs one rank (a step that runs out of memory is recorded, which DDP cannot "
-                     "do); drop --nproc")
-    if args.mem_cap_gb is not None and not seed:
-        parser.error("--mem-cap-gb caps memory in the seed regime; in the plan regime use --gpu-mem-gb or --gpu")
+    checks = (
+        (bool(unknown), f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}"),
+        (args.nproc is not None and args.nproc < 1, "--nproc must be >= 1"),
+        (args.steps < 1 or args.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
+        (seed and args.activation_checkpointing not in (None, "false"),
+         "--regime seed runs without checkpointing where a step fits (its checkpointing is per step, and "
+         "--ckpt-step); drop --activation-checkpointing or use --regime plan"),
+        (seed and args.nproc not in (None, 1), "--regime seed runs one rank (a step that runs out of memory is "
+                                               "recorded, which DDP cannot do); drop --nproc"),
+        (args.mem_cap_gb is not None and not seed,
+         "--mem-cap-gb caps memory in the seed regime; in the plan regime use --gpu-mem-gb or --gpu"),
+    )
+    return next((message for failed, message in checks if failed), None)
 
 
 def compose_config(model: str, overrides: list[str]):
@@ -509,37 +546,64 @@ class StepResult:
     oom: str | None = None
 
 
-def train_step(bench: Bench, batch: dict, anchors: torch.Generator) -> StepResult:
-    """One training step as training runs it, timed with a device sync, and its peak memory. On one rank, an
-    out-of-memory step is caught (``oom``: the error's first line) and its memory released."""
+def _range(name: str):
+    """A profiler range of the step (gpu_profile: backward, optimizer, the forward's own work)."""
+    return torch.autograd.profiler.record_function(gpu_profile.RANGE_PREFIX + name)
+
+
+def step_body(bench: Bench, batch: dict, anchors: torch.Generator) -> float:
+    """Forward, backward and update of one training step as training runs it; its loss (a host sync)."""
     params = bench.model.trainable_parameters()
+    with _range("forward_other"), bench.autocast:
+        result = bench.train_model(batch, anchors)
+    with _range("backward"):
+        result.weighted_ce_sum.backward()
+    with _range("optimizer"):
+        # Global loss normalisation, as training does: d(global CE sum / global weight) on every rank.
+        global_weight = dist.all_reduce_sum(result.weight_sum.detach().clone().double())
+        scale_grads = (bench.env.world_size / global_weight.clamp_min(1e-12)).float()
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale_grads)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        bench.optimizer.step()
+        bench.optimizer.zero_grad(set_to_none=True)
+    return float(result.loss.detach())
+
+
+def train_step(bench: Bench, batch: dict, anchors: torch.Generator) -> StepResult:
+    """One training step (``step_body``), timed with a device sync, and its peak memory. On one rank, an
+    out-of-memory step is caught (``oom``: the error's first line) and its memory released."""
     oom = None
     _sync(bench.device)
     with PeakMemory(bench.device, bench.static_bytes) as memory:
         start = time.perf_counter()
         try:
-            with bench.autocast:
-                result = bench.train_model(batch, anchors)
-            result.weighted_ce_sum.backward()
-            # Global loss normalisation, as training does: d(global CE sum / global weight) on every rank.
-            global_weight = dist.all_reduce_sum(result.weight_sum.detach().clone().double())
-            scale_grads = (bench.env.world_size / global_weight.clamp_min(1e-12)).float()
-            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale_grads)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            bench.optimizer.step()
-            loss = float(result.loss.detach())
+            loss = step_body(bench, batch, anchors)
         except torch.cuda.OutOfMemoryError as exc:
             if bench.env.distributed:   # the other ranks wait in a collective: stop them all
                 raise
             oom = str(exc).splitlines()[0]
             loss = float("nan")
-        result = None   # (drops the step's graph before the allocator is emptied)
-        bench.optimizer.zero_grad(set_to_none=True)
+        bench.optimizer.zero_grad(set_to_none=True)   # (an out-of-memory step's partial gradients)
         _sync(bench.device)   # a sync point on purpose: the step time must include the device's work
         seconds = time.perf_counter() - start
     if oom is not None and bench.device.type == "cuda":
         torch.cuda.empty_cache()
     return StepResult(seconds, float(memory.peak), float(memory.reserved), loss, oom)
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments before the first measured step: one update at learning rate 0 on zero gradients (the
+    weights stay as they are; only the optimizer's step count moves). A step that creates them peaks without them,
+    8 bytes per draft parameter low: 7.9 GiB at the Qwen3-8B shape in the first H200 run's first warm-up step."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
 
 
 @dataclass
@@ -551,17 +615,28 @@ class PolicyPlan:
     batches: list
     shapes: dict
     flops: dict
-    pred_peak: np.ndarray          # bytes per batch, with the checkpointing in force
+    pred_peak: np.ndarray          # bytes per batch, with the checkpointing it runs with (step_ckpt)
     pred_peak_ckpt: np.ndarray     # bytes per batch, checkpointing on
     pred_peak_plain: np.ndarray    # bytes per batch, checkpointing off
     anchors: np.ndarray            # per sample (the plan's block tokens / block size, else the anchor rule)
-    ckpt: bool
+    ckpt: bool                     # the memory plan's checkpointing (seed regime: off)
+    step_ckpt: np.ndarray          # per batch, whether it runs with checkpointing
     out: dict = field(default_factory=dict)
 
     def executed(self, ckpt: bool | None = None) -> np.ndarray:
-        """Executed FLOPs per batch (+ the recomputed draft forward under checkpointing)."""
-        ckpt = self.ckpt if ckpt is None else ckpt
-        return self.flops["executed"] + (self.flops["executed_draft"] / 3.0 if ckpt else 0.0)
+        """Executed FLOPs per batch (+ the recomputed draft forward where it runs with checkpointing; ``ckpt``:
+        on or off for every batch)."""
+        recompute = self.step_ckpt if ckpt is None else np.full(len(self.batches), ckpt)
+        return self.flops["executed"] + self.flops["executed_draft"] / 3.0 * recompute
+
+
+def step_checkpointing(plan_ckpt: bool, pred_peak_plain: np.ndarray, bench: Bench) -> np.ndarray:
+    """Per batch, whether it runs with draft checkpointing: the memory plan's choice; in the seed regime (no
+    checkpointing) only the batches the memory model says do not fit 90% of the cap without it."""
+    if bench.args.regime != "seed":
+        return np.full(pred_peak_plain.shape, bool(plan_ckpt))
+    cap = bench.memory_cap_gb or bench.gpu_mem_gb
+    return pred_peak_plain > footprint.USABLE_FRACTION * cap * footprint.GIB
 
 
 def build_policy_plan(name: str, memory, bench: Bench) -> PolicyPlan | dict:
@@ -593,15 +668,19 @@ def build_policy_plan(name: str, memory, bench: Bench) -> PolicyPlan | dict:
     shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model, anchors=anchors)
     peaks = {ckpt: footprint.step_memory(step_model, shapes, replace(bench.settings, activation_checkpointing=ckpt))
              ["peak"] for ckpt in (False, True)}
+    step_ckpt = step_checkpointing(memory.activation_checkpointing, peaks[False], bench)
     return PolicyPlan(name, policy, batches, shapes, footprint.step_flops(step_model, shapes),
-                      peaks[memory.activation_checkpointing], peaks[True], peaks[False], anchors,
-                      memory.activation_checkpointing, out)
+                      np.where(step_ckpt, peaks[True], peaks[False]), peaks[True], peaks[False], anchors,
+                      memory.activation_checkpointing, step_ckpt, out)
 
 
-def choose_steps(plan: PolicyPlan, world_size: int, warmup: int, steps: int) -> tuple[list[int], list[int]]:
+def choose_steps(plan: PolicyPlan, world_size: int, warmup: int, steps: int,
+                 sample: str = "stratified") -> tuple[list[int], list[int]]:
     """Global steps to warm up on and to time. Warm-up: the cheapest steps (fewest executed FLOPs on the slowest
     rank), the first two of different padded shapes, so that both of flex_attention's graphs (static, then
-    dynamic lengths) compile there. Timed: the plan's first steps in order, warm-up ones left out."""
+    dynamic lengths) compile there. Timed: one step per cost stratum of the epoch plan (``sample="stratified"``,
+    ``gpu_epoch.stratified_steps``: ``steps`` strata), or the plan's first steps in order (``"first"``); warm-up
+    steps left out."""
     total = len(plan.batches) // world_size
     if total < warmup + steps:
         raise ValueError(f"{plan.name}: the plan has {total} steps, fewer than --warmup + --steps = "
@@ -616,55 +695,65 @@ def choose_steps(plan: PolicyPlan, world_size: int, warmup: int, steps: int) -> 
         if len(chosen) == 1 and shape[i] == shape[chosen[0]] and len(set(shape.tolist())) > 1:
             continue
         chosen.append(i)
-    timed = [i for i in range(total) if i not in chosen][:steps]
-    return chosen, timed
+    if sample == "stratified":
+        return chosen, gpu_epoch.stratified_steps(cost, steps, exclude=chosen)
+    return chosen, [i for i in range(total) if i not in chosen][:steps]
 
 
 def run_steps(plan: PolicyPlan, global_steps: list[int], phase: str, bench: Bench) -> list[dict]:
-    """Run ``global_steps`` of the plan on this rank; one record per step (and a ``step`` line on rank 0)."""
-    env, step_model = bench.env, bench.step_model
+    """Run ``global_steps`` of the plan on this rank, each with its checkpointing (``plan.step_ckpt``); one record
+    per step (and a ``step`` line on rank 0)."""
+    env = bench.env
     generator = torch.Generator().manual_seed(1)
     records = []
-    executed = plan.executed()
     for step in global_steps:
         if bench.past_deadline():
             break
         index = step * env.world_size + env.rank
-        indices = plan.batches[index]
-        batch = random_batch(indices, plan.policy.lengths, plan.policy.packed, step_model.target.vocab, generator)
-        batch = {k: (v.to(bench.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch = step_batch(plan, index, generator, bench)
+        bench.model.draft.activation_checkpointing = bool(plan.step_ckpt[index])
         graphs = flex_compile_count()
         result = train_step(bench, batch, torch.Generator().manual_seed(1000 * step + env.rank))
         bench.longest_step_s = max(bench.longest_step_s, result.seconds)
-        record = {"policy": plan.name, "phase": phase, "step": int(step), "seconds": result.seconds,
-                  "real": int(batch["real_tokens"]), "padded": int(batch["padded_tokens"]),
-                  "docs": int(len(indices)), "block_tokens": _block_tokens(plan, indices, step_model),
-                  "block_slots": int(plan.shapes["rows"][index] * plan.shapes["slots"][index] * step_model.block_size),
-                  "executed_tflop": float(executed[index]) / 1e12, "tflop": float(plan.flops["total"][index]) / 1e12,
-                  "pred_peak_gb": float(plan.pred_peak[index]) / footprint.GIB, "peak_gb": result.peak / footprint.GIB,
-                  "reserved_gb": result.reserved / footprint.GIB, "loss": result.loss,
-                  "compiled": flex_compile_count() > graphs, "oom": result.oom, "index": int(index)}
+        record = step_record(plan, step, index, batch, result, phase, bench)
+        record["compiled"] = flex_compile_count() > graphs
         records.append(record)
         bench.emit({"step": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}})
+    bench.model.draft.activation_checkpointing = plan.ckpt
     return records
 
 
-def _block_tokens(plan: PolicyPlan, indices: np.ndarray, step_model) -> float:
-    """Block tokens the step trains (anchors x block size)."""
-    return float(plan.anchors[indices].sum() * step_model.block_size)
+def step_batch(plan: PolicyPlan, index: int, generator: torch.Generator, bench: Bench) -> dict:
+    """Batch ``index`` of the plan with random tokens, on the device."""
+    batch = random_batch(plan.batches[index], plan.policy.lengths, plan.policy.packed,
+                         bench.step_model.target.vocab, generator)
+    return {k: (v.to(bench.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def summarize(plan: PolicyPlan, records: list[dict], bench: Bench) -> dict:
-    """The policy's row from every rank's timed steps (the slowest rank sets a step's time)."""
-    env = bench.env
+def step_record(plan: PolicyPlan, step: int, index: int, batch: dict, result: StepResult, phase: str,
+                bench: Bench) -> dict:
+    """What one step measured next to what the memory/FLOP model says of its batch."""
+    indices, block_size = plan.batches[index], bench.step_model.block_size
+    return {"policy": plan.name, "phase": phase, "step": int(step), "seconds": result.seconds,
+            "real": int(batch["real_tokens"]), "padded": int(batch["padded_tokens"]), "docs": int(len(indices)),
+            "block_tokens": float(plan.anchors[indices].sum() * block_size),
+            "block_slots": int(plan.shapes["rows"][index] * plan.shapes["slots"][index] * block_size),
+            "activation_checkpointing": bool(plan.step_ckpt[index]),
+            "executed_tflop": float(plan.executed()[index]) / 1e12, "tflop": float(plan.flops["total"][index]) / 1e12,
+            "pred_peak_gb": float(plan.pred_peak[index]) / footprint.GIB, "peak_gb": result.peak / footprint.GIB,
+            "reserved_gb": result.reserved / footprint.GIB, "loss": result.loss, "compiled": False,
+            "oom": result.oom, "index": int(index)}
+
+
+def step_grid(records: list[dict]) -> list[list[dict]]:
+    """Every rank's records of the same steps, [step][rank] (as many steps as the rank that ran fewest)."""
     per_rank = dist.all_gather_objects(records)
-    steps = min(len(r) for r in per_rank)
-    out = {**plan.out, "steps_run": steps, "flex_graphs": flex_compile_count()}
-    if steps < bench.args.steps:
-        out["stopped"] = f"--deadline-s {bench.args.deadline_s:g} passed after {steps} of {bench.args.steps} steps"
-    if steps == 0:
-        return {**out, "error": "no timed step ran (deadline)", "finite": False}
-    grid = [[rank[i] for rank in per_rank] for i in range(steps)]   # [step][rank]
+    return [[rank[i] for rank in per_rank] for i in range(min(len(r) for r in per_rank))]
+
+
+def kept_steps(grid: list[list[dict]], out: dict) -> list[list[dict]]:
+    """The steps the figures count: none compiled a flex graph or ran out of memory (all that did not run out of
+    memory when every step compiled). Counts the others in ``out`` (``compiled_steps``, ``oom_steps``, ``oom``)."""
     compiled = np.array([any(r["compiled"] for r in step) for step in grid])
     oom = np.array([any(r["oom"] for r in step) for step in grid])
     out["compiled_steps"], out["oom_steps"] = int(compiled.sum()), int(oom.sum())
@@ -674,60 +763,67 @@ def summarize(plan: PolicyPlan, records: list[dict], bench: Bench) -> dict:
     clean = ~compiled & ~oom
     if not clean.any():
         clean = ~oom
-    if not clean.any():
-        return {**out, "error": "every timed step ran out of memory", "finite": False, "steps": 0}
-    kept = [step for step, keep in zip(grid, clean) if keep]
+    return [step for step, keep in zip(grid, clean) if keep]
+
+
+def step_figures(plan: PolicyPlan, kept: list[list[dict]], bench: Bench) -> dict:
+    """Speed, utilisation, memory and batch figures of the kept steps (the slowest rank sets a step's time)."""
+    world = bench.env.world_size
     times = np.array([max(r["seconds"] for r in step) for step in kept])
     real = np.array([sum(r["real"] for r in step) for step in kept], dtype=np.float64)
-    padded = np.array([sum(r["padded"] for r in step) for step in kept], dtype=np.float64)
-    tflop = sum(r["tflop"] for step in kept for r in step)
-    executed = sum(r["executed_tflop"] for step in kept for r in step)
+    padded = sum(r["padded"] for step in kept for r in step)
+    every = [r for step in kept for r in step]
+    tflop, executed = sum(r["tflop"] for r in every), sum(r["executed_tflop"] for r in every)
     elapsed = float(times.sum())
-    measured = max(r["peak_gb"] for step in kept for r in step)
-    indices = [r["index"] for step in kept for r in step]
-    shapes = {k: v[indices] for k, v in plan.shapes.items()}
-    pred = {ckpt: float(footprint.step_memory(bench.step_model, shapes, replace(bench.settings,
-                                                                                activation_checkpointing=ckpt))
-                        ["peak"].max()) / footprint.GIB for ckpt in (False, True)}
-    denominator = elapsed * env.world_size * bench.peak_flops
+    measured = max(r["peak_gb"] for r in every)
+    indices = [r["index"] for r in every]
+    denominator = elapsed * world * bench.peak_flops
     loss = kept[-1][0]["loss"]
-    out.update({
+    return {
         "ktok_s": ktok_per_s(real.sum(), elapsed), "ktok_s_median_step": float(np.median(real / times)) / 1e3,
         "mfu": tflop * 1e12 / denominator, "hfu": executed * 1e12 / denominator,
-        "tflop_per_step": tflop / len(kept) / env.world_size,
-        "executed_tflop_per_step": executed / len(kept) / env.world_size,
-        "executed_tflops": executed / elapsed / env.world_size,
-        "peak_mem_gb": measured, "peak_reserved_gb": max(r["reserved_gb"] for step in kept for r in step),
-        "pred_peak_mem_gb": pred[plan.ckpt], "pred_peak_mem_gb_ckpt": pred[True],
-        "mem_ratio": pred[plan.ckpt] / measured, "step_time_s": elapsed / len(kept),
-        "pad_eff": padding_efficiency(real.sum(), padded.sum()),
-        "block_tokens_per_step": float(np.mean([r["block_tokens"] for step in kept for r in step])),
-        "block_slots_per_step": float(np.mean([r["block_slots"] for step in kept for r in step])),
-        "real_tokens_per_step": float(real.sum()) / len(kept) / env.world_size,
-        "docs_per_step": float(np.mean([r["docs"] for step in kept for r in step])),
-        "loss": loss, "finite": bool(np.isfinite(loss)), "steps": len(kept)})
-    return out
+        "tflop_per_step": tflop / len(every), "executed_tflop_per_step": executed / len(every),
+        "executed_tflops": executed / elapsed / world, "peak_mem_gb": measured,
+        "peak_reserved_gb": max(r["reserved_gb"] for r in every),
+        "pred_peak_mem_gb": float(plan.pred_peak[indices].max()) / footprint.GIB,
+        "pred_peak_mem_gb_ckpt": float(plan.pred_peak_ckpt[indices].max()) / footprint.GIB,
+        "mem_ratio": float(plan.pred_peak[indices].max()) / footprint.GIB / measured,
+        "step_time_s": elapsed / len(kept), "pad_eff": padding_efficiency(real.sum(), padded),
+        "block_tokens_per_step": float(np.mean([r["block_tokens"] for r in every])),
+        "block_slots_per_step": float(np.mean([r["block_slots"] for r in every])),
+        "real_tokens_per_step": float(real.sum()) / len(every), "docs_per_step": float(np.mean([r["docs"] for r in every])),
+        "ckpt_steps": int(sum(r["activation_checkpointing"] for r in every)),
+        "loss": loss, "finite": bool(np.isfinite(loss)), "steps": len(kept)}
 
 
-def epoch_figures(plan: PolicyPlan, row: dict, bench: Bench) -> dict:
-    """Seed regime, from the whole epoch plan: the share of steps predicted to fit 90% of the cap, the epoch's
-    Ktok/s at the measured executed TFLOP/s, and the planner's prediction (``planner_prediction``)."""
+def summarize(plan: PolicyPlan, records: list[dict], bench: Bench) -> dict:
+    """The policy's row from every rank's timed steps."""
+    grid = step_grid(records)
+    out = {**plan.out, "sample": bench.args.sample, "steps_run": len(grid), "flex_graphs": flex_compile_count()}
+    if len(grid) < bench.args.steps:
+        out["stopped"] = f"--deadline-s {bench.args.deadline_s:g} passed after {len(grid)} of {bench.args.steps} steps"
+    if not grid:
+        return {**out, "error": "no timed step ran (deadline)", "finite": False}
+    kept = kept_steps(grid, out)
+    if not kept:
+        return {**out, "error": "every timed step ran out of memory", "finite": False, "steps": 0}
+    return {**out, **step_figures(plan, kept, bench)}
+
+
+def seed_fit_figures(plan: PolicyPlan, bench: Bench) -> dict:
+    """Seed regime, from the whole epoch plan: the share of steps predicted to fit 90% of the cap without
+    checkpointing (the others run with it)."""
     world = bench.env.world_size
     total = len(plan.batches) // world
-    cap = bench.memory_cap_gb or bench.gpu_mem_gb
-    fits = plan.pred_peak_plain.reshape(total, world).max(axis=1) <= footprint.USABLE_FRACTION * cap * footprint.GIB
-    out = {"epoch_steps": total, "pred_fit_frac": float(fits.mean()), "mem_cap_gb": cap}
-    if row.get("executed_tflops"):
-        epoch_seconds = plan.executed().reshape(total, world).max(axis=1).sum() / (row["executed_tflops"] * 1e12)
-        out["ktok_s_epoch_at_measured_tflops"] = ktok_per_s(float(plan.policy.lengths.sum()), float(epoch_seconds))
-    return {**out, **planner_prediction(plan.policy, bench)}
+    fits = ~plan.step_ckpt.reshape(total, world).any(axis=1)
+    return {"epoch_steps": total, "pred_fit_frac": float(fits.mean()),
+            "mem_cap_gb": bench.memory_cap_gb or bench.gpu_mem_gb}
 
 
-def planner_prediction(policy, bench: Bench) -> dict:
+def planner_prediction(policy, bench: Bench, recompute: bool = False) -> dict:
     """The planner's prediction for this policy's plan: ``cost_from_config`` (conf_plan/cost/seed.yaml, the
-    rtx_pro_6000 preset's peak) and ``predict_throughput`` (one epoch). ``planner_ktok_s`` is the planner's
-    headline, tokens over summed step times; ``planner_ktok_s_wall`` the epoch's real tokens over its predicted time
-    (the same definition, recomputed here as a check); ``planner_ktok_s_median_step`` its median-step figure."""
+    rtx_pro_6000 preset's peak) and ``predict_throughput`` (one epoch; ``recompute``: draft checkpointing on):
+    Ktok/s over time and the median step's. Its Ktok/s are RTX PRO 6000 figures; its ratios compare."""
     from omegaconf import OmegaConf
 
     from dflash_lab.plan import cost_from_config, predict_throughput
@@ -735,34 +831,73 @@ def planner_prediction(policy, bench: Bench) -> dict:
     cost_cfg = OmegaConf.to_container(OmegaConf.load(SEED_COST), resolve=True)
     gpu_cfg = OmegaConf.to_container(OmegaConf.load(SEED_GPU), resolve=True)
     cost = cost_from_config(cost_cfg, None, bench.budget, 0, gpu_cfg)
-    predicted = predict_throughput(policy, cost, 1.0, step_model=bench.step_model)
-    wall = predicted["epoch_hours"] * 3600.0
-    return {"planner_ktok_s": predicted["ktok_s"], "planner_ktok_s_median_step": predicted["ktok_s_median"],
-            "planner_ktok_s_wall": ktok_per_s(float(policy.lengths.sum()), wall) if wall > 0 else float("nan"),
-            "planner_cost": "conf_plan/cost/seed.yaml, gpu=rtx_pro_6000 (RTX PRO 6000 Ktok/s; ratios compare)"}
+    predicted = predict_throughput(policy, cost, 1.0, step_model=bench.step_model, recompute=recompute)
+    return {"planner_ktok_s": predicted["ktok_s"], "planner_ktok_s_median_step": predicted["ktok_s_median"]}
+
+
+def epoch_policy(plan: PolicyPlan, grid: list[list[dict]], row: dict, bench: Bench) -> dict:
+    """One policy's part of the epoch line: the step-time fit on its clean timed steps (the slowest rank's time
+    and executed FLOPs per step), the epoch's Ktok/s priced by the fit, the planner's beside it."""
+    from dflash_lab.plan import predict_throughput
+
+    steps = [{"phase": step[0]["phase"], "seconds": max(r["seconds"] for r in step),   # the slowest rank's
+              "executed_tflop": max(r["executed_tflop"] for r in step),
+              "compiled": any(r["compiled"] for r in step), "oom": next((r["oom"] for r in step if r["oom"]), None)}
+             for step in grid]
+    entry = {"sampled_steps": len(grid), "fit_steps": len(gpu_epoch.clean_step_records(steps)),
+             "ktok_s_sample": row.get("ktok_s"), **planner_prediction(plan.policy, bench, recompute=plan.ckpt)}
+    try:
+        fit = gpu_epoch.fit_step_records(steps)
+        cost = gpu_epoch.fitted_cost(fit)
+    except ValueError as exc:
+        return {**entry, "error": str(exc)}
+    predicted = predict_throughput(plan.policy, cost, 1.0, step_model=bench.step_model, recompute=plan.ckpt)
+    return {**entry, "fit": fit.as_dict(), "ktok_s": predicted["ktok_s"],
+            "ktok_s_median_step": predicted["ktok_s_median"], "epoch_hours": predicted["epoch_hours"]}
+
+
+RATIO_FIGURES = {"epoch": "ktok_s", "planner": "planner_ktok_s", "median_step": "ktok_s_median_step",
+                 "planner_median_step": "planner_ktok_s_median_step", "sample": "ktok_s_sample"}
+
+
+def epoch_line(plans: dict[str, PolicyPlan], records: dict[str, list[dict]], rows: dict[str, dict],
+               bench: Bench) -> dict:
+    """The ``epoch`` line (module docstring): per policy its fit and epoch figures, and full_random / bucketed
+    and packed / bucketed for each figure; ``ratio`` / ``planner_ratio``: full_random / bucketed over the epoch."""
+    policies = {name: epoch_policy(plan, step_grid(records[name]), rows[name], bench) for name, plan in plans.items()}
+    bucketed = policies.get("bucketed", {})
+    ratios = {f"{name}_over_bucketed": {label: gpu_epoch.ratio(policies[name].get(key), bucketed.get(key))
+                                        for label, key in RATIO_FIGURES.items()}
+              for name in ("full_random", "packed") if name in policies}
+    headline = ratios.get("full_random_over_bucketed", {})
+    return {"epoch": {"regime": bench.args.regime, "sample": bench.args.sample,
+                      "ratio": headline.get("epoch"), "planner_ratio": headline.get("planner"),
+                      "ratio_median_step": headline.get("median_step"),
+                      "planner_ratio_median_step": headline.get("planner_median_step"), "ratios": ratios,
+                      "policies": policies, "recompute": "the epoch priced as the memory plan runs it (seed "
+                      "regime: no checkpointing, as the planner assumes)",
+                      "planner_cost": "conf_plan/cost/seed.yaml, gpu=rtx_pro_6000 (RTX PRO 6000 Ktok/s; ratios "
+                                      "compare)"}}
 
 
 def checkpointing_step(plans: dict[str, PolicyPlan], records: dict[str, list[dict]], bench: Bench) -> dict:
     """One step with draft activation checkpointing on: the first timed batch that ran out of memory (bucketed's
-    first), else the timed batch with the largest predicted peak without checkpointing."""
+    first), else, of the timed batches run without checkpointing, the one with the largest predicted peak."""
     candidates = [(name, r) for name in sorted(records, key=lambda n: n != "bucketed") for r in records[name]
-                  if r["phase"] == "timed"]
+                  if r["phase"] == "timed" and not r["activation_checkpointing"]]
     if not candidates:
-        return {"ckpt_step": {"error": "no timed step to repeat"}}
+        return {"ckpt_step": {"error": "no timed step ran without checkpointing"}}
     failed = [c for c in candidates if c[1]["oom"]]
     name, record = failed[0] if failed else max(candidates, key=lambda c: plans[c[0]].pred_peak_plain[c[1]["index"]])
     plan = plans[name]
-    ckpt_plan = replace(plan, ckpt=True, pred_peak=plan.pred_peak_ckpt)
-    bench.model.draft.activation_checkpointing = True
-    try:
-        (result,) = run_steps(ckpt_plan, [record["step"]], "ckpt", bench) or [None]
-    finally:
-        bench.model.draft.activation_checkpointing = plan.ckpt
+    every = np.ones(len(plan.batches), dtype=bool)
+    (result,) = run_steps(replace(plan, step_ckpt=every, pred_peak=plan.pred_peak_ckpt), [record["step"]], "ckpt",
+                          bench) or [None]
     if result is None:
         return {"ckpt_step": {"error": "deadline passed before the checkpointing step"}}
     index = record["index"]
     row = {"policy": name, "step": record["step"], "why": "ran out of memory without" if failed else
-           "the largest predicted peak of the timed steps", "seconds": result["seconds"],
+           "the largest predicted peak of the timed steps without checkpointing", "seconds": result["seconds"],
            "seconds_without": None if record["oom"] else record["seconds"],
            "executed_tflop": result["executed_tflop"], "hfu": result["executed_tflop"] * 1e12 /
            (result["seconds"] * bench.peak_flops), "peak_mem_gb": result["peak_gb"],
@@ -775,18 +910,30 @@ def checkpointing_step(plans: dict[str, PolicyPlan], records: dict[str, list[dic
     return {"ckpt_step": row}
 
 
-def comparison(rows: dict[str, dict]) -> dict:
-    """The measured full_random / bucketed (and packed / bucketed) Ktok/s ratios next to the planner's."""
-    keys = {"measured": "ktok_s", "measured_median_step": "ktok_s_median_step",
-            "epoch_at_measured_tflops": "ktok_s_epoch_at_measured_tflops", "planner": "planner_ktok_s_wall",
-            "planner_reported": "planner_ktok_s", "planner_median_step": "planner_ktok_s_median_step"}
-    bucketed = rows.get("bucketed", {})
-    out = {}
-    for name in ("full_random", "packed"):
-        row = rows.get(name, {})
-        out[f"{name}_over_bucketed"] = {label: row[key] / bucketed[key] if row.get(key) and bucketed.get(key)
-                                        else None for label, key in keys.items()}
-    return {"comparison": out}
+def profile_line(plans: dict[str, PolicyPlan], records: dict[str, list[dict]], bench: Bench) -> dict:
+    """The ``profile`` line: one step under torch.profiler (``gpu_profile.profile_step``), bucketed's (else the
+    first policy's) clean timed step of median executed FLOPs (on a CPU the cheapest: there the path is checked,
+    and a profiled CPU step is slow), run again with its checkpointing; time by kernel class, by range and the top
+    kernels."""
+    name = "bucketed" if "bucketed" in plans else next(iter(plans))
+    kept = sorted(kept_steps(step_grid(records[name]), {}), key=lambda step: max(r["executed_tflop"] for r in step))
+    if not kept:
+        return {"profile": {"policy": name, "error": "no clean timed step to profile"}}
+    if bench.past_deadline():
+        return {"profile": {"policy": name, "error": "deadline passed before the profiled step"}}
+    record = kept[(len(kept) - 1) // 2 if bench.device.type == "cuda" else 0][bench.env.rank]
+    plan, index = plans[name], record["index"]
+    batch = step_batch(plan, index, torch.Generator().manual_seed(1), bench)
+    anchors = torch.Generator().manual_seed(1000 * record["step"] + bench.env.rank)
+    bench.model.draft.activation_checkpointing = bool(plan.step_ckpt[index])
+    try:
+        summary = gpu_profile.profile_step(lambda: step_body(bench, batch, anchors), bench.model, bench.device,
+                                           bench.args.profile_trace)
+    finally:
+        bench.model.draft.activation_checkpointing = plan.ckpt
+    return {"profile": {"policy": name, "step": record["step"], "device": bench.device.type,
+                        "executed_tflop": record["executed_tflop"], "seconds_unprofiled": record["seconds"],
+                        "activation_checkpointing": bool(plan.step_ckpt[index]), **summary}}
 
 
 # ------------------------------------------------------------------------------------------------ the setup
@@ -853,7 +1000,7 @@ def memory_figure(args, preset: dict, device: torch.device) -> tuple[float, str]
     if args.regime == "seed":
         if device.type == "cuda":
             return args.mem_cap_gb or SEED_MEM_CAP_GB, "--mem-cap-gb" if args.mem_cap_gb else "the seed's 96 GiB"
-        return SHAPES[args.shape]["cpu_mem_gb"], f"--shape {args.shape} on CPU (no cap)"
+        return SHAPES[args.shape]["seed_cpu_mem_gb"], f"--shape {args.shape} on CPU: the 96 GiB cap's stand-in (no cap)"
     if args.gpu_mem_gb:
         return args.gpu_mem_gb, "--gpu-mem-gb"
     if preset.get("memory_gb"):
@@ -913,6 +1060,7 @@ def build_bench(args, env, device):
         train_model = DDP(model, device_ids=[env.local_rank] if on_gpu else None)
     model.train()
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=6e-4)   # as training builds it
+    create_optimizer_state(optimizer)   # before any step is measured
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     # DDP's gradient buckets (one copy of the trainable parameters) are allocated outside the step, like weights
     buckets = sum(p.numel() * p.element_size() for p in model.trainable_parameters()) if env.distributed else 0
@@ -959,12 +1107,12 @@ def run_policy(name: str, memory, bench: Bench) -> tuple[dict, PolicyPlan | None
     plan = build_policy_plan(name, memory, bench)
     if isinstance(plan, dict):
         return plan, None, []
-    warm, timed = choose_steps(plan, bench.env.world_size, bench.args.warmup, bench.args.steps)
+    warm, timed = choose_steps(plan, bench.env.world_size, bench.args.warmup, bench.args.steps, bench.args.sample)
     run_steps(plan, warm, "warmup", bench)
     records = run_steps(plan, timed, "timed", bench)
     row = summarize(plan, records, bench)
     if bench.args.regime == "seed":
-        row.update(epoch_figures(plan, row, bench))
+        row.update(seed_fit_figures(plan, bench))
     return row, plan, records
 
 
@@ -991,10 +1139,12 @@ def main(argv=None) -> None:
         if plan is not None:
             policy_plans[name], records[name] = plan, timed
         bench.emit(row)
-    if args.regime == "seed":
-        bench.emit(comparison(rows))
+    if policy_plans:
+        bench.emit(epoch_line(policy_plans, records, rows, bench))
     if args.ckpt_step and policy_plans:
         bench.emit(checkpointing_step(policy_plans, records, bench))
+    if args.profile and policy_plans:
+        bench.emit(profile_line(policy_plans, records, bench))
     dist.cleanup()
 
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # bash scripts/gpu_check.sh [--quick] OUT.jsonl   -- the GPU check on one or more GPUs (scripts/gpu_check_stages.py:
-#                                                    CUDA attention tests, the seed regime's full_random / bucketed /
-#                                                    packed steps at the Qwen3-8B shape, one checkpointing-on step, a
-#                                                    short model=hf training); full <= 8 min, --quick <= 4 min on an H200
-# bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (a few minutes)
+#                                                    CUDA attention tests; the seed regime's full_random / bucketed /
+#                                                    packed steps at the Qwen3-8B shape, one per cost stratum, the
+#                                                    epoch's ratio from a step-time fit beside the planner's, one
+#                                                    checkpointing-on step, one profiled step; python -m
+#                                                    dflash_lab.train trainer=gpu at the Qwen3-8B shape on random
+#                                                    weights); full <= 8 min, --quick <= 4 min on an H200 by the
+#                                                    stages' limits
+# bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (minutes)
 # One JSON object per line in OUT.jsonl, each with a "check" key; a failing stage records its error and the
 # others still run; the exit code is non-zero when any stage failed.
 #

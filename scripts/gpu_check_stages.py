@@ -3,9 +3,10 @@
     python scripts/gpu_check_stages.py [--cpu] [--quick] OUT.jsonl [--work-dir DIR]
                                        [--only attention_tests,gpu_check_seed,train,gpu_check_plan]
 
-Modes: ``--quick`` (<= 4 minutes on one H200: attention_tests on the CUDA and flex tests only, gpu_check_seed in
-its quick mode) and the full one (<= 8 minutes: every attention test, gpu_check_seed with more timed steps, a short
-training). ``--cpu``: the same path at CPU size (the tiny shape). Stages, in order:
+Modes: ``--quick`` (<= 4 minutes on one H200 by its stage limits: attention_tests on the CUDA and flex tests only,
+gpu_check_seed in its quick mode) and the full one (<= 8 minutes: every attention test, gpu_check_seed with more
+strata, the training entry point at the Qwen3-8B shape). ``--cpu``: the same stages at CPU size (the tiny shape).
+Stages, in order:
 
 1. ``attention_tests``: pytest on tests/test_model_attention.py and every other test file that checks
    ``torch.cuda.is_available()`` (the CUDA-only tests: the flex_attention backward against the dense oracle at
@@ -13,21 +14,28 @@ training). ``--cpu``: the same path at CPU size (the tiny shape). Stages, in ord
    ``counts_flex``. One line with passed / failed / skipped / error counts and the names of the failed and skipped
    tests. On a CPU the CUDA tests are skipped and recorded as skipped.
 2. ``gpu_check_seed``: ``benchmarks/gpu_check.py --regime seed``: the seed run's regime (one GPU capped at 96 GiB,
-   no checkpointing, no block budget, 32,768-token steps at the Qwen3-8B shape, recipe anchors) for full_random,
-   bucketed and packed, one checkpointing-on step, and the measured full_random / bucketed ratio next to the
-   planner's; CPU: the tiny shape. Lines: ``gpu_check_setup``, ``gpu_check_step`` (one per step),
-   ``gpu_check`` (one per policy), ``gpu_check_ckpt``, ``gpu_check_comparison``, ``gpu_check_status``.
-3. ``train`` (full mode): ``scripts/make_random_qwen3.py`` builds a random-weight Qwen3 (GPU: hidden 1024,
-   8 layers; CPU: hidden 64) with a local tokenizer, then ``python -m dflash_lab.train trainer=gpu model=hf
-   model.target_path=<it> data=synthetic trainer.max_steps=60`` (torchrun over 2 ranks when 2 GPUs exist; CPU:
-   trainer=cpu, 10 steps); one line from its summary.json (status, ktok_s, tau, loss, ...).
+   32,768-token steps at the Qwen3-8B shape, no block budget, recipe anchors, checkpointing only on the steps the
+   memory model says do not fit) for full_random, bucketed and packed, each timed on one step per cost stratum of
+   its epoch plan; CPU: the tiny shape. Lines: ``gpu_check_setup``, ``gpu_check_step`` (one per step),
+   ``gpu_check`` (one per policy), ``gpu_check_epoch`` (the step-time fit and the epoch's full_random / bucketed
+   ratio next to the planner's), ``gpu_check_ckpt`` (one step again with checkpointing), ``gpu_check_profile``
+   (one bucketed step under torch.profiler: time by kernel class and range), ``gpu_check_seed_status``.
+3. ``train`` (full mode): the real entry point at the real shape: ``scripts/make_random_qwen3.py --shape qwen3_8b
+   --random-init`` writes a Qwen3-8B config (36 layers) with a local tokenizer and no weights (the run builds random
+   bf16 weights on the GPU: dflash_lab/model/random_target.py), then ``python -m dflash_lab.train trainer=gpu
+   model=hf model.target_path=<it> data=synthetic`` through ``scripts/gpu_train_probe.py`` (compiled graphs and
+   peak memory from inside the run) with the automatic memory plan, ``TRAIN_STEPS`` steps, 2 tau prompts and
+   ``TORCH_LOGS=recompiles`` (torchrun over 2 ranks when 2 GPUs exist; CPU: trainer=cpu at the tiny shape, the
+   memory plan against ``trainer.gpu_mem_gb=1``). One line: status, Ktok/s, tau, the preflight's predicted peak
+   against the measured one, the compiled graphs and the recompiles dynamo logged.
 4. ``gpu_check_plan`` (only with ``--only``): ``benchmarks/gpu_check.py`` in the memory plan's regime (bucketed and
    packed, the device's memory, the plan's block budget and checkpointing) with the same lines.
 
-Each stage has a time limit (``TIMEOUTS``; gpu_check stops starting steps 30 s before its own and still reports);
-a stage that fails or times out records ``ok: false`` and its error (with what it had written), and the next stage
-runs. Exit code 1 when any stage failed. Compiled kernels are cached in ``TORCHINDUCTOR_CACHE_DIR`` (default
-~/.cache/dflash_lab/torchinductor, as the tests use), so a second run on the same machine compiles nothing.
+Each stage has a time limit (``TIMEOUTS``, each one's source in ``LIMIT_SOURCES``; gpu_check stops starting steps
+``DEADLINE_MARGIN_S`` before its own and still reports); a stage that fails or times out records ``ok: false`` and
+its error (with what it had written), and the next stage runs. Exit code 1 when any stage failed. Compiled kernels
+are cached in ``TORCHINDUCTOR_CACHE_DIR`` (default ~/.cache/dflash_lab/torchinductor, as the tests use), so a second
+run on the same machine compiles less; the limits hold for a cold cache.
 """
 
 from __future__ import annotations
@@ -45,21 +53,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"quick": ("attention_tests", "gpu_check_seed"), "full": ("attention_tests", "gpu_check_seed", "train")}
-# seconds per stage, by device and mode: GPU quick <= 4 min, full <= 8 min in all on one H200 (+ seconds of setup)
-TIMEOUTS = {("gpu", "quick"): {"attention_tests": 55, "gpu_check_seed": 180, "train": 150, "gpu_check_plan": 200},
-            ("gpu", "full"): {"attention_tests": 90, "gpu_check_seed": 230, "train": 150, "gpu_check_plan": 200},
+# Seconds per stage, by device and mode. GPU: set from the first H200 run (one H200, torch 2.11, cold kernel
+# cache; docs/gpu.md "Stage limits"), each about 1.2x what that run measured or what its parts add up to: quick
+# sums to 240 s, full to 475 s. gpu_check_plan is outside both modes.
+TIMEOUTS = {("gpu", "quick"): {"attention_tests": 75, "gpu_check_seed": 165, "train": 130, "gpu_check_plan": 200},
+            ("gpu", "full"): {"attention_tests": 135, "gpu_check_seed": 210, "train": 130, "gpu_check_plan": 200},
             # a CPU is not lent by the minute, and a shared one can be 10x slower than when idle (a packed step's
             # compile alone: 30-100 s)
-            ("cpu", "quick"): {"attention_tests": 300, "gpu_check_seed": 600, "train": 300, "gpu_check_plan": 600},
-            ("cpu", "full"): {"attention_tests": 420, "gpu_check_seed": 900, "train": 400, "gpu_check_plan": 600}}
+            ("cpu", "quick"): {"attention_tests": 300, "gpu_check_seed": 900, "train": 400, "gpu_check_plan": 600},
+            ("cpu", "full"): {"attention_tests": 420, "gpu_check_seed": 1200, "train": 400, "gpu_check_plan": 600}}
+LIMIT_SOURCES = {
+    "attention_tests": "full: tests/test_model_attention.py took 114 s (pytest 98 s, the flex oracle test alone 67 s) "
+                       "on a cold kernel cache (the old 90 s limit stopped it); quick: its three named tests took "
+                       "13 s after the oracle test had compiled, + ~16 s of pytest start; alone and cold they "
+                       "compile their own forward too",
+    "gpu_check_seed": "the full seed stage took 137 s: 42 s outside the steps (start, model, plans), 57 s of warm-up "
+                      "(the first step compiles for 38 s), timed steps 1.3-3.6 s (median 2.1 s); now 8 strata x 3 "
+                      "policies (quick: 5 x 3) + one checkpointing step (3.5 s) + the profiled step and its "
+                      "events (~10 s)",
+    "train": "the run at hidden 1024 took 112-121 s (60 steps, 8 tau prompts x 64 tokens: 21.5 s of evaluation); "
+             "at Qwen3-8B: ~40 s first-step compile + 9 steps of ~2 s (4,096 tokens, ~60K block tokens), 2 tau "
+             "prompts x 32 tokens (~20 s with the draft's compile), ~25 s of start (imports, random 8B weights "
+             "on the GPU, data, memory plan): ~105 s",
+    "gpu_check_plan": "the plan stage took 90 s (2 + 3 steps x 2 policies)"}
 DEADLINE_MARGIN_S = 30   # gpu_check.py stops starting steps this long before its stage's limit
 QUICK_TESTS = "cuda or flex_operator or counts_flex"
-TRAIN_STEPS = {"gpu": 60, "cpu": 10}
+TRAIN_STEPS = {"gpu": 10, "cpu": 6}
 SUMMARY_KEYS = ("status", "steps", "ktok_s", "tau", "tau_baseline", "final_loss", "final_acc", "pad_eff",
                 "world_size", "eta_s", "overhead_frac", "eval_frac", "wall_time_s", "anchor_rule", "max_block_tokens",
-                "activation_checkpointing")
+                "activation_checkpointing", "target_digest")
 LINE_CHECKS = {"setup": "gpu_check_setup", "step": "gpu_check_step", "ckpt_step": "gpu_check_ckpt",
-               "comparison": "gpu_check_comparison"}
+               "epoch": "gpu_check_epoch", "profile": "gpu_check_profile"}
+TINY_TARGET = ["--hidden", "64", "--layers", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+               "--intermediate", "192"]   # benchmarks/gpu_check.py's tiny shape
+TRAIN_OVERRIDES = {
+    "gpu": ["model.decode_num_prompts=2", "model.decode_max_new_tokens=32", "trainer.steady_warmup_steps=3"],
+    "cpu": ["sampler.max_tokens=1024", "data.num_samples=400", "model.draft_layers=2", "model.decode_num_prompts=2",
+            "model.decode_max_new_tokens=16", "trainer.progress=false", "trainer.steady_warmup_steps=2",
+            "trainer.gpu_mem_gb=1"]}   # (the memory plan runs where a memory figure is given; 1 GiB is the least)
 
 
 def run(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> tuple[int | None, float, str]:
@@ -83,6 +114,9 @@ def _error(code: int | None, timeout: float, tail: str) -> str:
     return f"{head}: {tail[-2000:]}"
 
 
+# -------------------------------------------------------------------------------------------- attention_tests
+
+
 def cuda_test_files() -> list[str]:
     files = {"tests/test_model_attention.py"}
     for path in sorted((ROOT / "tests").glob("test_*.py")):
@@ -91,17 +125,8 @@ def cuda_test_files() -> list[str]:
     return sorted(files)
 
 
-def stage_attention_tests(mode: str, run_mode: str, work: Path) -> list[dict]:
-    timeout = TIMEOUTS[(mode, run_mode)]["attention_tests"]
-    files = cuda_test_files()
-    junit = work / "attention_tests.xml"
-    select = ["-k", QUICK_TESTS] if run_mode == "quick" else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-m", "",
-           f"--junitxml={junit}", *select, *files]
-    code, seconds, tail = run(cmd, timeout, work / "attention_tests.log")
-    row = {"check": "attention_tests", "files": files, "seconds": round(seconds, 1)}
-    if not junit.exists():
-        return [{**row, "ok": False, "error": _error(code, timeout, tail)}]
+def junit_counts(junit: Path) -> dict:
+    """passed / failed / skipped / errors and the failed (with errors) and skipped tests' names of a JUnit XML."""
     cases = list(ET.parse(junit).getroot().iter("testcase"))
     failed, skipped, errors = [], [], []
     for case in cases:
@@ -112,25 +137,42 @@ def stage_attention_tests(mode: str, run_mode: str, work: Path) -> list[dict]:
             errors.append(name)
         elif case.find("skipped") is not None:
             skipped.append(f"{name}: {case.find('skipped').get('message', '')}")
-    passed = len(cases) - len(failed) - len(skipped) - len(errors)
-    ok = code == 0 and not failed and not errors
-    row.update({"passed": passed, "failed": len(failed), "skipped": len(skipped), "errors": len(errors),
-                "failed_tests": failed + errors, "skipped_tests": skipped, "ok": ok})
-    if not ok:
+    return {"passed": len(cases) - len(failed) - len(skipped) - len(errors), "failed": len(failed),
+            "skipped": len(skipped), "errors": len(errors), "failed_tests": failed + errors, "skipped_tests": skipped}
+
+
+def stage_attention_tests(mode: str, run_mode: str, work: Path) -> list[dict]:
+    timeout = TIMEOUTS[(mode, run_mode)]["attention_tests"]
+    files = cuda_test_files()
+    junit = work / "attention_tests.xml"
+    select = ["-k", QUICK_TESTS] if run_mode == "quick" else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-m", "",
+           f"--junitxml={junit}", *select, *files]
+    code, seconds, tail = run(cmd, timeout, work / "attention_tests.log")
+    row = {"check": "attention_tests", "files": files, "seconds": round(seconds, 1), "timeout_s": timeout}
+    if not junit.exists():
+        return [{**row, "ok": False, "error": _error(code, timeout, tail)}]
+    row.update(junit_counts(junit))
+    row["ok"] = code == 0 and not row["failed"] and not row["errors"]
+    if not row["ok"]:
         row["error"] = _error(code, timeout, tail)
     return [row]
 
 
-def gpu_check_command(regime: str, mode: str, run_mode: str, timeout: float) -> list[str]:
+# -------------------------------------------------------------------------------------------- gpu_check
+
+
+def gpu_check_command(regime: str, mode: str, run_mode: str, timeout: float, work: Path) -> list[str]:
     """benchmarks/gpu_check.py for a stage: the seed or the plan regime, at the Qwen3-8B shape on a GPU and the
     tiny one on a CPU, stopping new steps DEADLINE_MARGIN_S before the stage's limit."""
     device = ["--device", "cuda", "--shape", "qwen3-8b"] if mode == "gpu" else ["--device", "cpu", "--shape", "tiny"]
     if regime == "seed":
-        args = ["--regime", "seed", *(["--quick"] if run_mode == "quick" else [])]
+        args = ["--regime", "seed", *(["--quick"] if run_mode == "quick" else []),
+                "--profile-trace", str(work / "profile_trace.json")]
     elif mode == "gpu":
         args = ["--policies", "bucketed,packed", "--num-samples", "8000", "--warmup", "2", "--steps", "3"]
     else:
-        args = ["--policies", "bucketed,packed", "--warmup", "1", "--steps", "1"]
+        args = ["--policies", "bucketed,packed", "--warmup", "1", "--steps", "2"]
     return [sys.executable, "benchmarks/gpu_check.py", *device, *args,
             "--deadline-s", str(max(10, timeout - DEADLINE_MARGIN_S))]
 
@@ -156,13 +198,9 @@ def policy_ok(row: dict) -> bool:
     return not (row.get("error") or row.get("skipped")) and bool(row.get("finite", False)) and row.get("steps", 0) > 0
 
 
-def stage_gpu_check(regime: str, mode: str, run_mode: str, work: Path) -> list[dict]:
-    stage = f"gpu_check_{regime}"
-    timeout = TIMEOUTS[(mode, run_mode)][stage]
-    cmd = gpu_check_command(regime, mode, run_mode, timeout)
-    env = {**os.environ, **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")} if mode == "cpu" else {})}
-    code, seconds, tail = run(cmd, timeout, work / f"{stage}.log", env)
-    rows = parse_gpu_check_lines(tail)
+def gpu_check_problems(regime: str, rows: list[dict]) -> list[str]:
+    """What a gpu_check stage's lines lack: a policy without a good row, the seed regime's epoch and profile lines
+    (each without an error)."""
     expected = ["full_random", "bucketed", "packed"] if regime == "seed" else ["bucketed", "packed"]
     policies = [r for r in rows if r["check"] == "gpu_check"]
     problems = [f"{r.get('policy')}: {r.get('error') or r.get('skipped') or 'no finite step'}" for r in policies
@@ -170,12 +208,32 @@ def stage_gpu_check(regime: str, mode: str, run_mode: str, work: Path) -> list[d
     missing = [p for p in expected if p not in [r.get("policy") for r in policies]]
     if missing:
         problems.append(f"no row for {', '.join(missing)}")
-    if regime == "seed" and not any(r["check"] == "gpu_check_comparison" for r in rows):
-        problems.append("no comparison line")
-    ok = code == 0 and not problems
+    for check in (("gpu_check_epoch", "gpu_check_profile") if regime == "seed" else ()):
+        line = next((r for r in rows if r["check"] == check), None)
+        if line is None or line.get("error"):
+            problems.append(f"{check}: {line['error'] if line else 'no line'}")
+    return problems
+
+
+def mark_rows(rows: list[dict], ok: bool) -> None:
+    """Each row's ``ok``: a policy row by its own steps, the setup line by the stage, the others by their error."""
     for r in rows:
-        r["ok"] = policy_ok(r) if r["check"] == "gpu_check" else (ok if r["check"] == "gpu_check_setup" else
-                                                                   not r.get("error"))
+        if r["check"] == "gpu_check":
+            r["ok"] = policy_ok(r)
+        else:
+            r["ok"] = ok if r["check"] == "gpu_check_setup" else not r.get("error")
+
+
+def stage_gpu_check(regime: str, mode: str, run_mode: str, work: Path) -> list[dict]:
+    stage = f"gpu_check_{regime}"
+    timeout = TIMEOUTS[(mode, run_mode)][stage]
+    cmd = gpu_check_command(regime, mode, run_mode, timeout, work)
+    env = {**os.environ, **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")} if mode == "cpu" else {})}
+    code, seconds, tail = run(cmd, timeout, work / f"{stage}.log", env)
+    rows = parse_gpu_check_lines(tail)
+    problems = gpu_check_problems(regime, rows)
+    ok = code == 0 and not problems
+    mark_rows(rows, ok)
     summary = {"check": f"{stage}_status", "ok": ok, "seconds": round(seconds, 1), "timeout_s": timeout,
                "command": " ".join(cmd[1:])}
     if not ok:
@@ -183,17 +241,11 @@ def stage_gpu_check(regime: str, mode: str, run_mode: str, work: Path) -> list[d
     return rows + [summary]
 
 
-def stage_train(mode: str, run_mode: str, work: Path) -> list[dict]:
-    timeout = TIMEOUTS[(mode, run_mode)]["train"]
-    start = time.perf_counter()
-    target = work / "qwen3_random"
-    size = [] if mode == "gpu" else ["--hidden", "64", "--layers", "8", "--heads", "4", "--kv-heads", "2",
-                                     "--head-dim", "16", "--intermediate", "192"]
-    code, seconds, tail = run([sys.executable, "scripts/make_random_qwen3.py", str(target), *size], 120,
-                              work / "make_random_qwen3.log")
-    row = {"check": "train", "target_path": str(target)}
-    if code != 0:
-        return [{**row, "ok": False, "error": "make_random_qwen3: " + _error(code, 120, tail)}]
+# -------------------------------------------------------------------------------------------- train
+
+
+def train_command(mode: str, target: Path, work: Path) -> tuple[list[str], int]:
+    """The training command (through scripts/gpu_train_probe.py) and its number of ranks."""
     gpus = 0
     if mode == "gpu":
         import torch
@@ -203,31 +255,56 @@ def stage_train(mode: str, run_mode: str, work: Path) -> list[dict]:
     run_dir = work / "train_run"
     overrides = [f"trainer={mode}", "model=hf", f"model.target_path={target}", "data=synthetic",
                  f"trainer.max_steps={TRAIN_STEPS[mode]}", f"hydra.run.dir={run_dir}", "probes.every=0",
-                 f"model.cache_dir={work / 'cache'}", f"data.cache_dir={work / 'cache'}"]
-    if mode == "gpu":
-        overrides += ["model.decode_num_prompts=8", "model.decode_max_new_tokens=64"]
-    else:
-        overrides += ["sampler.max_tokens=1024", "data.num_samples=400", "model.draft_layers=2",
-                      "model.decode_num_prompts=2", "model.decode_max_new_tokens=16", "trainer.progress=false"]
+                 f"model.cache_dir={work / 'cache'}", f"data.cache_dir={work / 'cache'}", *TRAIN_OVERRIDES[mode]]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    cmd = [*launcher, "-m", "dflash_lab.train", *overrides]
+    return [*launcher, "scripts/gpu_train_probe.py", str(work / "train_probe.json"), *overrides], nproc
+
+
+def train_figures(log: str, summary: dict, probe: dict) -> dict:
+    """The train line's figures: the summary's, the preflight's predicted peak (the worst step of the epoch plan;
+    GPU only) against the probe's measured one (the whole run), compiled graphs, and the recompiles in the log."""
+    row = {k: summary.get(k) for k in SUMMARY_KEYS if k in summary}
+    preflight = re.search(r"preflight: predicted peak ([\d.]+) GiB of ([\d.]+) usable", log)
+    row["memory_log"] = re.findall(r"(memory plan: .*|preflight: .*)", log)[:2]
+    row["pred_peak_mem_gb"] = float(preflight.group(1)) if preflight else None
+    row["pred_peak_scope"] = ("the preflight: the worst step of the epoch plan" if preflight else
+                              "no preflight (it runs on CUDA only)")
+    row.update({k: probe.get(k) for k in ("peak_mem_gb", "peak_rss_gb", "compiled_graphs", "flex_graphs")})
+    if row["pred_peak_mem_gb"] and row.get("peak_mem_gb"):
+        row["mem_ratio"] = row["pred_peak_mem_gb"] / row["peak_mem_gb"]
+    recompiled = re.findall(r"Recompiling function (\S+) in (\S+)", log)
+    row["recompiles"] = len(recompiled)
+    row["recompiled_functions"] = sorted({f"{name} ({Path(file).name})" for name, file in recompiled})[:10]
+    return row
+
+
+def stage_train(mode: str, run_mode: str, work: Path) -> list[dict]:
+    timeout = TIMEOUTS[(mode, run_mode)]["train"]
+    start = time.perf_counter()
+    target = work / "qwen3_random"
+    shape = ["--shape", "qwen3_8b"] if mode == "gpu" else TINY_TARGET
+    code, _, tail = run([sys.executable, "scripts/make_random_qwen3.py", str(target), *shape, "--random-init"], 120,
+                        work / "make_random_qwen3.log")
+    row = {"check": "train", "target_path": str(target), "shape": "qwen3_8b" if mode == "gpu" else "tiny",
+           "timeout_s": timeout}
+    if code != 0:
+        return [{**row, "ok": False, "error": "make_random_qwen3: " + _error(code, 120, tail)}]
+    cmd, nproc = train_command(mode, target, work)
     remaining = max(10.0, timeout - (time.perf_counter() - start))
-    code, seconds, tail = run(cmd, remaining, work / "train.log")
+    code, _, tail = run(cmd, remaining, work / "train.log", {**os.environ, "TORCH_LOGS": "recompiles"})
     row.update({"command": " ".join(cmd[1:]), "nproc": nproc, "seconds": round(time.perf_counter() - start, 1)})
-    summary_file = run_dir / "summary.json"
-    if summary_file.exists():
-        summary = json.loads(summary_file.read_text())
-        row.update({k: summary.get(k) for k in SUMMARY_KEYS if k in summary})
-        row.update({k: v for k, v in summary.items() if "mem" in k})
-    memory = re.findall(r"(memory plan: .*|preflight: .*)", tail)
-    if memory:
-        row["memory_log"] = memory[:2]
-    ok = code == 0 and row.get("status") == "finished"
-    row["ok"] = ok
-    if not ok:
+    summary_file, probe_file = work / "train_run" / "summary.json", work / "train_probe.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    probe = json.loads(probe_file.read_text()) if probe_file.exists() else {}
+    row.update(train_figures(tail, summary, probe))
+    row["ok"] = code == 0 and row.get("status") == "finished"
+    if not row["ok"]:
         row["error"] = _error(code, remaining, tail)
     return [row]
+
+
+# -------------------------------------------------------------------------------------------- the script
 
 
 def run_stage(name: str, mode: str, run_mode: str, work: Path) -> list[dict]:
@@ -241,7 +318,7 @@ def run_stage(name: str, mode: str, run_mode: str, work: Path) -> list[dict]:
         return [{"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the CPU path at the tiny shape")
     parser.add_argument("--quick", action="store_true", help="the quick mode (<= 4 min on one H200)")
@@ -250,11 +327,17 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated stages (default: the mode's: "
                         + "; ".join(f"{m}: {','.join(s)}" for m, s in STAGES.items()) + "; also gpu_check_plan)")
     args = parser.parse_args(argv)
-    mode, run_mode = "cpu" if args.cpu else "gpu", "quick" if args.quick else "full"
-    names = args.only.split(",") if args.only else list(STAGES[run_mode])
-    unknown = [n for n in names if n not in TIMEOUTS[(mode, run_mode)]]
+    args.mode, args.run_mode = "cpu" if args.cpu else "gpu", "quick" if args.quick else "full"
+    args.stages = args.only.split(",") if args.only else list(STAGES[args.run_mode])
+    limits = TIMEOUTS[(args.mode, args.run_mode)]
+    unknown = [n for n in args.stages if n not in limits]
     if unknown:
-        parser.error(f"--only: unknown stages {unknown}; choose from {', '.join(TIMEOUTS[(mode, run_mode)])}")
+        parser.error(f"--only: unknown stages {unknown}; choose from {', '.join(limits)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "dflash_lab" / "torchinductor"))
@@ -262,22 +345,24 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")
+    limits = TIMEOUTS[(args.mode, args.run_mode)]
     failed = []
-    with open(out, "a") as sink:
-        sink.write(json.dumps({"check": "start", "mode": mode, "run_mode": run_mode, "stages": names,
-                               "limits_s": {n: TIMEOUTS[(mode, run_mode)][n] for n in names},
-                               "work_dir": str(work), "ok": True}) + "\n")
-        sink.flush()
-        for name in names:
-            rows = run_stage(name, mode, run_mode, work)
+    with open(out, "w") as sink:
+        def write(row: dict) -> None:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+
+        write({"check": "start", "mode": args.mode, "run_mode": args.run_mode, "stages": args.stages,
+               "limits_s": {n: limits[n] for n in args.stages}, "limit_total_s": sum(limits[n] for n in args.stages),
+               "work_dir": str(work), "ok": True})
+        for name in args.stages:
+            rows = run_stage(name, args.mode, args.run_mode, work)
             for row in rows:
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
+                write(row)
             if not all(r.get("ok", True) for r in rows):
                 failed.append(name)
             print(f"gpu_check.sh: {name}: {'FAILED' if name in failed else 'ok'}", file=sys.stderr, flush=True)
-        sink.write(json.dumps({"check": "done", "ok": not failed, "failed_stages": failed}) + "\n")
+        write({"check": "done", "ok": not failed, "failed_stages": failed})
     return 1 if failed else 0
 
 

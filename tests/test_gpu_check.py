@@ -101,11 +101,12 @@ def test_help_lists_the_quick_mode_and_the_seed_regime(gpu_check, capsys):
 def test_seed_regime_defaults_and_contradictions(gpu_check):
     args = gpu_check.parse_args(["--device", "cpu", "--shape", "tiny", "--regime", "seed", "--quick"])
     assert args.policies == "full_random,bucketed,packed" and args.ckpt_step is True
-    assert (args.warmup, args.steps, args.num_samples) == (1, 1, 8000)
+    assert (args.warmup, args.steps, args.num_samples, args.sample) == (1, 2, 8000, "stratified")
     assert "sampler.max_block_tokens=null" in gpu_check.all_overrides(args)
     assert gpu_check.checkpointing_choice(args, {"activation_checkpointing": True}) == (False, "--regime seed")
     full = gpu_check.parse_args(["--device", "cuda", "--regime", "seed"])
-    assert (full.warmup, full.steps, full.num_samples) == (2, 6, 20000)
+    assert (full.warmup, full.steps, full.num_samples) == (2, 8, 20000)
+    assert gpu_check.parse_args(["--device", "cuda", "--regime", "seed", "--quick"]).steps == 5
     plan = gpu_check.parse_args(["--device", "cpu"])
     assert plan.regime == "plan" and plan.ckpt_step is False and plan.policies.split(",") == list(gpu_check.POLICIES)
     for bad in (["--regime", "seed", "--activation-checkpointing", "true"], ["--regime", "seed", "--nproc", "2"],
@@ -125,7 +126,7 @@ def test_seed_regime_plans_no_block_budget_and_no_checkpointing_at_32k(gpu_check
     assert all(p.max_block_tokens is None and p.activation_checkpointing is False for p in plans.values())
 
 
-def _tiny_plan(gpu_check, name="bucketed"):
+def _tiny_plan(gpu_check, name="bucketed", step_ckpt=None):
     from dflash_lab.model import footprint
     from dflash_lab.sampling import build_policy
 
@@ -133,42 +134,94 @@ def _tiny_plan(gpu_check, name="bucketed"):
 
     step_model = footprint.StepModel.from_model_config(preset("model", "tiny", draft_layers=1, block_size=8))
     lengths = np.random.default_rng(0).integers(20, 400, 300)
-    policy = build_policy(name, lengths, max_tokens=1024, seed=0, boundaries=[0, 100, 200, 400])
+    extra = {"boundaries": [0, 100, 200, 400]} if name == "bucketed" else {}
+    policy = build_policy(name, lengths, max_tokens=1024, seed=0, **extra)
     batches = policy.global_plan(0).batches
     shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model)
     peak = footprint.step_memory(step_model, shapes, footprint.Settings())["peak"]
+    step_ckpt = np.zeros(len(batches), dtype=bool) if step_ckpt is None else step_ckpt
     return gpu_check.PolicyPlan(name, policy, batches, shapes, footprint.step_flops(step_model, shapes), peak, peak,
-                                peak, np.ones(len(lengths), dtype=int), False)
+                                peak, np.ones(len(lengths), dtype=int), False, step_ckpt)
 
 
-def test_warmup_runs_the_cheapest_steps_of_two_shapes_and_timing_the_plan_in_order(gpu_check):
+def test_warmup_runs_the_cheapest_steps_of_two_shapes_and_timing_one_step_per_cost_stratum(gpu_check):
     plan = _tiny_plan(gpu_check)
     warm, timed = gpu_check.choose_steps(plan, 1, 2, 4)
     cost = plan.executed()
     assert warm[0] == int(np.argmin(cost)) and len(warm) == 2
     shape = lambda i: (int(plan.shapes["rows"][i]), int(plan.shapes["row_len"][i]))   # noqa: E731
     assert shape(warm[0]) != shape(warm[1])
-    assert timed == [i for i in range(len(plan.batches)) if i not in warm][:4]
+    assert timed == gpu_check.gpu_epoch.stratified_steps(cost, 4, exclude=warm) and not set(warm) & set(timed)
+    quartiles = np.quantile(cost, [0.25, 0.5, 0.75])
+    assert [int(np.searchsorted(quartiles, cost[i])) for i in timed] == [0, 1, 2, 3]
+    _, first = gpu_check.choose_steps(plan, 1, 2, 4, sample="first")
+    assert first == [i for i in range(len(plan.batches)) if i not in warm][:4]
     with pytest.raises(ValueError, match="raise --num-samples"):
         gpu_check.choose_steps(plan, 1, 2, len(plan.batches))
 
 
 def test_checkpointing_adds_the_recomputed_draft_forward_to_executed_flops(gpu_check):
-    plan = _tiny_plan(gpu_check)
+    every_other = np.arange(len(_tiny_plan(gpu_check).batches)) % 2 == 0
+    plan = _tiny_plan(gpu_check, step_ckpt=every_other)
     extra = plan.executed(True) - plan.executed(False)
     assert np.allclose(extra, plan.flops["executed_draft"] / 3) and (extra > 0).all()
+    assert np.array_equal(plan.executed(), np.where(every_other, plan.executed(True), plan.executed(False)))
 
 
-def test_comparison_divides_each_figure_by_bucketed(gpu_check):
-    rows = {"full_random": {"ktok_s": 6.0, "ktok_s_median_step": 8.0, "planner_ktok_s_wall": 3.0,
-                            "planner_ktok_s": 4.0, "planner_ktok_s_median_step": 3.5},
-            "bucketed": {"ktok_s": 10.0, "ktok_s_median_step": 10.0, "planner_ktok_s_wall": 5.0,
-                         "planner_ktok_s": 5.0, "planner_ktok_s_median_step": 5.0}}
-    out = gpu_check.comparison(rows)["comparison"]
-    assert out["full_random_over_bucketed"] == {"measured": 0.6, "measured_median_step": 0.8,
-                                                "epoch_at_measured_tflops": None, "planner": 0.6,
-                                                "planner_reported": 0.8, "planner_median_step": 0.7}
-    assert all(v is None for v in out["packed_over_bucketed"].values())
+def test_the_seed_regime_checkpoints_only_the_steps_that_do_not_fit(gpu_check):
+    from dflash_lab.model import footprint
+
+    peaks = np.array([50.0, 86.0, 87.0, 150.0]) * footprint.GIB
+    seed = argparse.Namespace(args=argparse.Namespace(regime="seed"), memory_cap_gb=96.0, gpu_mem_gb=139.8)
+    assert gpu_check.step_checkpointing(False, peaks, seed).tolist() == [False, False, True, True]   # > 86.4 GiB
+    plan = argparse.Namespace(args=argparse.Namespace(regime="plan"), memory_cap_gb=None, gpu_mem_gb=139.8)
+    assert gpu_check.step_checkpointing(True, peaks, plan).all()
+    assert not gpu_check.step_checkpointing(False, peaks, plan).any()
+
+
+def test_optimizer_state_exists_before_the_first_step_and_the_weights_do_not_move(gpu_check):
+    import torch
+
+    model = torch.nn.Linear(8, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
+    gpu_check.create_optimizer_state(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(set(optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in model.parameters())
+    assert optimizer.param_groups[0]["lr"] == 6e-4 and all(p.grad is None for p in model.parameters())
+
+
+def test_epoch_line_fits_each_policy_and_divides_by_bucketed(gpu_check):
+    """Synthetic timed steps at a known 0.2 s + FLOPs / 0.5 TFLOP/s: the fit returns them, the epoch's Ktok/s is
+    the planner's definition on that line, and the planner's ratio stands beside the measured one."""
+    from dflash_lab.model import footprint
+    from dflash_lab.plan import predict_throughput
+    from dflash_lab.presets import preset
+
+    step_model = footprint.StepModel.from_model_config(preset("model", "tiny", draft_layers=1, block_size=8))
+    plans = {name: _tiny_plan(gpu_check, name) for name in ("full_random", "bucketed")}
+    records = {name: [{"step": i, "index": i, "phase": "timed", "compiled": False, "oom": None,
+                       "executed_tflop": float(plan.executed()[i]) / 1e12,
+                       "seconds": 0.2 + float(plan.executed()[i]) / 0.5e12}
+                      for i in gpu_check.gpu_epoch.stratified_steps(plan.executed(), 5)]
+               for name, plan in plans.items()}
+    rows = {name: {"ktok_s": 1.0 + i} for i, name in enumerate(plans)}
+    bench = argparse.Namespace(step_model=step_model, budget=1024, args=argparse.Namespace(regime="seed",
+                                                                                           sample="stratified"))
+    line = gpu_check.epoch_line(plans, records, rows, bench)["epoch"]
+    for name, plan in plans.items():
+        entry = line["policies"][name]
+        assert entry["fit"]["intercept_s"] == pytest.approx(0.2) and entry["fit"]["marginal_tflops"] == \
+            pytest.approx(0.5)
+        cost = gpu_check.gpu_epoch.fitted_cost(gpu_check.gpu_epoch.StepTimeFit(0.2, 1 / 0.5e12, 5, 0.0))
+        assert entry["ktok_s"] == pytest.approx(predict_throughput(plan.policy, cost, 1.0, step_model=step_model)
+                                                ["ktok_s"])
+    ratios = line["ratios"]["full_random_over_bucketed"]
+    assert line["ratio"] == ratios["epoch"] == pytest.approx(line["policies"]["full_random"]["ktok_s"]
+                                                             / line["policies"]["bucketed"]["ktok_s"])
+    assert line["planner_ratio"] == pytest.approx(line["policies"]["full_random"]["planner_ktok_s"]
+                                                  / line["policies"]["bucketed"]["planner_ktok_s"])
+    assert ratios["sample"] == 0.5 and "packed_over_bucketed" not in line["ratios"]
 
 
 @pytest.mark.integration
@@ -200,14 +253,19 @@ def test_gpu_check_cpu_two_ranks_and_checkpointing_override():
     assert row["activation_checkpointing"] is True and row["finite"] and FIELDS <= set(row)
 
 
+def _run_sh(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", *args, str(out), "--work-dir",
+                           str(tmp_path / "work")], cwd=ROOT, env={**ENV, "GPU_CHECK_DEPS": str(tmp_path / "deps")},
+                          capture_output=True, text=True, timeout=1500)
+    return proc, [json.loads(line) for line in out.read_text().splitlines()]
+
+
 @pytest.mark.integration
 def test_gpu_check_sh_cpu(tmp_path):
-    """bash scripts/gpu_check.sh --cpu --quick: every stage passes and every JSON line has its "check"."""
-    out = tmp_path / "out.jsonl"
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--quick", str(out), "--work-dir",
-                           str(tmp_path / "work")], cwd=ROOT, env={**ENV, "GPU_CHECK_DEPS": str(tmp_path / "deps")},
-                          capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    """bash scripts/gpu_check.sh --cpu --quick: every stage passes, every JSON line has its "check", the epoch line
+    carries the measured and the planner's full_random / bucketed ratio, the profile line its kernel classes."""
+    proc, lines = _run_sh(tmp_path, "--quick")
     assert proc.returncode == 0, (proc.stderr[-2000:], lines)
     assert all("check" in line and line["ok"] for line in lines), lines
     checks = [line["check"] for line in lines]
@@ -218,8 +276,85 @@ def test_gpu_check_sh_cpu(tmp_path):
     assert any("flex_operator" in name for name in tests["skipped_tests"]) is False
     rows = [line for line in lines if line["check"] == "gpu_check"]
     assert [line["policy"] for line in rows] == ["full_random", "bucketed", "packed"]
-    for row in rows:   # the seed regime, quick: tokens over wall, executed TFLOP, utilisation, memory, planner
-        assert row["finite"] and row["steps"] >= 1 and row["oom_steps"] == 0
+    for row in rows:   # the seed regime, quick: tokens over wall, executed TFLOP, utilisation, memory
+        assert row["finite"] and row["steps"] >= 1 and row["oom_steps"] == 0 and row["sample"] == "stratified"
         assert row["executed_tflop_per_step"] >= row["tflop_per_step"] > 0 and 0 < row["hfu"] < 1
-        assert row["ktok_s"] > 0 and 0 <= row["pred_fit_frac"] <= 1 and row["planner_ktok_s_wall"] > 0
-    assert "gpu_check_comparison" in checks and "gpu_check_ckpt" in checks and "train" not in checks
+        assert row["ktok_s"] > 0 and 0 <= row["pred_fit_frac"] <= 1
+    epoch = next(line for line in lines if line["check"] == "gpu_check_epoch")
+    assert epoch["ratio"] > 0 and epoch["planner_ratio"] > 0
+    for name in ("full_random", "bucketed"):   # (packed's fit may lack a point: a timed step that compiled)
+        assert epoch["policies"][name]["fit"]["points"] == 2 and epoch["policies"][name]["planner_ktok_s"] > 0
+    profile = next(line for line in lines if line["check"] == "gpu_check_profile")
+    assert profile["policy"] == "bucketed" and len(profile["classes"]) >= 3 and profile["top"]
+    assert {"target", "draft_forward", "head", "backward", "optimizer"} <= set(profile["ranges"])
+    assert "gpu_check_ckpt" in checks and "train" not in checks
+
+
+@pytest.mark.integration
+def test_gpu_check_sh_cpu_train_stage(tmp_path):
+    """--only train on CPU: the training entry point on a random-weight target written without weights, to the
+    end (tau included), with the memory plan, the compiled-graph count and the peak from inside the run."""
+    proc, lines = _run_sh(tmp_path, "--only", "train")
+    assert proc.returncode == 0, (proc.stderr[-2000:], lines)
+    (train,) = [line for line in lines if line["check"] == "train"]
+    assert train["status"] == "finished" and train["steps"] > 0 and train["ktok_s"] > 0 and train["tau"] >= 1
+    assert train["target_digest"].startswith("random-") and train["compiled_graphs"] >= 0
+    assert train["memory_log"][0].startswith("memory plan: block budget") and train["peak_rss_gb"] > 0
+    assert train["recompiles"] == 0 and not list((tmp_path / "work" / "qwen3_random").glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def stages():
+    """scripts/gpu_check_stages.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_stages", ROOT / "scripts" / "gpu_check_stages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stage_limits_keep_the_modes_within_4_and_8_minutes_and_say_where_they_come_from(stages):
+    for run_mode, minutes in (("quick", 4), ("full", 8)):
+        limits = stages.TIMEOUTS[("gpu", run_mode)]
+        assert sum(limits[name] for name in stages.STAGES[run_mode]) <= minutes * 60
+    assert stages.TIMEOUTS[("gpu", "full")]["attention_tests"] >= 1.15 * 114   # the H200's cold-cache 114 s
+    assert set(stages.LIMIT_SOURCES) == set(stages.TIMEOUTS[("gpu", "full")])
+
+
+def test_train_line_reads_the_preflight_the_probe_and_dynamos_recompiles(stages):
+    log = ("memory plan: block budget 53344; checkpointing off\npreflight: predicted peak 16.7 GiB of 125.8 usable\n"
+           "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n"
+           "    triggered by the following guard failure(s):\n"
+           "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n")
+    row = stages.train_figures(log, {"status": "finished", "ktok_s": 8.5, "other": 1},
+                               {"peak_mem_gb": 12.5, "peak_rss_gb": 3.0, "compiled_graphs": 7, "flex_graphs": 2})
+    assert row["status"] == "finished" and "other" not in row and row["compiled_graphs"] == 7
+    assert row["pred_peak_mem_gb"] == 16.7 and row["mem_ratio"] == pytest.approx(16.7 / 12.5)
+    assert row["recompiles"] == 2 and row["recompiled_functions"] == ["rms_norm (draft.py:40)"]
+    cpu = stages.train_figures("memory plan: block budget 13442\n", {}, {"peak_mem_gb": None, "compiled_graphs": 0})
+    assert cpu["pred_peak_mem_gb"] is None and "mem_ratio" not in cpu and "CUDA" in cpu["pred_peak_scope"]
+
+
+def test_a_seed_stage_without_its_epoch_or_profile_line_fails(stages):
+    rows = [{"check": "gpu_check", "policy": p, "finite": True, "steps": 2} for p in ("full_random", "bucketed",
+                                                                                     "packed")]
+    assert stages.gpu_check_problems("seed", rows) == ["gpu_check_epoch: no line", "gpu_check_profile: no line"]
+    rows += [{"check": "gpu_check_epoch", "ratio": 0.8}, {"check": "gpu_check_profile", "error": "deadline passed"}]
+    assert stages.gpu_check_problems("seed", rows) == ["gpu_check_profile: deadline passed"]
+    assert stages.gpu_check_problems("plan", rows[1:3]) == []
+
+
+def test_the_train_probe_names_its_file_per_rank(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train_probe", ROOT / "scripts" / "gpu_train_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.delenv("RANK", raising=False)
+    assert probe.probe_path("/w/probe.json") == Path("/w/probe.json")
+    monkeypatch.setenv("RANK", "1")
+    assert probe.probe_path("/w/probe.json") == Path("/w/probe.rank1.json")
+    assert probe.main(["trainer=gpu"]) == 2   # the probe file first: a forgotten one is not taken for an override
+    figures = probe.measurements(3)
+    assert figures["exit_code"] == 3 and figures["compiled_graphs"] >= 0 and figures["peak_rss_gb"] > 0

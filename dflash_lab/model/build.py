@@ -7,7 +7,8 @@ is required, and ``build_model`` refuses a section that lacks a key or holds one
 ``kind=tiny`` (``build_tiny_model``): ByteTokenizer + the cached, self-pretrained tiny Qwen3 target
 (dflash_lab.model.target); its keys: the tiny target's shape, pretraining and cache.
 ``kind=hf`` (``build_hf_model``): a local HF causal LM + its tokenizer (HFTokenizerAdapter), frozen, bf16 on GPU;
-its keys: where the target is and how it loads.
+its keys: where the target is and how it loads (a directory marked ``random_weights.json`` instead of weights:
+random weights from its config, dflash_lab.model.random_target).
 Both then call ``wrap_target``: a DFlashDraft shaped like the target (same hidden size and heads, ``draft_layers``
 layers) reading the target layers ``target_layer_ids`` (default spacing rule:
 dflash_lab.model.draft.default_target_layer_ids), with the DFlash objective's keys (``DRAFT_KEYS``, shared by every
@@ -32,6 +33,7 @@ from dflash_lab.config_check import as_bool, as_choice, as_int
 from dflash_lab.data.tokenizer import ByteTokenizer, HFTokenizerAdapter
 from dflash_lab.model.dflash import DFlashModel
 from dflash_lab.model.draft import DFlashDraft, DraftConfig, check_compile_layers, default_target_layer_ids
+from dflash_lab.model.random_target import load_random_hf_target, random_target_digest, random_weights_seed
 from dflash_lab.model.target import checkpoint_digest, load_hf_target, load_or_build_tiny_target
 
 log = logging.getLogger(__name__)
@@ -95,14 +97,20 @@ def build_hf_model(*, target_path: str | None, target_config: str | Mapping | No
                              "weights: set model.target_path=/path/to/hf/model")
         raise ValueError("model.target_path is not set: set model.target_path=/path/to/hf/model (a local directory "
                          "with config.json, weights and tokenizer)")
-    target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
-                                          attn_implementation=attn_implementation)
+    seed = random_weights_seed(target_path)   # a directory with random_weights.json: see random_target.py
+    if seed is None:
+        target, hf_tokenizer = load_hf_target(target_path, dtype=dtype, device=device,
+                                              attn_implementation=attn_implementation)
+    else:
+        target, hf_tokenizer = load_random_hf_target(target_path, seed, dtype=dtype, device=device,
+                                                     attn_implementation=attn_implementation)
     rows = target.get_input_embeddings().weight.shape[0]
     mask_id = resolve_mask_token_id(hf_tokenizer, mask_token_id, rows)
     tokenizer = HFTokenizerAdapter(hf_tokenizer, mask_token_id=mask_id)
     model = wrap_target(target, mask_token_id=mask_id, **draft)
     model.stop_token_ids = list(tokenizer.stop_token_ids)
-    model.target_digest = checkpoint_digest(target_path)   # the files, not 16 GB of weights: see target.py
+    # the files, not 16 GB of weights (target.py); random weights: their config and seed
+    model.target_digest = (checkpoint_digest(target_path) if seed is None else random_target_digest(target_path, seed))
     return model, tokenizer
 
 
