@@ -180,7 +180,9 @@ def test_every_imported_third_party_package_is_declared():
     distributions = packages_distributions()
     undeclared = []
     for module, folders in sorted(imported.items()):
-        local = ("dflash_lab", "hydra_plugins", "helpers", "conftest")   # the project's own and the tests' helpers
+        # the project's own, the tests' helpers, and the benchmarks' and scripts' modules (imported by each other)
+        local = ("dflash_lab", "hydra_plugins", "helpers", "conftest",
+                 *(f.stem for folder in ("benchmarks", "scripts") for f in (ROOT / folder).glob("*.py")))
         if module in sys.stdlib_module_names or module in local or module.startswith("test"):
             continue
         names = {_normalise(d) for d in distributions.get(module, [module])}
