@@ -280,13 +280,24 @@ def test_memory_plan_resolves_auto_block_budget_and_checkpointing():
     assert plain.max_block_tokens >= 8192 and not plain.activation_checkpointing
     assert plan_peak_bytes(lengths, {**cfg, "max_block_tokens": plain.max_block_tokens}, m, settings, seed=0,
                            world_size=8, block_tokens=blocks) <= 0.9 * 96 * GIB
-    # checkpointing lets a larger budget fit; auto takes it when the budget without it is under half
+    # checkpointing lets a larger budget fit; auto takes it only when the budget without it is under both the
+    # recipe's per-GPU step (32,768 block tokens) and half the budget with it
+    from dflash_lab.model.footprint import RECIPE_BLOCK_TOKENS
+
     ckpt = memory_plan(m, lengths, cfg, settings, activation_checkpointing=True, gpu_mem_gb=96, seed=0,
                        block_tokens=blocks)
     assert ckpt.max_block_tokens > plain.max_block_tokens
-    auto = memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=96, seed=0,
-                       block_tokens=blocks)
-    assert auto.activation_checkpointing == (plain.max_block_tokens < ckpt.max_block_tokens / 2)
+    for gpu_gb in (96, 48):
+        off = memory_plan(m, lengths, cfg, settings, activation_checkpointing=False, gpu_mem_gb=gpu_gb, seed=0,
+                          block_tokens=blocks).max_block_tokens
+        on = memory_plan(m, lengths, cfg, settings, activation_checkpointing=True, gpu_mem_gb=gpu_gb, seed=0,
+                         block_tokens=blocks).max_block_tokens
+        auto = memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=gpu_gb, seed=0,
+                           block_tokens=blocks)
+        assert auto.activation_checkpointing == (off < min(RECIPE_BLOCK_TOKENS, on / 2)), (gpu_gb, off, on)
+        assert auto.max_block_tokens == (on if auto.activation_checkpointing else off)
+    assert not memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=96, seed=0,
+                           block_tokens=blocks).activation_checkpointing   # 96 GB fits over 32,768 without it
     # nothing fits 24 GB at 32K tokens: the error names the fixes
     with pytest.raises(PreflightError, match="no block budget keeps the objective"):
         memory_plan(m, lengths, cfg, settings, activation_checkpointing="auto", gpu_mem_gb=24, seed=0,

@@ -906,9 +906,11 @@ def memory_plan(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str,
     * ``max_block_tokens: auto``: the largest block budget whose plan's predicted peak is at most 90% of the GPU
       (``largest_fitting_block_tokens``) with the checkpointing in force;
     * ``activation_checkpointing: auto``: off when the step fits without it; with an ``auto`` block budget, off
-      when the budget that fits without it is at least half the one that fits with it (recomputing every draft
-      layer costs about a third more draft FLOPs, a budget twice as large halves the steps of block-bound
-      batches), else on.
+      when the budget that fits without it is at least ``RECIPE_BLOCK_TOKENS`` (a step as large as the DFlash
+      reference's per GPU) or half the one that fits with it, else on. Recomputing every draft layer costs a third
+      more draft FLOPs on every step; a larger step beyond the recipe's only means fewer optimizer updates per
+      epoch, which no cost model counts as a gain (the H200 plans: checkpointing on cost bucketed 2.8 days of a
+      6-epoch run against 2.4 off).
 
     Raises:
         PreflightError: nothing fits; the message names the settings tried.
@@ -971,10 +973,15 @@ def _block_budget_that_fits(value: Any, model: StepModel, lengths: np.ndarray, s
     return value if peak <= budget_gb * GIB else _NO_FIT
 
 
+# SpecForge's Qwen3-8B DFlash recipe (examples/run_qwen3_8b_dflash_online.sh): 4 rows x 512 anchors x 16 block
+# tokens per GPU step. A block budget at least this large without checkpointing is never traded for recomputation.
+RECIPE_BLOCK_TOKENS = 4 * 512 * 16
+
+
 def _choose_checkpointing(found: dict[bool, int | None], *, auto_budget: bool) -> tuple[bool, str]:
     """Checkpointing on or off among the choices that fit (``found``), and why (``memory_plan``'s rule)."""
     if auto_budget and len(found) == 2:
-        choose = not (found[False] >= found[True] / 2)
+        choose = not (found[False] >= min(RECIPE_BLOCK_TOKENS, found[True] / 2))
         return choose, (f"checkpointing {'on' if choose else 'off'}: block budget {found[False]:,} without it, "
                         f"{found[True]:,} with it")
     if False in found:
