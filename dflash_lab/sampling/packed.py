@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..config_check import as_int
-from .core import Admission, StepPlan, TokenBudget, arrange_steps, epoch_rng, split_at
+from .core import StepPlan, arrange_steps, epoch_rng, split_at
+from .policy import Policy
 
 # A row with more than this share of its tokens free is underfull: it stays open into the next chunk.
 CARRY_FREE_SHARE = 0.002
@@ -121,29 +122,19 @@ def best_fit_decreasing(
     return split_at(flat, ends[:-1].tolist()), capacity - used
 
 
-class Packed:
+class Packed(Policy):
     name = "packed"
     packed = True
-    boundaries = None
-    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
-    def __init__(
-        self,
-        admission: Admission,
-        budget: TokenBudget,
-        *,
-        seed: int,
-        world_size: int,
-        drop_last: bool,
-        chunk_rows: int = 64,
-    ):
+    def setup(self, *, chunk_rows: int) -> None:
+        if self.budget.quadratic_length is not None:
+            raise ValueError("sampler.quadratic_length does not apply to packed rows (no padding); remove it")
         self.chunk_rows = as_int("sampler.chunk_rows", chunk_rows, minimum=1, example=64)
-        self.admission, self.budget = admission, budget
-        self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
+        admission, max_tokens = self.admission, self.budget.max_tokens
         # Chunks are cut on an int64 running token count: a chunk larger than the whole dataset is one chunk.
         total_tokens = int(admission.lengths[admission.kept].sum())
-        self.chunk_tokens = min(self.chunk_rows * budget.max_tokens, total_tokens + 1)
-        self.carry_free = int(CARRY_FREE_SHARE * budget.max_tokens)
+        self.chunk_tokens = min(self.chunk_rows * max_tokens, total_tokens + 1)
+        self.carry_free = int(CARRY_FREE_SHARE * max_tokens)
         self.carry_rows = max(1, self.chunk_rows // 16)
         kept_blocks = None if admission.block_tokens is None else admission.block_tokens[admission.kept]
         self.min_block = int(kept_blocks.min()) if kept_blocks is not None and kept_blocks.size else 0
