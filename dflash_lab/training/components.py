@@ -23,7 +23,6 @@ import torch
 
 from dflash_lab.training import dist
 from dflash_lab.records import record
-from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.training.probes import resolve_bands
@@ -246,10 +245,6 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
-    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step,
-                                  probes_every=probes.every, n_bands=len(probes.bands) - 1)
-    if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
-        log.warning(short)
     counts = components.data_counts()
     keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
     if any(counts["data_skipped"].values()):
