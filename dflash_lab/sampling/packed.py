@@ -80,11 +80,9 @@ def best_fit_decreasing(
     sizes = lengths[order].tolist()
     smallest = sizes[-1] if sizes else capacity + 1
     use_blocks = block_tokens is not None and block_capacity is not None
-    blocks = block_tokens[order].tolist() if use_blocks else [0] * len(sizes)
-    block_cap = int(block_capacity) if use_blocks else 0
-    smallest_block = min(blocks) if use_blocks and blocks else 0
     rows: list[list[int]] = [r.tolist() for r, _ in open_rows]
-    block_left = [block_cap - (int(block_tokens[r].sum()) if use_blocks else 0) for r, _ in open_rows]
+    blocks, block_left, smallest_block = _block_room(order, open_rows, block_tokens, block_capacity)
+    block_cap = int(block_capacity) if use_blocks else 0
 
     def stays_open(row: int, left: int) -> bool:
         return (left >= smallest and (max_docs is None or len(rows[row]) < max_docs)
@@ -113,6 +111,22 @@ def best_fit_decreasing(
             slot = bisect.bisect_left(free, left)
             free.insert(slot, left)
             row_of_free.insert(slot, row)
+    return _rows_and_free(rows, lengths, capacity)
+
+
+def _block_room(order: np.ndarray, open_rows: Sequence[tuple[np.ndarray, int]], block_tokens: np.ndarray | None,
+                block_capacity: int | None) -> tuple[list[int], list[int], int]:
+    """The block budget's bookkeeping for :func:`best_fit_decreasing`: each document's block tokens (in ``order``;
+    zeros without a budget), each open row's free block tokens, and the smallest document's block tokens."""
+    if block_tokens is None or block_capacity is None:
+        return [0] * order.size, [0] * len(open_rows), 0
+    blocks = block_tokens[order].tolist()
+    left = [int(block_capacity) - int(block_tokens[r].sum()) for r, _ in open_rows]
+    return blocks, left, min(blocks) if blocks else 0
+
+
+def _rows_and_free(rows: list[list[int]], lengths: np.ndarray, capacity: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rows of document lists as index arrays, and each row's free tokens."""
     if not rows:
         return [], np.zeros(0, dtype=np.int64)
     counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
