@@ -269,8 +269,8 @@ def _jumpiness_columns(row: dict, notes: list[str], record: RunRecord, window: f
     if report.steady_steps < 8:
         notes.append(f"jumpiness: only {report.steady_steps} steady-state steps")
     if not np.isfinite(report.spike_score):
-        notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once 32 losses precede it "
-                     "(minimum 33)")
+        notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once {jumpiness.SPIKE_MIN_HISTORY} "
+                     f"losses precede it (minimum {jumpiness.SPIKE_MIN_HISTORY + 1})")
     return steady_start_step
 
 
