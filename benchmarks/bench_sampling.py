@@ -82,7 +82,7 @@ def bench_ours(lengths, budget, repeats, preset):
         start = time.perf_counter()
         policy = build_policy(name, lengths, max_tokens=budget, seed=0, **params)
         setup = time.perf_counter() - start
-        seconds, _ = timed(policy.planner.plan, repeats)
+        seconds, _ = timed(policy.plan, repeats)
         stats = plan_stats(policy, epoch=1)
         rows.append(
             {

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,58 +73,108 @@ from .planning.table import (  # noqa: F401
 REFUSED_EXIT_CODE = 2   # bad input or data: the one-line message names the fix (as dflash_lab.train's refusals)
 
 
+@dataclass(frozen=True)
+class PlanSettings:
+    """The planner's own top-level keys, checked before any work (conf/plan.yaml gives and explains each)."""
+
+    seed: int
+    world_size: int
+    epochs: float
+    bands: list[int] | None
+    sweep_k: tuple[int, int] | None
+    sweep_method: str
+    target_pad_eff: float | None
+    floors: dict[str, float | None]
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> PlanSettings:
+        refuse_unknown_keys("plan", cfg, plan_keys())
+        seed = as_int("seed", cfg["seed"], minimum=0)
+        world_size = as_int("world_size", cfg["world_size"], minimum=1, example=8)
+        epochs = as_float("epochs", cfg["epochs"], example=6)
+        if epochs <= 0:
+            raise ValueError(f"epochs={epochs:g}: the configured run needs a positive number of epochs (e.g. epochs=6)")
+        return cls(seed=seed, world_size=world_size, epochs=epochs,
+                   bands=None if cfg.get("bands") is None else validate_boundaries(cfg["bands"], key="bands"),
+                   sweep_k=None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"]),
+                   sweep_method=as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS),
+                   target_pad_eff=as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0,
+                                           allow_none=True, example=0.9),
+                   floors=recommend_floors(cfg.get("recommend")))
+
+
 def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     """Plan every configured policy, write plan.csv/json/md (+ the K sweep) to ``out_dir``; return the table.
 
     Every key is checked before any work: unknown keys are refused (valid ones listed) at the top level and in
     ``sampler``, ``data`` (by data kind) and ``cost``; values are typed (``config_check``).
     """
-    refuse_unknown_keys("plan", cfg, plan_keys())
-    seed = as_int("seed", cfg["seed"], minimum=0)
-    world_size = as_int("world_size", cfg["world_size"], minimum=1, example=8)
-    epochs = as_float("epochs", cfg["epochs"], example=6)
-    if epochs <= 0:
-        raise ValueError(f"epochs={epochs:g}: the configured run needs a positive number of epochs (e.g. epochs=6)")
-    bands = cfg.get("bands")
-    bands = None if bands is None else validate_boundaries(bands, key="bands")
-    sweep_k = None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"])
-    sweep_method = as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS)
-    target_pad_eff = as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0, allow_none=True, example=0.9)
-    floors = recommend_floors(cfg.get("recommend"))
+    plan = PlanSettings.from_config(cfg)
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
                 for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
-    cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, seed, cfg.get("gpu"))
+    cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, plan.seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
-    samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus, seed=seed,
-                                                  world_size=world_size) for name, sampler_cfg in samplers.items()}
+    samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus,
+                                                  seed=plan.seed, world_size=plan.world_size)
+                for name, sampler_cfg in samplers.items()}
 
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     memory = memory_inputs(cfg)
-    table = plan_table(lengths, samplers, seed=seed, world_size=world_size, epochs=epochs, cost=cost, bands=bands,
-                       memory=memory, block_tokens=block_tokens)
+    table = plan_table(lengths, samplers, seed=plan.seed, world_size=plan.world_size, epochs=plan.epochs, cost=cost,
+                       bands=plan.bands, memory=memory, block_tokens=block_tokens)
     table.to_csv(out_dir / "plan.csv")
-    advice = recommendation(table, floors, activation_checkpointing=bool(
+    advice = recommendation(table, plan.floors, activation_checkpointing=bool(
         memory and memory["settings"].activation_checkpointing))
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
-            "epochs": epochs, "world_size": world_size,
+            "epochs": plan.epochs, "world_size": plan.world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
-            "recommend": floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
+            "recommend": plan.floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
             "cost_warning": cost_warning, "data": counts}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
+    readable = readable_plan(table, lengths, plan, cost, cost_warning, counts, cfg.get("model"), block_tokens,
+                             memory, advice["line"])
+    full = to_markdown(table, full_columns(table))
+    (out_dir / "plan.md").write_text(f"{readable}\n## Every column (full precision in plan.csv)\n\n{full}\n")
+    print(readable)
+    if plan.sweep_k is not None:
+        sweep = sweep_bucket_counts(
+            lengths, plan.sweep_k, cfg["sampler"], method=plan.sweep_method, seed=plan.seed, world_size=plan.world_size
+        )
+        sweep.to_csv(out_dir / "k_sweep.csv", index=False)
+        plot_k_sweep(sweep, out_dir / "k_sweep.png")
+        print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
+    if plan.target_pad_eff is not None:
+        shared = {k: v for k, v in cfg["sampler"].items()
+                  if k in SHARED_KEYS and k not in ("max_tokens", "max_block_tokens")}
+        found = smallest_k_for_efficiency(
+            lengths, plan.target_pad_eff, max_tokens=max_tokens, method=plan.sweep_method, seed=plan.seed, **shared
+        )
+        (out_dir / "smallest_k.json").write_text(json.dumps(found, indent=2))
+        print(f"\nfewest buckets reaching padding efficiency {plan.target_pad_eff}: K={found['num_buckets']} "
+              f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
+    print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md (every column)")
+    return table
+
+
+def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: CostModel, cost_warning: str | None,
+                  counts: dict[str, Any] | None, model_cfg: Mapping[str, Any] | None, block_tokens: Any,
+                  memory: dict[str, Any] | None, advice: str) -> str:
+    """The printed plan (plan.md's head): the workload and cost model, the step table, relative speeds, the
+    diversity and memory table with its legend, block budgets, bucket keying, supervision shares, the advice."""
     shares = [c for c in table.columns if c.startswith("share ")]
-    readable = (
-        f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {world_size}, "
-        f"{epochs:g} epochs; {describe_cost(cost)}\n"
+    return (
+        f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {plan.world_size}, "
+        f"{plan.epochs:g} epochs; {describe_cost(cost)}\n"
         + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
-        + describe_anchors(cfg.get("model"), block_tokens) + "\n"
+        + describe_anchors(model_cfg, block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
@@ -137,29 +187,8 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
         + (f"Supervision share per length band (block tokens of an epoch in each band):\n\n"
            f"{to_markdown(table, [Column(c, c.removeprefix('share '), _number(3)) for c in shares])}\n\n"
            if shares else "")
-        + advice["line"] + "\n"
+        + advice + "\n"
     )
-    full = to_markdown(table, full_columns(table))
-    (out_dir / "plan.md").write_text(f"{readable}\n## Every column (full precision in plan.csv)\n\n{full}\n")
-    print(readable)
-    if sweep_k is not None:
-        sweep = sweep_bucket_counts(
-            lengths, sweep_k, cfg["sampler"], method=sweep_method, seed=seed, world_size=world_size
-        )
-        sweep.to_csv(out_dir / "k_sweep.csv", index=False)
-        plot_k_sweep(sweep, out_dir / "k_sweep.png")
-        print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
-    if target_pad_eff is not None:
-        shared = {k: v for k, v in cfg["sampler"].items()
-                  if k in SHARED_KEYS and k not in ("max_tokens", "max_block_tokens")}
-        found = smallest_k_for_efficiency(
-            lengths, target_pad_eff, max_tokens=max_tokens, method=sweep_method, seed=seed, **shared
-        )
-        (out_dir / "smallest_k.json").write_text(json.dumps(found, indent=2))
-        print(f"\nfewest buckets reaching padding efficiency {target_pad_eff}: K={found['num_buckets']} "
-              f"boundaries={found['boundaries']} (pad_eff {found['pad_eff']:.3f})")
-    print(f"\nwrote {out_dir / 'plan.csv'}, plan.json, plan.md (every column)")
-    return table
 
 
 def main() -> None:

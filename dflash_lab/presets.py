@@ -7,7 +7,9 @@ from its preset here instead of writing a second default::
 
     preset("model", "tiny", block_size=4)   # conf/model/tiny.yaml with one key changed
 
-A preset's ``defaults`` list names presets of the same group it extends (``model/hf_cpu.yaml`` extends ``hf``);
+A preset's ``defaults`` list names presets of the same group it extends (``model/hf_cpu.yaml`` extends ``hf``), or a
+file its group's presets share, merged in place (``/sampler_common@_here_``: conf/sampler_common.yaml); a preset that
+sets other sections too (``# @package _global_``: ``trainer=smoke`` sets ``probes.every``) gives its own section;
 interpolations of top-level keys (``${seed}``) resolve against ``seed`` (0, as conf/train.yaml gives it).
 
 Example:
@@ -43,8 +45,19 @@ def _preset_node(group: str, name: str) -> DictConfig:
     if not path.is_file():
         raise ValueError(f"{group}={name}: no preset {path}; choose one of {', '.join(preset_names(group))}")
     node = OmegaConf.load(path)
-    parents = [d for d in node.pop("defaults", []) if d != "_self_"]
-    return OmegaConf.merge(*(_preset_node(group, parent) for parent in parents), node) if parents else node
+    parents = [_parent_node(group, d) for d in node.pop("defaults", []) if d != "_self_"]
+    if path.read_text().startswith("# @package _global_"):   # it sets other sections too (trainer=smoke: probes)
+        node = node.get(group) or OmegaConf.create()
+    return OmegaConf.merge(*parents, node) if parents else node
+
+
+def _parent_node(group: str, entry: str) -> DictConfig:
+    """One entry of a preset's defaults list: a preset of the same group (``cpu``, ``cpu@trainer``), or a shared
+    file (``/sampler_common@_here_``)."""
+    target = entry.split("@")[0]
+    if target.startswith("/"):
+        return OmegaConf.load(CONF_DIR / f"{target[1:]}.yaml")
+    return _preset_node(group, target)
 
 
 def preset(group: str, name: str, *, seed: int = 0, **overrides: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.records import checkpoint as ckpt
 from dflash_lab.training import dist
 from dflash_lab.records import record
@@ -117,6 +118,10 @@ def _train(settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, ho
     log, checkpoints, state = open_run(settings, env, directory)
     device = torch.device(env.device)
     parts = build_components(settings, env, device, log)
+    short = verdict_probe_warning(settings.config["analysis"], end_step=parts.plan.end_step,
+                                  probes_every=parts.probes.every, n_bands=len(parts.probes.bands) - 1)
+    if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
+        log.warning(short)
     # ---- 2. resume --------------------------------------------------------------------------------------------
     position = resume(state, parts, settings, log)
     if state is not None and position.step >= parts.plan.end_step:

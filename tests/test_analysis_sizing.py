@@ -1,5 +1,6 @@
 """Said before a run trains: a declared verdict whose probe endpoint the run's probes cannot compute, and fewer tau
-prompts than configured (dflash_lab/analysis/sizing.py; the training run's log: tests/test_own_data_records.py)."""
+prompts than configured (dflash_lab/analysis/sizing.py, asked by dflash_lab/train.py; the tau prompts:
+dflash_lab/training/evaluation.py; the training run's log: tests/test_own_data_records.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_lab.analysis.sizing import (
-    tau_prompt_warning,
-    verdict_probe_warning,
-    window_probe_evals,
-    window_start_step,
-)
+from dflash_lab.analysis.sizing import verdict_probe_warning, window_probe_evals, window_start_step
 from dflash_lab.analysis.summarize import _window_start_index
 from dflash_lab.metrics import forgetting
+from dflash_lab.training.evaluation import tau_prompt_warning
 
 VERDICT = {"verdict": {"endpoint": "residual_amplitude", "positive_control": "sampler=bucket_sequential",
                        "negative_control": "sampler=bucketed", "question": "sampler=full_random"}}

@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 from dflash_lab.model import build as model_build
 from dflash_lab.model.dflash import DFlashModel
 from dflash_lab.presets import CONF_DIR, preset, preset_names
+from dflash_lab.sampling import POLICIES, build_policy, policy_keys
+from dflash_lab.training.probes import PresentationRecorder, ProbeSets
 from dflash_lab.training.settings import ProbeSettings, TrainerSettings
 
 PACKAGE = Path(model_build.__file__).resolve().parents[1]
@@ -28,11 +30,18 @@ BUILDERS = (model_build.build_tiny_model, model_build.build_hf_model, model_buil
 # DFlashModel's keywords that come from the model section (its others are runtime choices: attention backend...).
 DFLASH_MODEL_CONFIG_KEYS = ("block_size", "loss_gamma", "anchors_per_doc", "anchor_density", "draft_init_seed",
                             "fixed_anchors")
-# Fallbacks on config keys not converted yet, each with the reason (file -> keys). The sampler section's library API
-# (``build_policy`` keyword defaults) and the planner's own section keep theirs for now: see docs/settings.md.
+# The readers of the sampler and probes sections (each policy's setup takes its own keys; the probe sets and the
+# presentation records take the probes section's): every key they read is required, none has a default.
+SECTION_READERS = {**{f"{cls.__name__}.setup": cls.setup for cls in POLICIES.values()},
+                   "ProbeSets": ProbeSets.__init__, "ProbeSets.evaluate": ProbeSets.evaluate,
+                   "PresentationRecorder": PresentationRecorder.__init__}
+# build_policy's only keyword defaults: a library caller's layout and plan seed (one process, seed 0) and the
+# block tokens it may not have; a run's own come from conf/train.yaml through policy_from_config, which has none.
+BUILD_POLICY_DEFAULTS = {"seed", "world_size", "rank", "block_tokens"}
+# Fallbacks on config keys not converted yet, each with the reason (file -> keys); the planner's own section keeps
+# theirs for now: see docs/settings.md.
 KNOWN_FALLBACKS = {
     "cluster/launch.py": {"name"},                            # a message placeholder ("the sampler"), not a default
-    "sampling/build.py": {"drop_last", "overlong"},           # build_policy's library defaults (sampler section)
     "model/footprint.py": {"overlong"},                       # the sampler section, as build_policy reads it
     "planning/config.py": {"kind"},                           # a file's name when its YAML names no kind
     "planning/cost.py": {"kind"},                             # "?" in a message, not a default
@@ -100,6 +109,40 @@ def test_builders_of_each_kind_take_only_their_own_keys():
     assert "target_path" not in tiny and "pretrain_steps" not in hf and "hidden_size" not in hf
     shared = set(model_build.DRAFT_KEYS) | set(model_build.DECODE_KEYS) | {"kind", "cache_dir"}
     assert tiny & hf == shared
+
+
+@pytest.mark.parametrize("reader", sorted(SECTION_READERS))
+def test_sampler_and_probe_readers_take_every_key_as_required(reader):
+    assert not _defaults_of(SECTION_READERS[reader]), f"{reader} keyword defaults (the YAML is their home)"
+
+
+def test_build_policy_completes_left_out_keys_from_the_presets_not_its_own_defaults():
+    assert set(_defaults_of(build_policy)) == BUILD_POLICY_DEFAULTS
+
+
+@pytest.mark.parametrize("name", preset_names("sampler"))
+def test_every_sampler_preset_gives_exactly_its_policys_keys(name):
+    """``quadratic_length`` (a padded row's cost) is every padded policy's key; packed rows have no padding."""
+    expected = {"name", "max_tokens", *policy_keys(name)} - ({"quadratic_length"} if POLICIES[name].packed else set())
+    assert set(preset("sampler", name)) == expected
+
+
+def test_each_shared_sampler_key_is_written_once():
+    """``sampler.max_tokens`` and the other keys every policy shares live in conf/sampler_common.yaml, which each
+    sampler preset starts from (train and plan compose the same sections: tests/test_config_samplers.py)."""
+    shared = set(OmegaConf.load(CONF_DIR / "sampler_common.yaml"))
+    assert "max_tokens" in shared
+    for path in sorted((CONF_DIR / "sampler").glob("*.yaml")):
+        node = OmegaConf.load(path)
+        assert "/sampler_common@_here_" in node.get("defaults", []), f"{path.name} does not start from it"
+        assert not shared & set(node), f"{path.name} writes {sorted(shared & set(node))} a second time"
+
+
+def test_probes_per_band_has_one_value():
+    """The disagreement the review found (4 as ``ProbeSets``' default, 6 in conf/train.yaml): runs used the YAML's
+    6 (the trainer always passed ``probes.per_band``; the forgetting sweeps set 12 or 24); only the YAML gives it."""
+    assert _train_config()["probes"]["per_band"] == 6
+    assert "per_band" not in _defaults_of(ProbeSets.__init__)
 
 
 def test_fixed_anchors_has_one_value_per_preset():

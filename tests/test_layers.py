@@ -92,6 +92,12 @@ def test_the_record_layer_sits_below_the_model_and_data():
     assert not package_graph()["records"] & above, package_graph()["records"]
 
 
+def test_the_training_runs_modules_import_nothing_of_the_analysis():
+    """training/ builds and runs one training run; the analysis reads what runs recorded (and says, through the
+    program dflash_lab/train.py, what a run's size lets it measure): no module of training/ imports analysis/."""
+    assert "analysis" not in package_graph()["training"], package_graph()["training"]
+
+
 def test_the_package_root_holds_entry_points_not_the_training_runs_modules():
     """The training run's modules live in training/ and records/; the root keeps the command-line entry points and
     the few modules every layer shares."""

@@ -40,7 +40,7 @@ def test_bad_boundaries_are_named(boundaries, match):
         ([5, 3000, 3], {}, "overlong"),
         ([5, 6], {"name": "bogus"}, "sampler.name='bogus'"),
         ([5, 6], {"name": "bucketed", "num_buckets": 2, "fit_method": "magic"}, "fit_method"),
-        ([5, 6], {"name": "bucketed"}, "boundaries"),
+        ([5, 6], {"name": "bucketed", "boundaries": None}, "boundaries"),   # left out, it is auto (the preset)
         ([5, 6], {"colour": "red"}, r"unknown full_random sampler key\(s\) \['colour'\]; valid keys: drop_last"),
         ([5, 6], {"overlong": "ignore"}, "overlong"),
         ([5, 6], {"max_tokens": 0}, "max_tokens"),

@@ -33,16 +33,16 @@ def make(name, lengths, bucket_by="random", seed=3, **kw):
 
 
 def groups_of(policy):
-    return [set(m.tolist()) for m in policy.planner.members]
+    return [set(m.tolist()) for m in policy.members]
 
 
 @pytest.mark.parametrize("name", KEYED)
 def test_groups_have_the_length_buckets_sizes_and_cover_every_sample_once(name, lengths):
     by_length, by_random = make(name, lengths, "length"), make(name, lengths, "random")
     sizes = np.bincount(bucket_ids(lengths, BOUNDS), minlength=len(BOUNDS) - 1)
-    assert [m.size for m in by_length.planner.members] == sizes.tolist()
-    assert [m.size for m in by_random.planner.members] == sizes.tolist()
-    members = np.concatenate(by_random.planner.members)
+    assert [m.size for m in by_length.members] == sizes.tolist()
+    assert [m.size for m in by_random.members] == sizes.tolist()
+    members = np.concatenate(by_random.members)
     assert sorted(members.tolist()) == list(range(lengths.size))
     assert groups_of(by_random) != groups_of(by_length)
 
@@ -50,24 +50,24 @@ def test_groups_have_the_length_buckets_sizes_and_cover_every_sample_once(name, 
 def test_membership_is_independent_of_length(lengths):
     by_length, by_random = make("bucketed", lengths, "length"), make("bucketed", lengths, "random")
     mean, sd = lengths.mean(), lengths.std()
-    for group in by_random.planner.members:
+    for group in by_random.members:
         # a random draw without replacement: the group mean is within 4 standard errors of the overall mean
         standard_error = sd / np.sqrt(group.size) * np.sqrt(1 - group.size / lengths.size)
         assert abs(lengths[group].mean() - mean) < 4 * standard_error
-    length_means = [lengths[m].mean() for m in by_length.planner.members]
+    length_means = [lengths[m].mean() for m in by_length.members]
     assert np.all(np.diff(length_means) > 0) and length_means[-1] > 5 * length_means[0]
     # rank correlation of sample length and its group id: ~0 for random groups, ~1 for length buckets
-    def rank_corr(planner):
+    def rank_corr(policy):
         ranks = np.argsort(np.argsort(lengths))
-        return np.corrcoef(ranks, planner.sample_bucket)[0, 1]
-    assert abs(rank_corr(by_random.planner)) < 4 / np.sqrt(lengths.size)
-    assert rank_corr(by_length.planner) > 0.9
+        return np.corrcoef(ranks, policy.sample_bucket)[0, 1]
+    assert abs(rank_corr(by_random)) < 4 / np.sqrt(lengths.size)
+    assert rank_corr(by_length) > 0.9
 
 
 @pytest.mark.parametrize("name", KEYED)
 def test_groups_are_fixed_for_the_run_and_batches_stay_inside_them(name, lengths):
     policy = make(name, lengths)
-    sample_group = policy.planner.sample_bucket
+    sample_group = policy.sample_bucket
     compositions = []
     for epoch in (0, 1, 2):
         batches = policy.batches(epoch)
@@ -77,7 +77,7 @@ def test_groups_are_fixed_for_the_run_and_batches_stay_inside_them(name, lengths
         per_group = Counter()
         for batch in batches:
             per_group.update({int(sample_group[batch[0]]): batch.size})
-        assert [per_group[g] for g in range(len(BOUNDS) - 1)] == [m.size for m in policy.planner.members]
+        assert [per_group[g] for g in range(len(BOUNDS) - 1)] == [m.size for m in policy.members]
         compositions.append({tuple(sorted(b.tolist())) for b in batches})
     assert len(compositions[0] & compositions[1]) < 0.05 * len(compositions[1])  # reshuffled inside the groups
     # bucket_of under random keying is the group, not the length bucket of the longest sample

@@ -5,30 +5,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_lab.sampling import Policy, StepPlan
-from dflash_lab.sampling.core import Admission
+from dflash_lab.sampling import Policy, StepPlan, TokenBudget
 from dflash_lab.sampling.stats import plan_padding, plan_stats, smallest_k_for_efficiency
 
 LENGTHS = np.array([10, 20, 30, 40, 50, 60])
 
 
-class HandPlanner:
-    """A planner whose epochs are given batch lists (the Planner protocol, nothing computed)."""
+class HandPolicy(Policy):
+    """A policy whose epochs are given batch lists (the policy base, nothing computed)."""
 
-    name, packed = "hand", False
+    name = "hand"
 
-    def __init__(self, epochs, world_size=1, boundaries=None, packed=False):
-        self.epochs, self.world_size, self.boundaries, self.packed = epochs, world_size, boundaries, packed
+    def setup(self, *, epochs, boundaries, packed):
+        self.epochs, self.boundaries, self.packed = epochs, boundaries, packed
 
     def plan(self, epoch):
         return StepPlan([np.asarray(b, dtype=np.int64) for b in self.epochs[epoch]], self.world_size)
 
 
 def hand_policy(epochs, world_size=1, boundaries=None, packed=False, lengths=LENGTHS):
-    planner = HandPlanner(epochs, world_size, boundaries, packed)
-    admission = Admission(lengths=lengths, kept=np.arange(lengths.size))
-    return Policy(planner, admission, world_size=world_size, rank=0, config={"name": "hand", "max_tokens": 100},
-                  raw_lengths=lengths)
+    return HandPolicy(lengths, TokenBudget(100), seed=0, world_size=world_size, rank=0, drop_last=False,
+                      overlong="error", epochs=epochs, boundaries=boundaries, packed=packed)
 
 
 EPOCHS = {0: [[0, 1], [2, 3], [4, 5]], 1: [[1, 0], [2, 4], [3, 5]]}

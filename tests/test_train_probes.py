@@ -29,9 +29,9 @@ def test_bad_bands_name_the_key():
 
 def test_probe_sets_fixed_by_probe_seed_not_run():
     lengths = np.random.default_rng(0).integers(2, 1024, size=500)
-    a = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=0)
-    b = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=0)
-    c = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=1)
+    a = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=0, max_tokens=4096)
+    b = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=0, max_tokens=4096)
+    c = ProbeSets(lengths, DEFAULT_BANDS, per_band=3, seed=1, max_tokens=4096)
     assert [s.indices.tolist() for s in a.sets] == [s.indices.tolist() for s in b.sets]
     assert [s.indices.tolist() for s in a.sets] != [s.indices.tolist() for s in c.sets]
     for probe in a.sets:
@@ -41,20 +41,20 @@ def test_probe_sets_fixed_by_probe_seed_not_run():
 
 def test_empty_band_is_reported_and_small_band_takes_all():
     lengths = np.array([10, 20, 100])
-    sets = ProbeSets(lengths, [0, 50, 150, 300], per_band=4)
+    sets = ProbeSets(lengths, [0, 50, 150, 300], per_band=4, seed=0, max_tokens=4096)
     assert [s.band for s in sets.sets] == [0, 1] and sets.empty_bands == [2]
     assert sets.sets[0].indices.tolist() == [0, 1]
 
 
 def test_chunks_respect_token_cap():
     lengths = np.array([100, 100, 100, 100])
-    sets = ProbeSets(lengths, [0, 200], per_band=4, max_tokens=250)
+    sets = ProbeSets(lengths, [0, 200], per_band=4, seed=0, max_tokens=250)
     assert [c.tolist() for c in sets.chunks(sets.sets[0])] == [[0, 1], [2, 3]]
 
 
 def test_evaluate_rows_pool_chunks_and_use_a_fixed_generator():
     lengths = np.array([100, 100, 100, 10])
-    sets = ProbeSets(lengths, [0, 50, 200], per_band=4, max_tokens=250)
+    sets = ProbeSets(lengths, [0, 50, 200], per_band=4, seed=0, max_tokens=250)
     draws = []
 
     def fake_eval(indices, generator):
@@ -72,9 +72,9 @@ def test_evaluate_rows_pool_chunks_and_use_a_fixed_generator():
 
 
 def test_unscored_band_gives_nan():
-    sets = ProbeSets(np.array([5]), [0, 50], per_band=1)
+    sets = ProbeSets(np.array([5]), [0, 50], per_band=1, seed=0, max_tokens=4096)
     zero = SimpleNamespace(weighted_ce_sum=0.0, weight_sum=0.0, correct=0, count=0)
-    row = sets.evaluate(lambda idx, g: zero, step=0)[0]
+    row = sets.evaluate(lambda idx, g: zero, step=0, seed=0)[0]
     assert math.isnan(row["loss"]) and math.isnan(row["acc"]) and row["tokens"] == 0
 
 

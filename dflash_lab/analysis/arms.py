@@ -684,33 +684,44 @@ machines), compare them apart, or compare them anyway with --mixed-digests=allow
         if name == "target_digest":   # nested targets: one target per target_seed (dflash_lab/replicates.py)
             groups = settings + [_target_seed_label(by_id[run_id]) for run_id in settings.index]
         for setting, run_ids in groups.groupby(groups, sort=False).groups.items():
-            holders: dict[str, list[str]] = {}
-            for run_id in run_ids:
-                digest = recorded_digest(by_id[run_id], name)
-                if digest is not None:
-                    holders.setdefault(digest, []).append(run_id)
-            if len(holders) < 2:
-                continue
-            listing = "; ".join(f"{digest} in {', '.join(by_id[r].location for r in held)}"
-                                for digest, held in holders.items())
-            problems.setdefault(name, []).append(f"{setting}: {name} {listing}")
-            for digest, held in holders.items():
-                others = "; ".join(f"{other} in {', '.join(by_id[r].location for r in runs)}"
-                                   for other, runs in holders.items() if other != digest)
-                for run_id in held:
-                    notes[run_id].append(f"{name} {digest} differs from other runs of its setting ({others}): "
-                                         "compared anyway (--mixed-digests=allow)")
+            holders = _digest_holders([by_id[run_id] for run_id in run_ids], name)
+            if len(holders) > 1:
+                problems.setdefault(name, []).append(f"{setting}: {name} {_held_by(holders)}")
+                for digest, held in holders.items():
+                    others = _held_by({other: runs for other, runs in holders.items() if other != digest})
+                    for record in held:
+                        notes[record.run_id].append(f"{name} {digest} differs from other runs of its setting "
+                                                    f"({others}): compared anyway (--mixed-digests=allow)")
     if problems and policy == "error":
-        parts = []
-        if "target_digest" in problems:
-            parts.append("runs trained against different target weights are not replicates or pairs: "
-                         + "; ".join(problems["target_digest"]) + ". Rerun them against one target (the same "
-                         "model.target_path, or the tiny target of one cache: copy its folder targets/tiny-<hash> of "
-                         "the cache root, default ~/.cache/dflash_lab, between machines), compare them apart")
-        if "data_digest" in problems:
-            parts.append("runs trained on different data are not replicates or pairs: "
-                         + "; ".join(problems["data_digest"]) + ". Rerun them on the same data (same data.* "
-                         "settings and files), compare them apart")
-        raise ValueError(". ".join(parts) + ", or compare them anyway with --mixed-digests=allow "
-                         "(compare_records(mixed_digests='allow'))")
+        raise ValueError(_mixed_digests_refusal(problems))
     return notes
+
+
+def _digest_holders(records: list[RunRecord], name: str) -> dict[str, list[RunRecord]]:
+    """The runs that recorded each value of digest ``name`` (runs without it left out)."""
+    holders: dict[str, list[RunRecord]] = {}
+    for record in records:
+        digest = recorded_digest(record, name)
+        if digest is not None:
+            holders.setdefault(digest, []).append(record)
+    return holders
+
+
+def _held_by(holders: dict[str, list[RunRecord]]) -> str:
+    return "; ".join(f"{digest} in {', '.join(record.location for record in held)}" for digest, held in holders.items())
+
+
+def _mixed_digests_refusal(problems: dict[str, list[str]]) -> str:
+    """The message refusing settings whose runs trained against other targets or data, with the fixes."""
+    parts = []
+    if "target_digest" in problems:
+        parts.append("runs trained against different target weights are not replicates or pairs: "
+                     + "; ".join(problems["target_digest"]) + ". Rerun them against one target (the same "
+                     "model.target_path, or the tiny target of one cache: copy its folder targets/tiny-<hash> of "
+                     "the cache root, default ~/.cache/dflash_lab, between machines), compare them apart")
+    if "data_digest" in problems:
+        parts.append("runs trained on different data are not replicates or pairs: "
+                     + "; ".join(problems["data_digest"]) + ". Rerun them on the same data (same data.* "
+                     "settings and files), compare them apart")
+    return (". ".join(parts) + ", or compare them anyway with --mixed-digests=allow "
+            "(compare_records(mixed_digests='allow'))")

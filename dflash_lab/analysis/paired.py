@@ -53,6 +53,7 @@ means over the paired seeds, so with unequal seeds per target diff need not equa
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -341,6 +342,47 @@ def unit_differences(runs: pd.DataFrame, arm: str, baseline: str, endpoint: str,
     return units, unit, n_targets, pairs
 
 
+def _paired_row(arm: str, setting: pd.Series, endpoint: str, units: pd.Series, unit: str, n_targets: int,
+                pairs: pd.DataFrame, margin: float, alpha: float, test: str, notes: list[str]) -> dict[str, Any]:
+    """One arm against its baseline on one endpoint (a PAIRED_COLUMNS row before its family's Holm adjustment):
+    the mean difference per analysis unit, its intervals and tests."""
+    diffs = units.to_numpy()
+    if np.isfinite(margin) and zero_spread(diffs):
+        notes.append(f"{arm}, {endpoint}: every one of the {diffs.size} {unit} pairs differs by exactly "
+                     f"{float(diffs[0]):+.4g} (zero variance): no spread is no evidence of equivalence, so "
+                     f"the margin {margin:g} is not tested (the endpoint does not vary with the seed)")
+    ci_low, ci_high = t_interval(diffs, alpha)
+    boot_low, boot_high = bootstrap_interval(diffs, alpha)
+    return {
+        "policy": arm, "endpoint": endpoint, "diff": float(diffs.mean()), "ci_low": ci_low,
+        "ci_high": ci_high, "p_value": sign_flip_p_value(diffs), "better": BETTER[endpoint],
+        "stratum": setting["stratum"], "baseline": setting["baseline"], "n_pairs": int(diffs.size),
+        "boot_low": boot_low, "boot_high": boot_high, "margin": margin,
+        "p_tost": tost_p_value(diffs, margin), "p_min": 2.0 / 2**diffs.size if diffs.size else np.nan,
+        "arm_mean": float(pairs["arm"].mean()), "baseline_mean": float(pairs["baseline"].mean()),
+        "seeds": " ".join(str(s) for s in pairs.index), "p_t": paired_t_p_value(diffs),
+        "p_bca": bca_p_value(diffs), "test": test, "mdd": minimum_detectable_difference(diffs, alpha),
+        "seeds_needed": seeds_needed(diffs, margin, alpha), "unit": unit, "n_targets": n_targets,
+        "n_seeds": int(len(pairs)),
+    }
+
+
+def _judge_family(arm: str, family: list[dict[str, Any]], alpha: float, test: str) -> list[str]:
+    """Holm over an arm's endpoints (the verdict's test, and TOST), each row's verdict; returns a note when the
+    sign-flip test cannot reach significance with this many pairs."""
+    p_holm = holm([row["p_t" if test == "t" else "p_value"] for row in family])
+    p_tost_holm = holm([row["p_tost"] for row in family])
+    for row, adjusted, tost_adjusted in zip(family, p_holm, p_tost_holm):
+        row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
+        row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
+    if test != "sign_flip" or max(row["p_min"] for row in family) * len(family) < alpha:
+        return []
+    n, unit = max(row["n_pairs"] for row in family), family[0]["unit"]
+    needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
+    return [f"{arm}: with {n} {unit} pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
+            f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} {unit}s"]
+
+
 def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, ...], margins: dict[str, float],
                  alpha: float = 0.05, test: str = "t", nested: bool = False) -> tuple[pd.DataFrame, list[str]]:
     """Every arm against its stratum's baseline, per endpoint (PAIRED_COLUMNS), and notes on what was left out.
@@ -380,41 +422,13 @@ def paired_table(runs: pd.DataFrame, arms: pd.DataFrame, endpoints: tuple[str, .
                 notes.append(f"endpoint {endpoint}: not a column of the runs table")
                 continue
             units, unit, n_targets, pairs = unit_differences(runs, arm, baseline, endpoint, nested, targets)
-            if pairs.empty:
-                continue  # e.g. loop_score of a shuffled order: NaN by definition, nothing to compare
-            diffs = units.to_numpy()
-            margin = margins.get(endpoint, float("nan"))
-            if np.isfinite(margin) and zero_spread(diffs):
-                notes.append(f"{arm}, {endpoint}: every one of the {diffs.size} {unit} pairs differs by exactly "
-                             f"{float(diffs[0]):+.4g} (zero variance): no spread is no evidence of equivalence, so "
-                             f"the margin {margin:g} is not tested (the endpoint does not vary with the seed)")
-            ci_low, ci_high = t_interval(diffs, alpha)
-            boot_low, boot_high = bootstrap_interval(diffs, alpha)
-            family.append({
-                "policy": arm, "endpoint": endpoint, "diff": float(diffs.mean()), "ci_low": ci_low,
-                "ci_high": ci_high, "p_value": sign_flip_p_value(diffs), "better": BETTER[endpoint],
-                "stratum": setting["stratum"], "baseline": baseline, "n_pairs": int(diffs.size),
-                "boot_low": boot_low, "boot_high": boot_high, "margin": margin,
-                "p_tost": tost_p_value(diffs, margin), "p_min": 2.0 / 2**diffs.size if diffs.size else np.nan,
-                "arm_mean": float(pairs["arm"].mean()), "baseline_mean": float(pairs["baseline"].mean()),
-                "seeds": " ".join(str(s) for s in pairs.index), "p_t": paired_t_p_value(diffs),
-                "p_bca": bca_p_value(diffs), "test": test, "mdd": minimum_detectable_difference(diffs, alpha),
-                "seeds_needed": seeds_needed(diffs, margin, alpha), "unit": unit, "n_targets": n_targets,
-                "n_seeds": int(len(pairs)),
-            })
+            if not pairs.empty:   # empty: e.g. loop_score of a shuffled order, NaN by definition
+                family.append(_paired_row(arm, setting, endpoint, units, unit, n_targets, pairs,
+                                          margins.get(endpoint, float("nan")), alpha, test, notes))
         if not family:
             notes.append(f"{arm}: no seed in common with its baseline {baseline}")
             continue
-        p_holm = holm([row["p_t" if test == "t" else "p_value"] for row in family])
-        p_tost_holm = holm([row["p_tost"] for row in family])
-        for row, adjusted, tost_adjusted in zip(family, p_holm, p_tost_holm):
-            row["p_holm"], row["p_tost_holm"] = float(adjusted), float(tost_adjusted)
-            row["verdict"] = verdict(row["diff"], adjusted, tost_adjusted, row["better"], alpha)
-        if test == "sign_flip" and max(row["p_min"] for row in family) * len(family) >= alpha:
-            n, unit = max(row["n_pairs"] for row in family), family[0]["unit"]
-            needed = int(np.floor(np.log2(2 * len(family) / alpha))) + 1  # 2/2^n x k < alpha
-            notes.append(f"{arm}: with {n} {unit} pairs the sign-flip test cannot reach p_holm < {alpha:g} over "
-                         f"{len(family)} endpoints (smallest p = 2/2^{n}); 'better'/'worse' need >= {needed} {unit}s")
+        notes += _judge_family(arm, family, alpha, test)
         rows += family
     table = pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
     return table, notes

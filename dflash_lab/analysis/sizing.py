@@ -1,4 +1,5 @@
-"""What a run's size lets its analysis measure, said before the run trains (``components.build_components``).
+"""What a run's size lets its analysis measure, said before the run trains (``dflash_lab/train.py`` asks, once the
+run's parts are built; the run's own modules, ``dflash_lab/training/``, import nothing of the analysis).
 
 A run declared for a verdict (``analysis.verdict``, e.g. the forgetting protocol) whose probe-dynamics endpoint
 (``residual_amplitude``, ``own_share_slope``, ``cross_band_effect``) cannot be computed from the probes it will
@@ -104,17 +105,3 @@ def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, 
             f"{end_step}, probes.every={probes_every}): "
             + ", ".join(f"{name} needs {n}" for name, n in short.items())
             + f"; compare will report NaN for {'it' if len(short) == 1 else 'them'}{role}: {fix}")
-
-
-def tau_prompt_warning(found: int, wanted: int, heldout: int) -> str | None:
-    """A warning when the held-out split holds fewer tau prompts than ``model.decode_num_prompts`` asks for.
-
-    Example:
-        >>> print(tau_prompt_warning(6, 12, 9))  # doctest: +ELLIPSIS
-        tau: only 6 of the 12 prompts of model.decode_num_prompts exist (the held-out split holds 9 samples): ...
-    """
-    if found >= wanted:
-        return None
-    return (f"tau: only {found} of the {wanted} prompts of model.decode_num_prompts exist (the held-out split holds "
-            f"{heldout} samples): tau, tau per band and tau_band_min rest on {found} prompts; raise "
-            f"data.probe_fraction for more held-out samples, or set model.decode_num_prompts={found}")

@@ -218,8 +218,22 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
         'no_summary'
     """
     notes = list(record.messages)
+    row = _recorded_columns(record)
+    steady_start_step = _jumpiness_columns(row, notes, record, window)
+    period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
+    bands, cross = _probe_columns(row, notes, record, steady_start_step, period)
+    bands = _example_columns(row, notes, record, theta, bands)
+    curve = _budget_columns(row, record, cost)
+    _note_unexplained(row, notes, applies_loop=bool(period),
+                      tau_off=(record.config.get("trainer") or {}).get("measure_tau") is False)
+    row["notes"] = "; ".join(dict.fromkeys(notes))
+    return RunAnalysis(row=row, bands=bands, cross=cross, curve=curve)
+
+
+def _recorded_columns(record: RunRecord) -> dict:
+    """The run's row, every column NaN but what the run recorded: its identity, its summary's figures (with the
+    throughput and final loss from metrics.jsonl where the summary lacks them) and its target."""
     summary = record.summary
-    steps = record.steps
     row: dict = {name: np.nan for name in RUN_COLUMNS}
     row.update(
         run_id=record.run_id, name=record.name or record.run_id, source=record.source, location=record.location,
@@ -229,85 +243,99 @@ def analyse_run(record: RunRecord, theta: float = forgetting.LEARNED_THRESHOLD,
     for key in ("ktok_s", "pad_eff", "eta_s", "full_run_eta_s", "overhead_frac", "final_loss", "final_acc", "tau",
                 "tau_baseline", "tau_band_min", "tau_band_mean", "tau_se", "tau_prompts", "steps"):
         row[key] = _finite_or_nan(summary.get(key))
-    _throughput_and_final(row, steps)
+    _throughput_and_final(row, record.steps)
     row["target_seed"] = _finite_or_nan(summary.get("target_seed"))
     row["target_digest"] = arms_module.recorded_digest(record, "target_digest")
+    return row
 
+
+def _jumpiness_columns(row: dict, notes: list[str], record: RunRecord, window: float | str) -> float:
+    """The loss jumpiness columns over the analysis window (``metrics.jumpiness``); returns the window's first step
+    (the steady-state start with ``window: steady``), where the probe dynamics start too."""
+    steps = record.steps
     loss, step = _column(steps, "loss"), _column(steps, "step")
-    fixed_start = _window_start_index(window, step, summary)
+    fixed_start = _window_start_index(window, step, record.summary)
     steady_start_step = float(step[fixed_start]) if fixed_start is not None else 0.0
-    if loss is not None and np.isfinite(loss).sum() >= 3:
-        report = jumpiness.jumpiness_report(
-            loss, _column(steps, "mean_len"), _column(steps, "max_len"), _bucket_column(steps),
-            steady_start=fixed_start,
-        )
-        row.update({k: v for k, v in report.as_dict().items() if k in row})
-        steady_start_step = float(step[report.steady_start]) if step is not None else float(report.steady_start)
-        row["steady_start_step"] = steady_start_step
-        if report.steady_steps < 8:
-            notes.append(f"jumpiness: only {report.steady_steps} steady-state steps")
-        if not np.isfinite(report.spike_score):
-            notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once 32 losses precede it "
-                         "(minimum 33)")
-    else:
+    if loss is None or np.isfinite(loss).sum() < 3:
         count = 0 if loss is None else int(np.isfinite(loss).sum())
         _note_undefined(notes, {c: f"{count} logged losses, minimum 3" for c in ("jumpiness", "spike_score")})
+        return steady_start_step
+    report = jumpiness.jumpiness_report(
+        loss, _column(steps, "mean_len"), _column(steps, "max_len"), _bucket_column(steps), steady_start=fixed_start,
+    )
+    row.update({k: v for k, v in report.as_dict().items() if k in row})
+    steady_start_step = float(step[report.steady_start]) if step is not None else float(report.steady_start)
+    row["steady_start_step"] = steady_start_step
+    if report.steady_steps < 8:
+        notes.append(f"jumpiness: only {report.steady_steps} steady-state steps")
+    if not np.isfinite(report.spike_score):
+        notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once {jumpiness.SPIKE_MIN_HISTORY} "
+                     f"losses precede it (minimum {jumpiness.SPIKE_MIN_HISTORY + 1})")
+    return steady_start_step
 
-    bands, cross = pd.DataFrame(), pd.DataFrame()
+
+def _probe_columns(row: dict, notes: list[str], record: RunRecord, steady_start_step: float,
+                   period: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The probe bands' forgetting and dynamics columns from the regular probe evaluations
+    (``metrics.forgetting``); returns the per-band table and the cross-band matrix."""
     probes = record.probes.dropna(subset=["step", "band"])
-    period = forgetting.order_period_steps(record.sampler, _steps_per_epoch(record))
     if probes.empty:
         _note_undefined(notes, {c: "no probe evals" for c in ("band_forgetting", "residual_amplitude",
                                                               "own_share_slope", "cross_band_effect")}
                         | ({"loop_score": "no probe evals"} if period else {}))
-    else:
-        probes = regular_probes(probes, record)   # the warmup's extra evals stay out of the forgetting figures
-        bands = forgetting.band_forgetting_table(probes.dropna(subset=["acc"]))
-        row["band_forgetting"] = float(bands["forgetting"].mean())
-        row["final_drop"] = float(bands["final_drop"].mean())
-        row["max_final_drop"] = float(bands["final_drop"].max())
-        probe_loss = probes.pivot_table(index="step", columns="band", values="loss", aggfunc="last").sort_index()
-        probe_loss = probe_loss.dropna(axis=1, how="all")  # a band whose blocks could never be scored
-        step_band_tokens = _step_band_tokens(record, notes)
-        dynamics = forgetting.probe_dynamics(probe_loss, step_band_tokens, start_step=steady_start_step,
-                                             period_steps=period)
-        row.update(
-            forgetting_window_evals=dynamics.window_evals, residual_amplitude=dynamics.residual_amplitude,
-            own_share_slope=dynamics.own_share_slope, own_share_slope_se=dynamics.own_share_slope_se,
-            cross_band_effect=dynamics.cross_band_effect, loop_score=dynamics.loop_score,
-            loop_lag_evals=float(dynamics.loop_lag_evals) if dynamics.loop_lag_evals else np.nan,
-            order_period_steps=float(period) if period else np.nan,
-        )
-        _note_undefined(notes, _dynamics_reasons(dynamics, steady_start_step, period, step_band_tokens is not None))
-        bands = bands.join(dynamics.per_band, how="left")
-        cross = dynamics.cross_matrix
+        return pd.DataFrame(), pd.DataFrame()
+    probes = regular_probes(probes, record)   # the warmup's extra evals stay out of the forgetting figures
+    bands = forgetting.band_forgetting_table(probes.dropna(subset=["acc"]))
+    row["band_forgetting"] = float(bands["forgetting"].mean())
+    row["final_drop"] = float(bands["final_drop"].mean())
+    row["max_final_drop"] = float(bands["final_drop"].max())
+    probe_loss = probes.pivot_table(index="step", columns="band", values="loss", aggfunc="last").sort_index()
+    probe_loss = probe_loss.dropna(axis=1, how="all")  # a band whose blocks could never be scored
+    step_band_tokens = _step_band_tokens(record, notes)
+    dynamics = forgetting.probe_dynamics(probe_loss, step_band_tokens, start_step=steady_start_step,
+                                         period_steps=period)
+    row.update(
+        forgetting_window_evals=dynamics.window_evals, residual_amplitude=dynamics.residual_amplitude,
+        own_share_slope=dynamics.own_share_slope, own_share_slope_se=dynamics.own_share_slope_se,
+        cross_band_effect=dynamics.cross_band_effect, loop_score=dynamics.loop_score,
+        loop_lag_evals=float(dynamics.loop_lag_evals) if dynamics.loop_lag_evals else np.nan,
+        order_period_steps=float(period) if period else np.nan,
+    )
+    _note_undefined(notes, _dynamics_reasons(dynamics, steady_start_step, period, step_band_tokens is not None))
+    return bands.join(dynamics.per_band, how="left"), dynamics.cross_matrix
 
+
+def _example_columns(row: dict, notes: list[str], record: RunRecord, theta: float,
+                     bands: pd.DataFrame) -> pd.DataFrame:
+    """The example forgetting columns from the presentation records (``metrics.forgetting``); returns the per-band
+    table with the examples' figures joined."""
     presentations = record.presentations.dropna(subset=["sample_index", "step", "acc"])
     if presentations.empty:
         notes.append("forgetting_events_per_example: no example presentations")
-    else:
-        summary_all = forgetting.example_forgetting(presentations, theta)
-        row["forgetting_events_per_example"] = summary_all.events_per_example
-        row["frac_ever_forgotten"] = summary_all.frac_ever_forgotten
-        row["frac_never_learned"] = summary_all.frac_never_learned
-        if summary_all.n_examples == 0:
-            notes.append(f"forgetting_events_per_example: no example presented {forgetting.MIN_PRESENTATIONS} "
-                         f"times (needs >= {forgetting.MIN_PRESENTATIONS} epochs)")
-        by_band = forgetting.example_forgetting_by_band(presentations, theta).add_prefix("examples_")
-        bands = by_band if bands.empty else bands.join(by_band, how="outer")
+        return bands
+    summary_all = forgetting.example_forgetting(presentations, theta)
+    row["forgetting_events_per_example"] = summary_all.events_per_example
+    row["frac_ever_forgotten"] = summary_all.frac_ever_forgotten
+    row["frac_never_learned"] = summary_all.frac_never_learned
+    if summary_all.n_examples == 0:
+        notes.append(f"forgetting_events_per_example: no example presented {forgetting.MIN_PRESENTATIONS} "
+                     f"times (needs >= {forgetting.MIN_PRESENTATIONS} epochs)")
+    by_band = forgetting.example_forgetting_by_band(presentations, theta).add_prefix("examples_")
+    return by_band if bands.empty else bands.join(by_band, how="outer")
 
-    world = _finite_or_nan(summary.get("world_size"))
-    axes = budgets.compute_axes(steps, cost, int(world) if np.isfinite(world) and world >= 1 else 1)
+
+def _budget_columns(row: dict, record: RunRecord, cost: tuple[float, float, float] | None) -> pd.DataFrame:
+    """The run's totals on the budget axes (real tokens, modelled time: ``analysis.budgets``) and its final probe
+    loss; returns its probe-loss curve on those axes."""
+    world = _finite_or_nan(record.summary.get("world_size"))
+    axes = budgets.compute_axes(record.steps, cost, int(world) if np.isfinite(world) and world >= 1 else 1)
     curve = budgets.probe_curve(record.probes, axes)
     if len(axes):
         row["real_tokens_total"] = float(axes["real_tokens"].iloc[-1])
         row["modelled_time_s"] = float(axes["modelled_time_s"].iloc[-1])
     if len(curve):
         row["probe_loss_final"] = float(curve["probe_loss"].iloc[-1])
-    _note_unexplained(row, notes, applies_loop=bool(period),
-                      tau_off=(record.config.get("trainer") or {}).get("measure_tau") is False)
-    row["notes"] = "; ".join(dict.fromkeys(notes))
-    return RunAnalysis(row=row, bands=bands, cross=cross, curve=curve)
+    return curve
 
 
 def _note_unexplained(row: dict, notes: list[str], applies_loop: bool, tau_off: bool = False) -> None:
@@ -405,54 +433,15 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
     """
     unique_run_ids(records)
     protocol = protocol if protocol is not None else resolve_protocol(records)
-    pairing, swept, notes, digest_notes = None, [], [], {}
-    if records:  # settle arms and the baseline first: a bad selector fails before any run is analysed
-        sweep = arms_module.sweep_of(records)
-        labels = sweep.values.apply(arms_module.arm_label, axis=1)
-        kept, notes = arms_module.drop_duplicate_runs(records, labels, duplicates)
-        if len(kept) < len(records):
-            records = kept
-            sweep = arms_module.sweep_of(records)
-            labels = sweep.values.apply(arms_module.arm_label, axis=1)
-        digest_notes = arms_module.check_digests(records, sweep, mixed_digests)
-        notes += arms_module.pooled_launch_notes(records, labels)
-        settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
-        swept = ["sampler", *settings.columns]
-        if protocol.baseline:
-            pairing = arms_module.pair_arms(sweep, labels, protocol.baseline)
+    arms = place_arms(records, protocol.baseline, duplicates, mixed_digests)   # a bad selector fails first
+    records, pairing, notes = arms.records, arms.pairing, list(arms.notes)
     analyses = [analyse_run(record, theta, protocol.cost, protocol.window) for record in records]
-    runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
-    if records:
-        runs["arm"] = runs["run_id"].map(labels)
-        runs = runs.join(settings, on="run_id")
-        runs["notes"] = [_joined(text, digest_notes.get(run_id, [])) for run_id, text in zip(runs["run_id"],
-                                                                                               runs["notes"])]
-        mixed = sum(any("compared anyway" in note for note in run_notes) for run_notes in digest_notes.values())
-        if mixed:
-            notes.append(f"{mixed} run(s) were compared with runs of their setting trained against other target "
-                         "weights or data (--mixed-digests=allow): see their notes")
+    runs = _runs_table(analyses, arms, notes)
     curves = _budget_endpoints(runs, analyses)
     budget = curves.attrs.pop("budgets", {axis: float("nan") for axis in budgets.AXES})
     target = _target_endpoints(runs, analyses, protocol.target, budget,
                                pairing.arms["baseline"].to_dict() if pairing is not None else {}, notes)
-    paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
-    left_out: list[dict] = []
-    if pairing is not None:
-        runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
-        left_out = left_out_runs(records, runs)   # paired statistics and the verdict: finished runs only
-        finished = runs[runs["status"] == "finished"]
-        states_target = bool(RULES[protocol.rules]["time_to_target"] and target is not None)
-        margins = {**(_target_margins(finished, target, pairing.arms) if states_target else {}), **protocol.margins}
-        paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, margins,
-                                            protocol.alpha, test=protocol.test,
-                                            nested=RULES[protocol.rules]["nested"])
-        notes += pairing.notes + paired_notes
-        if states_target:
-            paired, target_notes = _pair_target_endpoints(finished, pairing.arms, protocol, margins, paired, target)
-            notes += [note for note in target_notes if note not in notes]
-        if left_out:
-            notes.append("paired comparisons and the verdict use finished runs only; left out: " + "; ".join(
-                f"{entry['run']} ({entry['arm']} seed {entry['seed']}): {entry['reason']}" for entry in left_out))
+    paired, left_out = _paired_endpoints(runs, records, pairing, protocol, target, notes)
     bands, cross = _long_tables(analyses, runs)
     verdict = None
     if protocol.verdict and pairing is not None:
@@ -467,9 +456,86 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
             notes.append(f"verdict.json not written: {error}")
         if verdict is not None and RULES[protocol.rules]["time_to_target"]:
             add_time_to_target(verdict, paired, target, early_step=budgets.EARLY_SHARE * budget["steps"])
-    return Comparison(runs=runs, groups=group_table(runs, swept), bands=bands, cross=cross, paired=paired,
-                      curves=curves, swept=swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict,
+    return Comparison(runs=runs, groups=group_table(runs, arms.swept), bands=bands, cross=cross, paired=paired,
+                      curves=curves, swept=arms.swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict,
                       target=target, gradients=gradient_table(records, runs))
+
+
+@dataclass
+class ArmPlacement:
+    """Where each run stands: its arm (``labels``: run_id -> arm label), the settings its sweep varies
+    (``settings``, by run_id; ``swept``: their names, the sampler first), the pairing with the baseline (None
+    without one), the runs kept (duplicates resolved), and the notes of the placement and of each run's digests."""
+
+    records: list[RunRecord]
+    labels: pd.Series | None = None
+    settings: pd.DataFrame | None = None
+    swept: list[str] = field(default_factory=list)
+    pairing: arms_module.Pairing | None = None
+    notes: list[str] = field(default_factory=list)
+    digest_notes: dict[str, list[str]] = field(default_factory=dict)
+
+
+def place_arms(records: list[RunRecord], baseline: str | None, duplicates: str, mixed_digests: str) -> ArmPlacement:
+    """Place every run in its arm (``arms.sweep_of``), resolve duplicate runs (``duplicates``), check the digests of
+    each setting's runs (``mixed_digests``) and pair the arms with the baseline; before any run is analysed, so a
+    bad selector fails first."""
+    if not records:
+        return ArmPlacement(records=records)
+    sweep = arms_module.sweep_of(records)
+    labels = sweep.values.apply(arms_module.arm_label, axis=1)
+    kept, notes = arms_module.drop_duplicate_runs(records, labels, duplicates)
+    if len(kept) < len(records):
+        records = kept
+        sweep = arms_module.sweep_of(records)
+        labels = sweep.values.apply(arms_module.arm_label, axis=1)
+    digest_notes = arms_module.check_digests(records, sweep, mixed_digests)
+    notes += arms_module.pooled_launch_notes(records, labels)
+    settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
+    pairing = arms_module.pair_arms(sweep, labels, baseline) if baseline else None
+    return ArmPlacement(records=records, labels=labels, settings=settings, swept=["sampler", *settings.columns],
+                        pairing=pairing, notes=notes, digest_notes=digest_notes)
+
+
+def _runs_table(analyses: list[RunAnalysis], arms: ArmPlacement, notes: list[str]) -> pd.DataFrame:
+    """One row per run (``schema.RUN_COLUMNS``) with its arm, the settings its sweep varies and its digest notes."""
+    runs = pd.DataFrame([a.row for a in analyses], columns=list(RUN_COLUMNS))
+    if not arms.records:
+        return runs
+    runs["arm"] = runs["run_id"].map(arms.labels)
+    runs = runs.join(arms.settings, on="run_id")
+    runs["notes"] = [_joined(text, arms.digest_notes.get(run_id, []))
+                     for run_id, text in zip(runs["run_id"], runs["notes"])]
+    mixed = sum(any("compared anyway" in note for note in run_notes) for run_notes in arms.digest_notes.values())
+    if mixed:
+        notes.append(f"{mixed} run(s) were compared with runs of their setting trained against other target "
+                     "weights or data (--mixed-digests=allow): see their notes")
+    return runs
+
+
+def _paired_endpoints(runs: pd.DataFrame, records: list[RunRecord], pairing: arms_module.Pairing | None,
+                      protocol: Protocol, target: dict | None, notes: list[str]) -> tuple[pd.DataFrame, list[dict]]:
+    """Each arm against its baseline on the protocol's endpoints (``paired.paired_table``; the time-to-target
+    endpoints too where the rules state them), over finished runs; returns the paired table and the runs left out
+    (each arm's stratum is set on ``runs``)."""
+    if pairing is None:
+        return pd.DataFrame(columns=list(PAIRED_COLUMNS)), []
+    runs["stratum"] = runs["arm"].map(pairing.arms["stratum"])
+    left_out = left_out_runs(records, runs)   # paired statistics and the verdict: finished runs only
+    finished = runs[runs["status"] == "finished"]
+    states_target = bool(RULES[protocol.rules]["time_to_target"] and target is not None)
+    margins = {**(_target_margins(finished, target, pairing.arms) if states_target else {}), **protocol.margins}
+    paired, paired_notes = paired_table(finished, pairing.arms, protocol.endpoints, margins,
+                                        protocol.alpha, test=protocol.test,
+                                        nested=RULES[protocol.rules]["nested"])
+    notes += pairing.notes + paired_notes
+    if states_target:
+        paired, target_notes = _pair_target_endpoints(finished, pairing.arms, protocol, margins, paired, target)
+        notes += [note for note in target_notes if note not in notes]
+    if left_out:
+        notes.append("paired comparisons and the verdict use finished runs only; left out: " + "; ".join(
+            f"{entry['run']} ({entry['arm']} seed {entry['seed']}): {entry['reason']}" for entry in left_out))
+    return paired, left_out
 
 
 # ------------------------------------------------------------------------------------------------- gradients
@@ -529,25 +595,35 @@ def run_gradients(record: RunRecord) -> tuple[list[dict], str]:
         >>> run_gradients(record)
         ([{'bucket': 0, 'phase': 'after', 'steps': 3}], 'bucket')
     """
-    summary, trainer = record.summary, record.config.get("trainer") or {}
+    summary = record.summary
     recorded = summary.get("gradients")
     if not record.partial and isinstance(recorded, dict) and isinstance(recorded.get("rows"), list):
         return recorded["rows"], str(recorded.get("grouped_by") or "")
-    warmup = run_warmup_steps(record)
-    grad_clip = (recorded or {}).get("grad_clip") if isinstance(recorded, dict) else None
-    grad_clip = trainer.get("grad_clip") if grad_clip is None else grad_clip
-    steps = record.steps
+    warmup, grad_clip, steps = run_warmup_steps(record), run_grad_clip(record), record.steps
     if warmup is None or grad_clip is None or "grad_norm" not in steps.columns or steps.empty:
         return [], ""
-    bands = summary.get("probe_bands")
     frame = steps[[c for c in ("step", "grad_norm", "clipped", "bucket", "max_len") if c in steps.columns]]
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
-    buckets = _column(steps, "bucket")
-    has_buckets = (summary["boundaries"] is not None if "boundaries" in summary
-                   else buckets is not None and bool((buckets >= 0).any()))
-    return (gradients.gradient_stats(rows, warmup=int(warmup), grad_clip=float(grad_clip), bands=bands),
-            gradients.grouped_by(has_buckets))
+    return (gradients.gradient_stats(rows, warmup=int(warmup), grad_clip=float(grad_clip),
+                                     bands=summary.get("probe_bands")),
+            gradients.grouped_by(_has_buckets(record)))
+
+
+def run_grad_clip(record: RunRecord) -> float | None:
+    """The clip the run trained with: summary.json ``gradients.grad_clip``, else ``trainer.grad_clip``; None when
+    neither says."""
+    recorded = record.summary.get("gradients")
+    grad_clip = recorded.get("grad_clip") if isinstance(recorded, dict) else None
+    return (record.config.get("trainer") or {}).get("grad_clip") if grad_clip is None else grad_clip
+
+
+def _has_buckets(record: RunRecord) -> bool:
+    """Whether the run's steps come from buckets: its summary's boundaries, else a bucket column it logged."""
+    if "boundaries" in record.summary:
+        return record.summary["boundaries"] is not None
+    buckets = _column(record.steps, "bucket")
+    return buckets is not None and bool((buckets >= 0).any())
 
 
 def gradient_table(records: list[RunRecord], runs: pd.DataFrame) -> pd.DataFrame:
@@ -687,49 +763,60 @@ def _target_endpoints(runs: pd.DataFrame, analyses: list[RunAnalysis], declared:
     """
     if declared is None:
         return None
-    rule = declared.get("rule", "fixed")
-    target = {"rule": rule, "at": declared.get("at"), "step": None, "margin": declared.get("margin"),
-              "levels": {}, "fixed_by": "", "not_reached": []}
     finished = ~runs["partial"].astype(bool)
-    if rule == "fixed":
-        target["levels"] = {"all": float(declared["probe_loss"])}
-        target["fixed_by"] = "declared before the runs (analysis.target.probe_loss)"
-        level_of_run = [target["levels"]["all"]] * len(runs)
-    else:
-        step = float(declared["at"]) * common["steps"]
-        target["step"] = step if np.isfinite(step) else None
-        for baseline in dict.fromkeys(b for b in baseline_of.values() if isinstance(b, str)):
-            own = [budgets.probe_loss_at(a.curve, "steps", step)
-                   for a, arm, done in zip(analyses, runs["arm"], finished) if arm == baseline and done]
-            own = [value for value in own if np.isfinite(value)]
-            if own:
-                target["levels"][baseline] = float(np.mean(own))
-        target["fixed_by"] = (f"the baseline arm's mean probe loss at {declared['at']:g} x the common step budget "
-                              f"(step {step:.0f}), over its finished runs, before the arms were compared")
-        if not target["levels"]:
-            notes.append("analysis.target: rule baseline_mean_at needs a baseline arm with finished runs whose "
-                         "curves reach the step it names (declare analysis.baseline): no time-to-target endpoints")
-        level_of_run = [target["levels"].get(baseline_of.get(arm), float("nan")) for arm in runs["arm"]]
+    target, level_of_run = _target_levels(runs, analyses, declared, common, baseline_of, finished, notes)
     for index, analysis, level in zip(runs.index, analyses, level_of_run):
         for axis, endpoint in budgets.TARGET_ENDPOINT_OF_AXIS.items():
             runs.at[index, endpoint] = budgets.time_to_target(analysis.curve, axis, level)
         if not np.isfinite(level):
             continue
         if not np.isfinite(runs.at[index, "steps_to_target"]):
-            curve = analysis.curve.dropna(subset=["probe_loss"])
-            lowest = float(curve["probe_loss"].min()) if len(curve) else float("nan")
-            last = float(curve["steps"].max()) if len(curve) else float("nan")
-            _add_note(runs, index, f"steps_to_target, tokens_to_target, time_to_target: never reached the target "
-                                   f"probe loss {level:.4g} (lowest {lowest:.4g}, last eval at step {last:.0f}); "
-                                   "not extrapolated")
+            missed = _never_reached(runs, index, analysis.curve, level)
             if finished[index]:
-                target["not_reached"].append({"run": runs.at[index, "run_id"], "arm": runs.at[index, "arm"],
-                                              "seed": None if pd.isna(runs.at[index, "seed"])
-                                              else int(runs.at[index, "seed"]),
-                                              "level": level, "lowest": lowest, "last_step": last})
+                target["not_reached"].append(missed)
         elif not np.isfinite(runs.at[index, "time_to_target"]):
             _add_note(runs, index, "time_to_target: no modelled time (give analysis.cost or --cost)")
     return target
+
+
+def _target_levels(runs: pd.DataFrame, analyses: list[RunAnalysis], declared: dict, common: dict[str, float],
+                   baseline_of: dict, finished: pd.Series, notes: list[str]) -> tuple[dict, list[float]]:
+    """The target (``_target_endpoints``' record, its levels fixed) and the level each run is read at: the declared
+    probe loss for every run, or its stratum's baseline arm's mean at ``at`` x the common step budget."""
+    rule = declared.get("rule", "fixed")
+    target = {"rule": rule, "at": declared.get("at"), "step": None, "margin": declared.get("margin"),
+              "levels": {}, "fixed_by": "", "not_reached": []}
+    if rule == "fixed":
+        target["levels"] = {"all": float(declared["probe_loss"])}
+        target["fixed_by"] = "declared before the runs (analysis.target.probe_loss)"
+        return target, [target["levels"]["all"]] * len(runs)
+    step = float(declared["at"]) * common["steps"]
+    target["step"] = step if np.isfinite(step) else None
+    for baseline in dict.fromkeys(b for b in baseline_of.values() if isinstance(b, str)):
+        own = [budgets.probe_loss_at(a.curve, "steps", step)
+               for a, arm, done in zip(analyses, runs["arm"], finished) if arm == baseline and done]
+        own = [value for value in own if np.isfinite(value)]
+        if own:
+            target["levels"][baseline] = float(np.mean(own))
+    target["fixed_by"] = (f"the baseline arm's mean probe loss at {declared['at']:g} x the common step budget "
+                          f"(step {step:.0f}), over its finished runs, before the arms were compared")
+    if not target["levels"]:
+        notes.append("analysis.target: rule baseline_mean_at needs a baseline arm with finished runs whose "
+                     "curves reach the step it names (declare analysis.baseline): no time-to-target endpoints")
+    return target, [target["levels"].get(baseline_of.get(arm), float("nan")) for arm in runs["arm"]]
+
+
+def _never_reached(runs: pd.DataFrame, index, curve: pd.DataFrame, level: float) -> dict:
+    """Note on the run's row that its curve never reached ``level``; returns the ``not_reached`` entry."""
+    curve = curve.dropna(subset=["probe_loss"])
+    lowest = float(curve["probe_loss"].min()) if len(curve) else float("nan")
+    last = float(curve["steps"].max()) if len(curve) else float("nan")
+    _add_note(runs, index, f"steps_to_target, tokens_to_target, time_to_target: never reached the target "
+                           f"probe loss {level:.4g} (lowest {lowest:.4g}, last eval at step {last:.0f}); "
+                           "not extrapolated")
+    seed = runs.at[index, "seed"]
+    return {"run": runs.at[index, "run_id"], "arm": runs.at[index, "arm"],
+            "seed": None if pd.isna(seed) else int(seed), "level": level, "lowest": lowest, "last_step": last}
 
 
 def _target_margins(finished: pd.DataFrame, target: dict | None, arms: pd.DataFrame) -> dict[str, float]:
@@ -879,13 +966,18 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
         >>> print(markdown_tables(compare_records([])))
         No runs loaded.
     """
-    runs, groups = comparison.runs, comparison.groups
-    if runs.empty:
+    if comparison.runs.empty:
         return "No runs loaded."
-    parts = ["## Per setting (mean ± std over seeds)", ""]
+    parts = [*_per_setting_section(comparison, columns), *_paired_section(comparison),
+             *_equal_compute_section(comparison), *_time_to_target_section(comparison),
+             *_gradient_section(comparison), *_per_run_section(comparison, columns), *_notes_section(comparison)]
+    return "\n".join(parts)
+
+
+def _per_setting_section(comparison: Comparison, columns: tuple[str, ...]) -> list[str]:
     setting_columns = [c for c in comparison.swept if c != "sampler"]
     group_rows = []
-    for arm, stats in groups.iterrows():
+    for arm, stats in comparison.groups.iterrows():
         partial = f" ({int(stats['n_partial'])} partial)" if stats["n_partial"] else ""
         cells = [str(arm), *[str(stats.get(c, "")) for c in setting_columns], f"{int(stats['n_runs'])}{partial}"]
         for column in columns:
@@ -895,53 +987,76 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
                 text += f" ± {_format_number(std, column, digits=2)}"
             cells.append(text)
         group_rows.append(cells)
-    parts += [_markdown(["arm", *setting_columns, "runs", *columns], group_rows), ""]
+    return ["## Per setting (mean ± std over seeds)", "",
+            _markdown(["arm", *setting_columns, "runs", *columns], group_rows), ""]
+
+
+def _paired_section(comparison: Comparison) -> list[str]:
     protocol = comparison.protocol
-    parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
-              f"diff = arm − baseline, mean over seed pairs (over targets, each the mean of its seeds, where seeds "
-              f"nest in several targets: rules version >= 5); {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
-              "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "
-              f"over the endpoints of an arm of the verdict's test ({protocol.test}); verdict: TOST against the "
-              "declared margin, else the sign of a Holm-significant difference; mdd: the difference detectable with "
-              "power 0.8 at these units; seeds: units (seeds, or targets) needed for the margin.", "",
-              paired_markdown(comparison.paired), ""]
+    return [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
+            f"diff = arm − baseline, mean over seed pairs (over targets, each the mean of its seeds, where seeds "
+            f"nest in several targets: rules version >= 5); {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
+            "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "
+            f"over the endpoints of an arm of the verdict's test ({protocol.test}); verdict: TOST against the "
+            "declared margin, else the sign of a Holm-significant difference; mdd: the difference detectable with "
+            "power 0.8 at these units; seeds: units (seeds, or targets) needed for the margin.", "",
+            paired_markdown(comparison.paired), ""]
+
+
+def _arm_means(comparison: Comparison, headers: list[str]) -> str:
+    """A table of the arms' means (over seeds) of ``headers[1:]``."""
+    return _markdown(headers, [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
+                               for arm, stats in comparison.groups.iterrows()])
+
+
+def _equal_compute_section(comparison: Comparison) -> list[str]:
     budget = comparison.budgets
-    parts += ["## Equal compute", "",
-              "Mean probe loss over bands, read at the budget every finished run reaches: "
-              f"{_format_number(budget['steps'], 'steps')} optimizer steps, "
-              f"{_format_number(budget['real_tokens'], 'real_tokens')} real tokens, "
-              f"{_format_number(budget['modelled_time_s'], 'time')} s modelled time"
-              + ("" if protocol.cost else " (no cost model: give --cost or analysis.cost)") + ".", ""]
-    headers = ["arm", "probe_loss_final", "probe_loss_at_steps", "probe_loss_at_tokens", "probe_loss_at_time"]
-    budget_rows = [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
-                   for arm, stats in groups.iterrows()]
-    parts += [_markdown(headers, budget_rows), ""]
-    if comparison.target is not None:
-        levels = ", ".join(f"{level:.4g}" + ("" if arm == "all" else f" ({arm})")
-                           for arm, level in comparison.target["levels"].items()) or "n/a"
-        parts += ["## Time to target", "",
-                  f"Probe loss {levels}, {comparison.target['fixed_by']}: where each run's probe curve first reaches "
-                  f"it (interpolated between evals), mean over the arm's runs that reached it (a run that never did is named in "
-                  f"the notes). probe_loss_early: mean probe loss over the "
-                  f"first {budgets.EARLY_SHARE:.0%} of the common step budget.", ""]
-        headers = ["arm", "steps_to_target", "tokens_to_target", "time_to_target", "probe_loss_early"]
-        parts += [_markdown(headers, [[str(arm)] + [_format_number(stats[f"{c}_mean"], c) for c in headers[1:]]
-                                      for arm, stats in groups.iterrows()]), ""]
-    parts += ["## Gradient norm by bucket and phase (mean over seeds)", "",
-              "Pre-clip global gradient norm per optimizer step, grouped by the step's bucket (policies without "
-              "buckets: the probe band of its longest document) and phase (warmup: the LR schedule's linear rise; "
-              "after: the rest); clip frac: share of steps with norm > trainer.grad_clip > 0 (gradients.csv).", "",
-              gradients_markdown(comparison.gradients), "", "## Per run", ""]
+    return ["## Equal compute", "",
+            "Mean probe loss over bands, read at the budget every finished run reaches: "
+            f"{_format_number(budget['steps'], 'steps')} optimizer steps, "
+            f"{_format_number(budget['real_tokens'], 'real_tokens')} real tokens, "
+            f"{_format_number(budget['modelled_time_s'], 'time')} s modelled time"
+            + ("" if comparison.protocol.cost else " (no cost model: give --cost or analysis.cost)") + ".", "",
+            _arm_means(comparison, ["arm", "probe_loss_final", "probe_loss_at_steps", "probe_loss_at_tokens",
+                                    "probe_loss_at_time"]), ""]
+
+
+def _time_to_target_section(comparison: Comparison) -> list[str]:
+    if comparison.target is None:
+        return []
+    levels = ", ".join(f"{level:.4g}" + ("" if arm == "all" else f" ({arm})")
+                       for arm, level in comparison.target["levels"].items()) or "n/a"
+    return ["## Time to target", "",
+            f"Probe loss {levels}, {comparison.target['fixed_by']}: where each run's probe curve first reaches "
+            f"it (interpolated between evals), mean over the arm's runs that reached it (a run that never did is named in "
+            f"the notes). probe_loss_early: mean probe loss over the "
+            f"first {budgets.EARLY_SHARE:.0%} of the common step budget.", "",
+            _arm_means(comparison, ["arm", "steps_to_target", "tokens_to_target", "time_to_target",
+                                    "probe_loss_early"]), ""]
+
+
+def _gradient_section(comparison: Comparison) -> list[str]:
+    return ["## Gradient norm by bucket and phase (mean over seeds)", "",
+            "Pre-clip global gradient norm per optimizer step, grouped by the step's bucket (policies without "
+            "buckets: the probe band of its longest document) and phase (warmup: the LR schedule's linear rise; "
+            "after: the rest); clip frac: share of steps with norm > trainer.grad_clip > 0 (gradients.csv).", "",
+            gradients_markdown(comparison.gradients), ""]
+
+
+def _per_run_section(comparison: Comparison, columns: tuple[str, ...]) -> list[str]:
     run_rows = []
-    for _, run in runs.iterrows():
+    for _, run in comparison.runs.iterrows():
         seed = "n/a" if pd.isna(run["seed"]) else str(int(run["seed"]))
         status = str(run["status"]) + (" (partial)" if run["partial"] else "")
         run_rows.append([str(run["run_id"]), str(run["arm"]), seed, status]
                         + [_format_number(run[c], c) for c in columns])
-    parts.append(_markdown(["run", "arm", "seed", "status", *columns], run_rows))
+    return ["## Per run", "", _markdown(["run", "arm", "seed", "status", *columns], run_rows)]
+
+
+def _notes_section(comparison: Comparison) -> list[str]:
+    runs = comparison.runs
     noted = runs[runs["notes"].astype(str).str.len() > 0]
-    if len(noted) or comparison.notes:
-        parts += ["", "## Notes", ""]
-        parts += [f"- {note}" for note in comparison.notes]
-        parts += [f"- `{r['run_id']}`: {r['notes']}" for _, r in noted.iterrows()]
-    return "\n".join(parts)
+    if not len(noted) and not comparison.notes:
+        return []
+    return ["", "## Notes", "", *[f"- {note}" for note in comparison.notes],
+            *[f"- `{r['run_id']}`: {r['notes']}" for _, r in noted.iterrows()]]

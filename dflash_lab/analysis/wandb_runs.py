@@ -215,6 +215,28 @@ def wandb_run_to_record(run: Any, source: str = "wandb", location: str | None = 
     messages: list[str] = []
     if getattr(run, "complete", True) is False:
         messages.append("offline W&B log has no exit record yet (still being written, or the run crashed)")
+    record = _identity(run, source, location)
+    try:
+        history = _history_frame(run)
+    except Exception as exc:  # noqa: BLE001 - a run whose history cannot be read is still listed
+        messages.append(f"could not read W&B history ({type(exc).__name__}: {exc})")
+        history = pd.DataFrame()
+    record.steps = steps_from_history(history)
+    record.probes = probes_from_history(history)
+    _read_run_files(record, _download_run_files(run, messages), messages)
+    _settle_summary(record, messages)
+    if record.steps.empty:
+        messages.append("W&B history has no training steps")
+    if record.probes.empty:
+        messages.append("W&B history has no probe/<band>/* keys: band forgetting and probe dynamics NaN")
+    if record.presentations.empty:
+        messages.append("no presentations.parquet among the W&B run files: example forgetting events NaN")
+    record.messages = messages
+    return record
+
+
+def _identity(run: Any, source: str, location: str | None) -> RunRecord:
+    """The run's record before its data: id, where it came from, name, group, config, summary and overrides."""
     run_id = str(getattr(run, "id", None) or getattr(run, "name", "wandb-run"))
     path = getattr(run, "path", None)
     if location is None:
@@ -231,15 +253,12 @@ def wandb_run_to_record(run: Any, source: str = "wandb", location: str | None = 
     logged_overrides = record.config.get("overrides")
     if isinstance(logged_overrides, (list, tuple)):
         record.overrides = [str(item) for item in logged_overrides]
-    try:
-        history = _history_frame(run)
-    except Exception as exc:  # noqa: BLE001 - a run whose history cannot be read is still listed
-        messages.append(f"could not read W&B history ({type(exc).__name__}: {exc})")
-        history = pd.DataFrame()
-    record.steps = steps_from_history(history)
-    record.probes = probes_from_history(history)
+    return record
 
-    files = _download_run_files(run, messages)
+
+def _read_run_files(record: RunRecord, files: dict[str, Path], messages: list[str]) -> None:
+    """The uploaded run files, where the run has them: they replace what the history holds (the trainer's own
+    records), and give the summary when W&B's is empty."""
     if "metrics.jsonl" in files:
         frame, _ = read_jsonl(files["metrics.jsonl"])
         record.steps = conform(frame, STEP_COLUMNS)[0].sort_values("step").reset_index(drop=True)
@@ -256,21 +275,17 @@ def wandb_run_to_record(run: Any, source: str = "wandb", location: str | None = 
         except (OSError, json.JSONDecodeError):
             messages.append("summary.json in run files is unreadable")
 
-    if not record.summary or "status" not in record.summary:
-        # a W&B summary always holds the last logged values; only the trainer's summary carries a status
-        if not any(key in record.summary for key in ("final_loss", "tau", "steps")):
-            messages.append("W&B summary lacks the run's final figures (crashed or running): partial run")
-            record.summary = {}
-        else:
-            record.summary = {**record.summary, "status": record.summary.get("status", "finished")}
-    if record.steps.empty:
-        messages.append("W&B history has no training steps")
-    if record.probes.empty:
-        messages.append("W&B history has no probe/<band>/* keys: band forgetting and probe dynamics NaN")
-    if record.presentations.empty:
-        messages.append("no presentations.parquet among the W&B run files: example forgetting events NaN")
-    record.messages = messages
-    return record
+
+def _settle_summary(record: RunRecord, messages: list[str]) -> None:
+    """A summary without the trainer's status: a finished run's when it holds the final figures, else none (a
+    partial run). A W&B summary always holds the last logged values; only the trainer's summary carries a status."""
+    if record.summary and "status" in record.summary:
+        return
+    if not any(key in record.summary for key in ("final_loss", "tau", "steps")):
+        messages.append("W&B summary lacks the run's final figures (crashed or running): partial run")
+        record.summary = {}
+    else:
+        record.summary = {**record.summary, "status": record.summary.get("status", "finished")}
 
 
 def load_wandb_runs(entity_project: str, group: str | None = None, api: Any = None) -> LoadReport:

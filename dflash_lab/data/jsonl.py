@@ -153,6 +153,25 @@ def parse_conversation(record) -> list[dict]:
         >>> parse_conversation({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
         [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'yo'}]
     """
+    turns, role_key, content_key = conversation_turns(record)
+    messages = [parse_turn(turn, role_key, content_key) for turn in turns]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UnusableLine("no_assistant_turn", "no assistant turn")
+    check_tool_results(messages)
+    return messages
+
+
+def conversation_turns(record) -> tuple[list, str, str]:
+    """The record's turns and the keys of each turn's role and content: ShareGPT (``conversations``, ``from`` and
+    ``value``) or the messages format (``messages``, ``role`` and ``content``).
+
+    Raises:
+        UnusableLine: ``malformed_json`` for a record that is not an object holding a non-empty list of turns.
+
+    Example:
+        >>> conversation_turns({"messages": [{"role": "user", "content": "hi"}]})
+        ([{'role': 'user', 'content': 'hi'}], 'role', 'content')
+    """
     if not isinstance(record, dict):
         raise UnusableLine("malformed_json", "line is not a JSON object")
     if "conversations" in record:
@@ -163,39 +182,67 @@ def parse_conversation(record) -> list[dict]:
         raise UnusableLine("malformed_json", "neither 'conversations' nor 'messages'")
     if not isinstance(turns, list) or not turns:
         raise UnusableLine("malformed_json", "empty or non-list conversation")
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise UnusableLine("malformed_json", "turn is not an object")
-        role, content = turn.get(role_key), turn.get(content_key)
-        if not isinstance(role, str):
-            raise UnusableLine("malformed_json", f"turn needs a string {role_key!r}")
-        try:
-            role = normalise_role(role)
-        except ValueError as exc:
-            raise UnusableLine("malformed_json", str(exc)) from exc
-        calls = turn.get("tool_calls") or ([turn["function_call"]] if turn.get("function_call") else [])
-        if calls and role != "assistant":
-            raise UnusableLine("malformed_json", f"tool_calls on a {role} turn: only assistant turns call tools")
-        if not isinstance(calls, list):
-            raise UnusableLine("malformed_json", "tool_calls must be a list of calls")
-        content = turn_content(content, role, content_key)
-        if not isinstance(content, str) and not (content is None and calls):
-            raise UnusableLine("malformed_json", f"turn needs string {role_key!r} and {content_key!r} (null only on "
-                                                 "an assistant turn with tool_calls)")
-        message = {"role": role, "content": content}
-        if calls:
-            message["tool_calls"] = [parse_tool_call(call) for call in calls]
-        reasoning = turn_reasoning(turn, role)
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        if role == "tool":
-            message.update({key: turn[key] for key in ("tool_call_id", "name") if turn.get(key) is not None})
-        messages.append(message)
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UnusableLine("no_assistant_turn", "no assistant turn")
-    check_tool_results(messages)
-    return messages
+    return turns, role_key, content_key
+
+
+def parse_turn(turn, role_key: str, content_key: str) -> dict:
+    """One turn as a chat template reads it: ``{role, content}``, its ``tool_calls`` (an assistant turn; HF form),
+    its ``reasoning_content`` (:func:`turn_reasoning`), a tool turn's ``tool_call_id`` and ``name``.
+
+    Raises:
+        UnusableLine: ``malformed_json`` for a turn whose role, content or calls cannot be read,
+            ``bad_tool_arguments`` for unparseable call arguments, ``non_text_content`` for non-text parts.
+
+    Example:
+        >>> parse_turn({"from": "gpt", "value": "yo"}, "from", "value")
+        {'role': 'assistant', 'content': 'yo'}
+    """
+    if not isinstance(turn, dict):
+        raise UnusableLine("malformed_json", "turn is not an object")
+    role = turn_role(turn, role_key)
+    calls = turn_calls(turn, role)
+    content = turn_content(turn.get(content_key), role, content_key)
+    if not isinstance(content, str) and not (content is None and calls):
+        raise UnusableLine("malformed_json", f"turn needs string {role_key!r} and {content_key!r} (null only on "
+                                             "an assistant turn with tool_calls)")
+    message = {"role": role, "content": content}
+    if calls:
+        message["tool_calls"] = [parse_tool_call(call) for call in calls]
+    reasoning = turn_reasoning(turn, role)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if role == "tool":
+        message.update({key: turn[key] for key in ("tool_call_id", "name") if turn.get(key) is not None})
+    return message
+
+
+def turn_role(turn: dict, role_key: str) -> str:
+    """A turn's role, normalised (``human`` -> ``user``, ``gpt`` -> ``assistant``, ...: :func:`normalise_role`).
+
+    Raises:
+        UnusableLine: ``malformed_json`` for a role that is not a string or not a known role.
+    """
+    role = turn.get(role_key)
+    if not isinstance(role, str):
+        raise UnusableLine("malformed_json", f"turn needs a string {role_key!r}")
+    try:
+        return normalise_role(role)
+    except ValueError as exc:
+        raise UnusableLine("malformed_json", str(exc)) from exc
+
+
+def turn_calls(turn: dict, role: str) -> list:
+    """A turn's tool calls as given (``tool_calls``, or OpenAI's older single ``function_call``); [] without any.
+
+    Raises:
+        UnusableLine: ``malformed_json`` for calls on a turn other than the assistant's, or not a list.
+    """
+    calls = turn.get("tool_calls") or ([turn["function_call"]] if turn.get("function_call") else [])
+    if calls and role != "assistant":
+        raise UnusableLine("malformed_json", f"tool_calls on a {role} turn: only assistant turns call tools")
+    if not isinstance(calls, list):
+        raise UnusableLine("malformed_json", "tool_calls must be a list of calls")
+    return calls
 
 
 def turn_content(content, role: str, content_key: str = "content"):

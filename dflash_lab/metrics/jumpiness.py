@@ -39,6 +39,7 @@ MAD_TO_STD = 1.4826
 DEFAULT_EMA_ALPHA = 0.1
 SPIKE_WINDOW = 128
 SPIKE_SIGMAS = 6.0
+SPIKE_MIN_HISTORY = 32   # previous losses a step needs to be scored (spike_score: at least 33 logged losses)
 STEADY_DESCENT_FRAC = 0.9
 STEADY_MIN_FRAC = 0.1
 
@@ -183,7 +184,7 @@ def residual_autocorrelation(loss: ArrayLike, lag: int = 1, alpha: float = DEFAU
 
 
 def spike_flags(
-    loss: ArrayLike, window: int = SPIKE_WINDOW, n_sigma: float = SPIKE_SIGMAS, min_history: int = 32
+    loss: ArrayLike, window: int = SPIKE_WINDOW, n_sigma: float = SPIKE_SIGMAS, min_history: int = SPIKE_MIN_HISTORY
 ) -> np.ndarray:
     """Per-step spike flag: L_t > mean(W_t) + n_sigma std(W_t), W_t = up to `window` previous losses.
 
@@ -205,7 +206,7 @@ def spike_flags(
 
 
 def spike_score(
-    loss: ArrayLike, window: int = SPIKE_WINDOW, n_sigma: float = SPIKE_SIGMAS, min_history: int = 32
+    loss: ArrayLike, window: int = SPIKE_WINDOW, n_sigma: float = SPIKE_SIGMAS, min_history: int = SPIKE_MIN_HISTORY
 ) -> float:
     """Fraction of scored steps that are spikes (see `spike_flags`); NaN if no step can be scored.
 

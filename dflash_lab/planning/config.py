@@ -53,7 +53,7 @@ def sampler_configs(chosen: Mapping[str, Any], policies: Any) -> dict[str, dict[
     control.
     Every config's keys are checked against its policy (``sampling.policy_keys``) before anything is built.
     """
-    from omegaconf import OmegaConf
+    from ..presets import preset
 
     as_choice("sampler.name", chosen.get("name"), POLICIES)
     out = {}
@@ -61,7 +61,7 @@ def sampler_configs(chosen: Mapping[str, Any], policies: Any) -> dict[str, dict[
         if name == chosen["name"]:
             out[name] = dict(chosen)
             continue
-        own = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "sampler" / f"{name}.yaml"), resolve=True)
+        own = preset("sampler", name)
         for key in SHARED_KEYS + BUCKET_KEYS:
             if key in chosen and key in own:
                 own[key] = chosen[key]

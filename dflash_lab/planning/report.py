@@ -173,24 +173,8 @@ def recommendation(table: pd.DataFrame, floors: Mapping[str, float | None],
         excluded: sorted_static (spread 0.00)
     """
     active = {key: limit for key, limit in floors.items() if limit is not None}
-    excluded: dict[str, list[str]] = {}
-    for name in table.index:
-        reasons = []
-        for key, limit in active.items():
-            column, direction, short = FLOORS[key]
-            value = float(table.at[name, column]) if column in table.columns else float("nan")
-            passes = value >= limit if direction == ">=" else value <= limit
-            if not passes:  # NaN never passes
-                reasons.append(f"{short} {value:.2f}")
-        if "fits" in table.columns and table.at[name, "fits"] == "no":
-            reasons.append(f"needs {table.at[name, 'pred_peak_mem_gb']:.0f} GiB")
-        if not np.isfinite(table.at[name, "pred_ktok_s"]):
-            reasons.append("no throughput prediction")
-        if reasons:
-            excluded[str(name)] = reasons
-    conditions = [f"{FLOORS[k][2]} {FLOORS[k][1]} {v:g}" for k, v in active.items()]
-    conditions += ["fitting in memory"] if "fits" in table.columns else []
-    conditions = ", ".join(conditions[:-1]) + " and " + conditions[-1] if len(conditions) > 1 else "".join(conditions)
+    excluded = {str(name): reasons for name in table.index if (reasons := exclusion_reasons(table, name, active))}
+    conditions = _conditions(active, fits_known="fits" in table.columns)
     qualifying = table.drop(index=list(excluded)).sort_values("pred_ktok_s", ascending=False)
     if qualifying.empty:
         reasons = "; ".join(f"{name} ({', '.join(why)})" for name, why in excluded.items())
@@ -208,6 +192,36 @@ def recommendation(table: pd.DataFrame, floors: Mapping[str, float | None],
     if faster:
         line += "; faster but excluded: " + ", ".join(f"{n} ({', '.join(excluded[n])})" for n in faster)
     return {"policy": str(best), "excluded": excluded, "line": line}
+
+
+def exclusion_reasons(table: pd.DataFrame, name: Any, floors: Mapping[str, float]) -> list[str]:
+    """Why policy ``name`` does not qualify: each active floor it misses (a NaN figure misses), a plan that does not
+    fit in memory, no throughput prediction; [] when it qualifies.
+
+    Example:
+        >>> table = pd.DataFrame({"pred_ktok_s": [140.0], "within_batch_spread": [0.0]}, index=["sorted_static"])
+        >>> exclusion_reasons(table, "sorted_static", {"min_within_batch_spread": 0.1})
+        ['spread 0.00']
+    """
+    reasons = []
+    for key, limit in floors.items():
+        column, direction, short = FLOORS[key]
+        value = float(table.at[name, column]) if column in table.columns else float("nan")
+        passes = value >= limit if direction == ">=" else value <= limit
+        if not passes:  # NaN never passes
+            reasons.append(f"{short} {value:.2f}")
+    if "fits" in table.columns and table.at[name, "fits"] == "no":
+        reasons.append(f"needs {table.at[name, 'pred_peak_mem_gb']:.0f} GiB")
+    if not np.isfinite(table.at[name, "pred_ktok_s"]):
+        reasons.append("no throughput prediction")
+    return reasons
+
+
+def _conditions(floors: Mapping[str, float], fits_known: bool) -> str:
+    """What a recommended policy clears, in words: ``spread >= 0.1, repeat <= 0.1 and fitting in memory``."""
+    conditions = [f"{FLOORS[k][2]} {FLOORS[k][1]} {v:g}" for k, v in floors.items()]
+    conditions += ["fitting in memory"] if fits_known else []
+    return ", ".join(conditions[:-1]) + " and " + conditions[-1] if len(conditions) > 1 else "".join(conditions)
 
 
 def describe_block_budgets(table: pd.DataFrame) -> str:

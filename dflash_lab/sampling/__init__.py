@@ -18,8 +18,9 @@ policies take ``bucket_by: length | random``; ``random`` keeps the length bucket
 draws each bucket's members once, independently of length: the negative control on natural data.
 
 Modules: ``core`` (lengths check, token budget, packing passes, steps), ``boundaries`` (the one length -> bucket
-rule, boundary fitting), ``policy`` (sharding and resumable state), ``build`` (registry and key checks),
-``stats`` (plan diagnostics).
+rule, boundary fitting), ``policy`` (the base every policy subclasses: its shared arguments, the step budget,
+sharding, the ``batch_sampler`` protocol and resumable state), ``build`` (registry, key checks, the presets'
+defaults), ``stats`` (plan diagnostics).
 """
 
 from __future__ import annotations

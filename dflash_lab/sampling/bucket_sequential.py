@@ -30,29 +30,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from .bucketed import Bucketed
-from .core import Admission, StepPlan, TokenBudget, bucket_run_order, epoch_rng
+from .core import StepPlan, bucket_run_order, epoch_rng
 
 
 class BucketSequential(Bucketed):
     name = "bucket_sequential"
 
-    def __init__(
-        self,
-        admission: Admission,
-        budget: TokenBudget,
-        *,
-        seed: int,
-        world_size: int,
-        drop_last: bool,
-        boundaries: Sequence[int] | str | None = None,
-        num_buckets: int | None = None,
-        fit_method: str = "optimal",
-        bucket_by: str = "length",
-    ):
-        super().__init__(
-            admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
-            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method, bucket_by=bucket_by,
-        )
+    def setup(self, *, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str,
+              bucket_by: str) -> None:
+        self.make_buckets(boundaries, num_buckets, fit_method, bucket_by)   # bucketed's buckets; no run_length
 
     def plan(self, epoch: int) -> StepPlan:
         rng = epoch_rng(self.seed, epoch, stream=60)

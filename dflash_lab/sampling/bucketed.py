@@ -42,9 +42,8 @@ import numpy as np
 
 from ..config_check import as_choice, as_int
 from .boundaries import FIT_METHODS, bucket_ids, fit_boundaries, validate_boundaries
-from .core import (
-    Admission, StepPlan, Steps, TokenBudget, bucket_run_order, epoch_rng, group_into_steps, pack_in_order,
-)
+from .core import StepPlan, Steps, bucket_run_order, epoch_rng, group_into_steps
+from .policy import Policy
 
 BUCKET_BY = ("length", "random")
 # The random groups' seed stream: a spawn key, which no ``core.epoch_rng(seed, epoch, stream)`` generator can
@@ -130,25 +129,18 @@ def random_groups(kept: np.ndarray, sizes: np.ndarray, seed: int) -> list[np.nda
     return np.split(kept[rng.permutation(kept.size)], np.cumsum(sizes)[:-1])
 
 
-class Bucketed:
+class Bucketed(Policy):
     name = "bucketed"
-    packed = False
 
-    def __init__(
-        self,
-        admission: Admission,
-        budget: TokenBudget,
-        *,
-        seed: int,
-        world_size: int,
-        drop_last: bool,
-        boundaries: Sequence[int] | str | None = None,
-        num_buckets: int | None = None,
-        fit_method: str = "optimal",
-        run_length: int = 1,
-        bucket_by: str = "length",
-    ):
+    def setup(self, *, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str,
+              bucket_by: str, run_length: int) -> None:
         self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
+        self.make_buckets(boundaries, num_buckets, fit_method, bucket_by)
+
+    def make_buckets(self, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str,
+                     bucket_by: str) -> None:
+        """The buckets: boundaries resolved against the admitted lengths (:func:`resolve_boundaries`), and each
+        bucket's members, by length or drawn at random (``bucket_by``)."""
         if bucket_by not in BUCKET_BY:
             raise ValueError(
                 f"sampler.bucket_by={bucket_by!r}: choose length (buckets by the boundaries) or random (the negative "
@@ -156,8 +148,7 @@ class Bucketed:
                 f"sampler.bucket_by=random"
             )
         self.bucket_by = bucket_by
-        self.admission, self.budget = admission, budget
-        self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
+        admission = self.admission
         kept_lengths = admission.lengths[admission.kept]
         self.boundaries = resolve_boundaries(kept_lengths, boundaries, num_buckets, fit_method)
         bucket_of_kept = bucket_ids(kept_lengths, self.boundaries)
@@ -167,12 +158,22 @@ class Bucketed:
         if bucket_by == "length":
             self.members = np.split(admission.kept[by_bucket], np.cumsum(counts)[:-1])
         else:
-            self.members = random_groups(admission.kept, counts, seed)
-        # The bucket each sample was packed from (-1: not admitted): what Policy.bucket_of reports for a batch.
+            self.members = random_groups(admission.kept, counts, self.seed)
+        # The bucket each sample was packed from (-1: not admitted): what bucket_of reports for a batch.
         self.sample_bucket = np.full(admission.lengths.size, -1, dtype=np.int64)
         for bucket, members in enumerate(self.members):
             self.sample_bucket[members] = bucket
-        self._row_cost = budget.row_cost(admission.lengths)
+
+    def bucket_of(self, indices: Any) -> int:
+        """Bucket id of a batch: the bucket its longest sample was packed from.
+
+        ``bucket_by: length``: the length bucket of the longest sample (the boundaries rule). ``bucket_by: random``:
+        the random group it was packed from, so "which bucket" keeps its meaning for the negative control.
+        """
+        if self.bucket_by == "length":
+            return super().bucket_of(indices)
+        indices = np.asarray(indices, dtype=np.int64)
+        return int(self.sample_bucket[indices[np.argmax(self.admission.lengths[indices])]])
 
     def order_bucket(self, members: np.ndarray, bucket: int, rng: np.random.Generator) -> np.ndarray:
         """The consumption order of one bucket's samples this epoch: a plain shuffle."""
@@ -187,8 +188,7 @@ class Bucketed:
         batches: list[np.ndarray] = []
         keys = []
         for bucket, members in enumerate(self.members):
-            packed, widest = pack_in_order(self.order_bucket(members, bucket, rng), self._row_cost, self.budget,
-                                           self.admission.block_tokens)
+            packed, widest = self.pack(self.order_bucket(members, bucket, rng))
             batches += packed
             keys.append(np.stack([np.full(len(packed), bucket, dtype=np.float64), widest], axis=1))
         key = np.concatenate(keys) if keys else np.zeros((0, 2))

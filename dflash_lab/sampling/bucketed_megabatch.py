@@ -12,7 +12,7 @@ are cut from locally sorted runs, while composition still changes every epoch (c
 because megabatch membership is reshuffled. The cost is diversity *within* a batch: batches are even more
 length-homogeneous than plain ``bucketed`` (lower within-batch spread). Larger megabatches -> less padding but
 more predictable composition; ``megabatch_batches=1`` approaches plain shuffling inside the bucket.
-``run_length`` orders steps in same-bucket runs exactly as in ``bucketed``. ``bucket_by: random`` (as in
+``run_length`` orders steps in same-bucket runs exactly as in ``bucketed``, whose keys it takes besides its own. ``bucket_by: random`` (as in
 ``bucketed``: fixed random groups of the length buckets' sizes) sorts megabatches inside random groups, so batches
 are length-homogeneous again within a group's length mix: a control for the bucket assignment, not for padding.
 
@@ -21,44 +21,25 @@ Cost: O(N log M) per epoch (one shuffle + one lexsort per bucket) + one packing 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..config_check import as_int
 from .bucketed import Bucketed
-from .core import Admission, TokenBudget
 
 
 class BucketedMegabatch(Bucketed):
     name = "bucketed_megabatch"
 
-    def __init__(
-        self,
-        admission: Admission,
-        budget: TokenBudget,
-        *,
-        seed: int,
-        world_size: int,
-        drop_last: bool,
-        boundaries: Sequence[int] | str | None = None,
-        num_buckets: int | None = None,
-        fit_method: str = "optimal",
-        run_length: int = 1,
-        megabatch_batches: int = 16,
-        bucket_by: str = "length",
-    ):
+    def setup(self, *, megabatch_batches: int, **bucketed: Any) -> None:
         megabatch_batches = as_int("sampler.megabatch_batches", megabatch_batches, minimum=1, example=16)
-        super().__init__(
-            admission, budget, seed=seed, world_size=world_size, drop_last=drop_last,
-            boundaries=boundaries, num_buckets=num_buckets, fit_method=fit_method, run_length=run_length,
-            bucket_by=bucket_by,
-        )
+        super().setup(**bucketed)
         # Megabatch size in samples per bucket: megabatch_batches x (samples a batch holds at the median length),
         # never more than the bucket holds (one megabatch = a fully sorted bucket).
-        lengths = admission.lengths
+        lengths, max_tokens = self.admission.lengths, self.budget.max_tokens
         self._megabatch_samples = [
-            max(2, min(m.size, megabatch_batches * max(1, budget.max_tokens // max(1, int(np.median(lengths[m]))))))
+            max(2, min(m.size, megabatch_batches * max(1, max_tokens // max(1, int(np.median(lengths[m]))))))
             if m.size else 2
             for m in self.members
         ]

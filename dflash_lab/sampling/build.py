@@ -1,18 +1,20 @@
-"""The policy registry and the one door into it: every sampler key is checked here (or by the policy it belongs
-to) with ``dflash_lab.config_check`` before any value is used or cast; unknown keys are refused with the valid
-ones listed."""
+"""The policy registry and the one door into it: the keys a caller gives are checked against the policy's (unknown keys
+are refused with the valid ones listed), the keys it leaves out are completed from the policy's preset
+(``conf/sampler/<name>.yaml``, the one home of every sampler default), and each value is checked where it is used
+(``core.TokenBudget``, the policy base, the policy's ``setup``) before it is cast."""
 
 from __future__ import annotations
 
-import hashlib
+import copy
+import functools
 import inspect
 from typing import Any, Mapping
 
-from ..config_check import as_bool, as_choice, as_int, refuse_unknown_keys
+from ..config_check import as_choice, refuse_unknown_keys
 from .bucket_sequential import BucketSequential
 from .bucketed import Bucketed
 from .bucketed_megabatch import BucketedMegabatch
-from .core import OVERLONG_MODES, TokenBudget, admit, validate_lengths
+from .core import TokenBudget
 from .full_random import FullRandom
 from .packed import Packed
 from .policy import Policy
@@ -25,6 +27,16 @@ POLICIES = {
 COMMON_KEYS = ("max_samples", "quadratic_length", "max_block_tokens", "drop_last", "overlong")
 
 
+def setup_keys(cls: type[Policy]) -> set[str]:
+    """The keys a policy class's ``setup`` takes; a ``**keys`` of its own passes them on to its parent's setup."""
+    parameters = inspect.signature(cls.setup).parameters.values()
+    keys = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        parent = next(base for base in cls.__mro__[1:] if "setup" in vars(base))
+        keys |= setup_keys(parent)
+    return keys
+
+
 def policy_keys(name: str) -> list[str]:
     """Every ``sampler.*`` key policy ``name`` accepts besides ``name`` and ``max_tokens``.
 
@@ -33,9 +45,16 @@ def policy_keys(name: str) -> list[str]:
         ['chunk_rows', 'drop_last', 'max_block_tokens', 'max_samples', 'overlong', 'quadratic_length']
     """
     as_choice("sampler.name", name, POLICIES)
-    own = [p for p in inspect.signature(POLICIES[name].__init__).parameters
-           if p not in ("self", "admission", "budget", "seed", "world_size", "drop_last")]
-    return sorted({*own, *COMMON_KEYS})
+    return sorted({*setup_keys(POLICIES[name]), *COMMON_KEYS})
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_keys(name: str) -> dict[str, Any]:
+    from ..presets import preset
+
+    values = preset("sampler", name)
+    del values["name"], values["max_tokens"]   # the policy's name, and the budget every caller gives
+    return values
 
 
 def build_policy(
@@ -60,10 +79,11 @@ def build_policy(
         world_size, rank: data-parallel layout; each rank gets the same number of batches.
         block_tokens: block tokens of each sample under the model's anchor rule (``sampling.anchors``); needed
             with ``max_block_tokens`` (a step's second budget), otherwise optional and unused.
-        **params: ``max_samples``, ``quadratic_length``, ``max_block_tokens``, ``drop_last``, ``overlong``
-            (error|truncate|drop), and the
-            policy's own (``policy_keys(name)``: ``boundaries``/``num_buckets``/``fit_method``/``run_length``/
-            ``bucket_by``, ``megabatch_batches``, ``chunk_rows``, ``real_tokens_per_step``).
+        **params: ``max_samples``, ``quadratic_length``, ``max_block_tokens`` (``auto``: the largest that fits the
+            GPU, which ``model.footprint.memory_plan`` resolves first; left ``auto``, no block budget),
+            ``drop_last``, ``overlong`` (error|truncate|drop), and the policy's own (``policy_keys(name)``:
+            ``boundaries``/``num_buckets``/``fit_method``/``run_length``/``bucket_by``, ``megabatch_batches``,
+            ``chunk_rows``, ``real_tokens_per_step``). A key left out takes its value in ``conf/sampler/<name>.yaml``.
 
     Raises:
         ValueError: unknown policy or key, bad value, lengths, boundaries or budget (the message names the key).
@@ -82,38 +102,15 @@ def build_policy(
             f"the buckets of {', '.join(bucketed)}); remove sampler.bucket_by, or choose one of those policies"
         )
     refuse_unknown_keys(f"{name} sampler", params, valid)
-    seed = as_int("seed", seed, minimum=0, example=0)
-    world_size = as_int("world_size", world_size, minimum=1)
-    rank = as_int("rank", rank, minimum=0)
-    raw = validate_lengths(lengths)
-    drop_last = as_bool("sampler.drop_last", params.pop("drop_last", False))
-    overlong = as_choice("sampler.overlong", params.pop("overlong", "error"), OVERLONG_MODES)
-    budget = TokenBudget(max_tokens, params.pop("max_samples", None), params.pop("quadratic_length", None),
-                         params.pop("max_block_tokens", None))
-    cls = POLICIES[name]
-    if cls is Packed and budget.quadratic_length is not None:
-        raise ValueError("sampler.quadratic_length does not apply to packed rows (no padding); remove it")
-    admission = admit(raw, budget.longest_allowed(), overlong, block_tokens, budget.max_block_tokens)
-    if admission.kept.size == 0:
-        raise ValueError("no sample fits the budget after overlong=drop; raise sampler.max_tokens")
-    planner = cls(admission, budget, seed=seed, world_size=world_size, drop_last=drop_last, **params)
-    config = {
-        "name": name, "max_tokens": budget.max_tokens, "seed": seed, "max_samples": budget.max_samples,
-        "quadratic_length": budget.quadratic_length, "drop_last": drop_last, "overlong": overlong,
-        **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()},
-        "boundaries": planner.boundaries,
-    }
-    if config.get("bucket_by") == "length":
-        # Length keying is what every state written before bucket_by existed used: leaving the default out of the
-        # config keeps their fingerprints, while a random-keyed state is refused by a length-keyed policy (and
-        # the reverse) with bucket_by named among the differing keys.
-        del config["bucket_by"]
-    if admission.block_tokens is not None and budget.max_block_tokens is not None:
-        # The plan depends on the block budget and tokens too: a resume on data with other anchor counts is refused.
-        # (Without a block budget the config stays as before, so older checkpoints keep resuming.)
-        config["max_block_tokens"] = budget.max_block_tokens
-        config["block_tokens_digest"] = hashlib.sha256(admission.block_tokens.tobytes()).hexdigest()[:16]
-    return Policy(planner, admission, world_size=world_size, rank=rank, config=config, raw_lengths=raw)
+    params = {**copy.deepcopy(_preset_keys(name)), **params}
+    if params["max_block_tokens"] == "auto":
+        # auto is the largest block budget that fits the GPU (``model.footprint.memory_plan``, which the trainer
+        # and planner run first); with no GPU to fit (CPU training, a direct build) there is no block budget.
+        params["max_block_tokens"] = None
+    budget = TokenBudget(max_tokens, params.pop("max_samples"), params.pop("quadratic_length", None),
+                         params.pop("max_block_tokens"))
+    return POLICIES[name](lengths, budget, seed=seed, world_size=world_size, rank=rank, block_tokens=block_tokens,
+                          **params)
 
 
 def policy_from_config(
@@ -134,9 +131,5 @@ def policy_from_config(
         raise ValueError(f"the sampler config lacks {missing}: set sampler=<name> (conf/sampler/*.yaml) and "
                          f"sampler.max_tokens")
     name, max_tokens = params.pop("name"), params.pop("max_tokens")
-    if params.get("max_block_tokens") == "auto":
-        # auto is the largest block budget that fits the GPU (``model.footprint.memory_plan``, which the trainer
-        # and planner run first); with no GPU to fit (CPU training, a direct build) there is no block budget.
-        params["max_block_tokens"] = None
     return build_policy(name, lengths, max_tokens=max_tokens, seed=seed, world_size=world_size, rank=rank,
                         block_tokens=block_tokens, **params)

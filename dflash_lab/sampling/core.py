@@ -17,14 +17,14 @@ A policy only decides *which samples go together and in what order*. Everything 
   ``arrange_steps`` then shuffles the order of steps; ``bucket_run_order`` orders them in same-bucket runs.
 
 Determinism: every random choice draws from ``epoch_rng(seed, epoch, stream)``, a ``numpy`` generator keyed by a
-``SeedSequence``; a plan is a pure function of (lengths, policy config, seed, epoch, world size). ``policy.py`` wraps
-a planner into the torch ``batch_sampler`` protocol with resumable state.
+``SeedSequence``; a plan is a pure function of (lengths, policy config, seed, epoch, world size). ``policy.py`` holds
+the policy base: what every policy shares (its arguments, sharding, the ``batch_sampler`` protocol, resumable state).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -449,15 +449,3 @@ def bucket_run_order(
     run_id = np.cumsum((position_in_bucket % run_length) == 0) - 1
     run_rank = np.argsort(rng.permutation(run_id[-1] + 1))  # run r is consumed run_rank[r]-th
     return within[np.argsort(run_rank[run_id], kind="stable")]
-
-
-class Planner(Protocol):
-    """What a policy module provides: the global plan of one epoch (steps of W batches, consumption order)."""
-
-    name: str
-    packed: bool
-    boundaries: list[int] | None
-    # Bucketed planners also have ``bucket_by`` ("length" | "random") and ``sample_bucket`` (bucket of every sample);
-    # a planner without them has no buckets to key (``Policy.bucket_by`` reads None).
-
-    def plan(self, epoch: int) -> StepPlan: ...

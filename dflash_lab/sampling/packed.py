@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..config_check import as_int
-from .core import Admission, StepPlan, TokenBudget, arrange_steps, epoch_rng, split_at
+from .core import StepPlan, arrange_steps, epoch_rng, split_at
+from .policy import Policy
 
 # A row with more than this share of its tokens free is underfull: it stays open into the next chunk.
 CARRY_FREE_SHARE = 0.002
@@ -79,11 +80,9 @@ def best_fit_decreasing(
     sizes = lengths[order].tolist()
     smallest = sizes[-1] if sizes else capacity + 1
     use_blocks = block_tokens is not None and block_capacity is not None
-    blocks = block_tokens[order].tolist() if use_blocks else [0] * len(sizes)
-    block_cap = int(block_capacity) if use_blocks else 0
-    smallest_block = min(blocks) if use_blocks and blocks else 0
     rows: list[list[int]] = [r.tolist() for r, _ in open_rows]
-    block_left = [block_cap - (int(block_tokens[r].sum()) if use_blocks else 0) for r, _ in open_rows]
+    blocks, block_left, smallest_block = _block_room(order, open_rows, block_tokens, block_capacity)
+    block_cap = int(block_capacity) if use_blocks else 0
 
     def stays_open(row: int, left: int) -> bool:
         return (left >= smallest and (max_docs is None or len(rows[row]) < max_docs)
@@ -112,6 +111,22 @@ def best_fit_decreasing(
             slot = bisect.bisect_left(free, left)
             free.insert(slot, left)
             row_of_free.insert(slot, row)
+    return _rows_and_free(rows, lengths, capacity)
+
+
+def _block_room(order: np.ndarray, open_rows: Sequence[tuple[np.ndarray, int]], block_tokens: np.ndarray | None,
+                block_capacity: int | None) -> tuple[list[int], list[int], int]:
+    """The block budget's bookkeeping for :func:`best_fit_decreasing`: each document's block tokens (in ``order``;
+    zeros without a budget), each open row's free block tokens, and the smallest document's block tokens."""
+    if block_tokens is None or block_capacity is None:
+        return [0] * order.size, [0] * len(open_rows), 0
+    blocks = block_tokens[order].tolist()
+    left = [int(block_capacity) - int(block_tokens[r].sum()) for r, _ in open_rows]
+    return blocks, left, min(blocks) if blocks else 0
+
+
+def _rows_and_free(rows: list[list[int]], lengths: np.ndarray, capacity: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rows of document lists as index arrays, and each row's free tokens."""
     if not rows:
         return [], np.zeros(0, dtype=np.int64)
     counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
@@ -121,29 +136,19 @@ def best_fit_decreasing(
     return split_at(flat, ends[:-1].tolist()), capacity - used
 
 
-class Packed:
+class Packed(Policy):
     name = "packed"
     packed = True
-    boundaries = None
-    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
-    def __init__(
-        self,
-        admission: Admission,
-        budget: TokenBudget,
-        *,
-        seed: int,
-        world_size: int,
-        drop_last: bool,
-        chunk_rows: int = 64,
-    ):
+    def setup(self, *, chunk_rows: int) -> None:
+        if self.budget.quadratic_length is not None:
+            raise ValueError("sampler.quadratic_length does not apply to packed rows (no padding); remove it")
         self.chunk_rows = as_int("sampler.chunk_rows", chunk_rows, minimum=1, example=64)
-        self.admission, self.budget = admission, budget
-        self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
+        admission, max_tokens = self.admission, self.budget.max_tokens
         # Chunks are cut on an int64 running token count: a chunk larger than the whole dataset is one chunk.
         total_tokens = int(admission.lengths[admission.kept].sum())
-        self.chunk_tokens = min(self.chunk_rows * budget.max_tokens, total_tokens + 1)
-        self.carry_free = int(CARRY_FREE_SHARE * budget.max_tokens)
+        self.chunk_tokens = min(self.chunk_rows * max_tokens, total_tokens + 1)
+        self.carry_free = int(CARRY_FREE_SHARE * max_tokens)
         self.carry_rows = max(1, self.chunk_rows // 16)
         kept_blocks = None if admission.block_tokens is None else admission.block_tokens[admission.kept]
         self.min_block = int(kept_blocks.min()) if kept_blocks is not None and kept_blocks.size else 0

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import Admission, StepPlan, TokenBudget, arrange_steps, epoch_rng, pack_in_order
+from .core import StepPlan, arrange_steps, epoch_rng
+from .policy import Policy
 
 
-class SortedStatic:
+class SortedStatic(Policy):
     name = "sorted_static"
-    packed = False
-    boundaries = None
-    bucket_by = None  # no buckets to key (sampler.bucket_by is refused)
 
-    def __init__(self, admission: Admission, budget: TokenBudget, *, seed: int, world_size: int, drop_last: bool):
-        self.seed, self.world_size, self.drop_last = seed, world_size, drop_last
-        lengths, kept = admission.lengths, admission.kept
-        tie_break = kept[epoch_rng(seed, 0, stream=10).permutation(kept.size)]
-        order = tie_break[np.argsort(lengths[tie_break], kind="stable")]
-        self._batches, _ = pack_in_order(order, budget.row_cost(lengths), budget, admission.block_tokens)
+    def setup(self) -> None:
+        lengths, kept = self.admission.lengths, self.admission.kept
+        tie_break = kept[epoch_rng(self.seed, 0, stream=10).permutation(kept.size)]
+        self._batches, _ = self.pack(tie_break[np.argsort(lengths[tie_break], kind="stable")])
         # Position in sorted order is the step-grouping key: a step takes W consecutive sorted batches.
         self._key = np.arange(len(self._batches))
 

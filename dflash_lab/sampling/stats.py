@@ -68,7 +68,7 @@ def plan_stats(policy: Policy, *, epoch: int = 0, bands: Sequence[int] | None = 
     else:
         longest = diversity.batch_reduce(batches, lengths.astype(np.int64), np.maximum)
         step_bucket = bucket_ids(longest, bands)[:: policy.world_size]  # bucket of each step (its rank-0 batch)
-    next_batches = policy.planner.plan(epoch + 1).batches
+    next_batches = policy.plan(epoch + 1).batches
     return {
         "policy": policy.name,
         "bucket_by": policy.bucket_by,  # length | random (the negative control's groups) | None: no buckets

@@ -1,10 +1,14 @@
-"""The parts of a training run, built from its checked settings: the model (frozen target + trainable draft), the
-data and its held-out split, the memory plan, the batching policy and its DataLoader, the plan's step counts,
-AdamW and the LR schedule, and the DDP wrapper.
+"""The parts of a training run, built from its checked settings, in the order in which one part sizes another:
 
-Order matters where one part sizes another: the held-out split tops up short probe bands, the memory plan (block
-budget, checkpointing) needs the model and the data's anchors, the policy needs the plan's block budget, and the
-LR schedule spans the run's end step, which the policy's batch counts give.
+1. the model (frozen target + trainable draft) and its tokenizer;
+2. the data (:func:`split_data`): the training split and the held-out one, which tops up short probe bands;
+3. the step's size (:func:`resolve_memory_plan`): the sampler's automatic values, the memory plan (block budget,
+   checkpointing) from the model and the data's anchors, and on a GPU the preflight;
+4. the batching (:func:`build_batching`): the policy under the plan's block budget, its DataLoader and the plan's
+   step counts (token-budget packing differs between epochs);
+5. AdamW, and the LR schedule over the run's end step, which the policy's batch counts give; the DDP wrapper.
+
+What the data loader left out or cut is said once the parts stand (:func:`data_warnings`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import torch
 
 from dflash_lab.training import dist
 from dflash_lab.records import record
-from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.training.probes import resolve_bands
@@ -68,15 +71,27 @@ def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> r
     )
 
 
-def resolve_memory_plan(settings: RunSettings, model, step_model: footprint.StepModel, dataset, device: torch.device,
-                        world_size: int) -> tuple[dict[str, Any], footprint.MemoryPlan, np.ndarray | None]:
-    """The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``), full_random's
-    ``real_tokens_per_step: bucketed`` (``sampling.stats.resolve_matched_real_tokens``) and ``max_block_tokens``
-    resolved, the memory plan (``footprint.memory_plan``: ``auto``
-    block budget and checkpointing chosen from the memory model where the GPU's memory is known) and the block
-    tokens of every sample under the model's anchor rule (``sampling.anchors``; None without a block budget: the
-    pass over the loss mask is skipped when nothing reads it). The model takes the plan's block budget (fair
-    thinning of any batch over it) and checkpointing."""
+@dataclass
+class StepSizing:
+    """What sizes one step: the sampler config with its automatic values resolved, the memory plan (block budget,
+    checkpointing), every sample's block tokens (None without a block budget) and the step's memory/FLOP model."""
+
+    sampler_cfg: dict[str, Any]
+    memory: footprint.MemoryPlan
+    block_tokens: np.ndarray | None
+    step_model: footprint.StepModel
+
+
+def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.device, world_size: int,
+                        log: logging.Logger) -> StepSizing:
+    """Size the run's step. The sampler config with ``boundaries: auto`` (``sampling.resolve_auto_boundaries``),
+    full_random's ``real_tokens_per_step: bucketed`` (``sampling.stats.resolve_matched_real_tokens``) and
+    ``max_block_tokens`` resolved; the memory plan (``footprint.memory_plan``: ``auto`` block budget and
+    checkpointing chosen from the memory model where the GPU's memory is known), which the model takes (fair
+    thinning of any batch over the block budget, and checkpointing); on a GPU the preflight, which refuses a step
+    that cannot fit, naming the fix, before step 1 rather than at it with an OOM; the block tokens of every sample
+    under the model's anchor rule (``sampling.anchors``; None without a block budget: the pass over the loss mask
+    is skipped when nothing reads it)."""
     trainer = settings.trainer
     builtin_corpus = settings.config["data"].get("kind") == "synthetic"
     sampler_cfg = resolve_auto_boundaries(settings.config["sampler"], builtin_corpus=builtin_corpus)
@@ -84,22 +99,35 @@ def resolve_memory_plan(settings: RunSettings, model, step_model: footprint.Step
                                               seed=settings.seed, world_size=world_size)
     requested = sampler_cfg.get("max_block_tokens")
     gpu_gb = settings.gpu_memory_gb(device)
-    needs_blocks = requested is not None and not (requested == "auto" and gpu_gb is None)
     block_tokens = None
-    if needs_blocks:
+    if requested is not None and not (requested == "auto" and gpu_gb is None):
         block_tokens = block_tokens_per_sample(dataset.anchor_positions(), block_size=model.block_size,
                                                anchors_per_doc=model.anchors_per_doc,
                                                anchor_density=model.anchor_density)
+    step_model = footprint.StepModel.from_model(model)   # the one memory/FLOP model of this run's step
     memory = footprint.memory_plan(
         step_model, dataset.lengths, sampler_cfg,
         footprint.Settings(precision=trainer.precision, world_size=world_size, grad_accum=trainer.grad_accum,
                            attention=footprint.attention_path(device.type, model.attention_backend)),
         activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=settings.seed,
         block_tokens=block_tokens)
-    sampler_cfg["max_block_tokens"] = memory.max_block_tokens
-    model.max_block_tokens = memory.max_block_tokens
+    if memory.max_block_tokens is None:
+        block_tokens = None
+    sampler_cfg["max_block_tokens"] = model.max_block_tokens = memory.max_block_tokens
     model.draft.activation_checkpointing = memory.activation_checkpointing
-    return sampler_cfg, memory, (block_tokens if memory.max_block_tokens is not None else None)
+    log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
+    if device.type == "cuda":
+        fit = footprint.preflight(
+            step_model, dataset.lengths, sampler_cfg,
+            footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
+                               world_size=world_size, grad_accum=trainer.grad_accum,
+                               attention=footprint.attention_path(device.type, model.attention_backend)),
+            gpu_mem_gb=gpu_gb, seed=settings.seed, block_tokens=block_tokens)
+        log.info(f"preflight: {footprint.gpu_use(fit['pred_peak_mem_gb'], fit['gpu_mem_gb'])}")
+    if settings.config["sampler"].get("real_tokens_per_step") != sampler_cfg.get("real_tokens_per_step"):
+        log.info(f"sampler.real_tokens_per_step={settings.config['sampler']['real_tokens_per_step']}: "
+                 f"{sampler_cfg['real_tokens_per_step']} real tokens per rank and step (the bucketed plan's mean)")
+    return StepSizing(sampler_cfg=sampler_cfg, memory=memory, block_tokens=block_tokens, step_model=step_model)
 
 
 def cpu_matmul_flops(size: int = 512, seconds: float = 0.2) -> float:
@@ -194,78 +222,92 @@ def target_seed_of(config: Mapping) -> int | None:
     return int(model["pretrain_seed"]) if model.get("kind") == "tiny" and "pretrain_seed" in model else None
 
 
-def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.device,
-                     log: logging.Logger) -> Components:
-    """Build the run's parts (see the module docstring); refuses, naming the key, what cannot run."""
-    config, trainer, probes = settings.config, settings.trainer, settings.probes
-    model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
-                                   activation_checkpointing=trainer.activation_checkpointing is True)
-    model.to(device)
-    dataset = build_dataset(tokenizer=tokenizer, **config["data"])
-    bands = resolve_bands(probes.bands, dataset.lengths, builtin_corpus=config["data"].get("kind") == "synthetic")
-    if probes.bands == "auto" and config["data"].get("kind") != "synthetic":
+def split_data(settings: RunSettings, tokenizer, log: logging.Logger) -> tuple[Any, Any, ProbeSettings]:
+    """The run's data split in two: the training split and the held-out one (probe sets and tau prompts), with the
+    probe settings' bands resolved (``probes.bands: auto``, ``probes.resolve_bands``). Probes need
+    ``probes.per_band`` held-out samples in every band: the split tops up short bands."""
+    data_cfg, probes = settings.config["data"], settings.probes
+    dataset = build_dataset(tokenizer=tokenizer, **data_cfg)
+    builtin_corpus = data_cfg.get("kind") == "synthetic"
+    bands = resolve_bands(probes.bands, dataset.lengths, builtin_corpus=builtin_corpus)
+    if probes.bands == "auto" and not builtin_corpus:
         log.info(f"probes.bands=auto: {bands} (the data's length quantiles)")
     probes = dataclasses.replace(probes, bands=bands)
-    # probes need probes.per_band held-out samples in every band: the split tops up short bands
     train_ds, heldout_ds = dataset.split(bands=bands if probes.every > 0 else None, per_band=probes.per_band)
-    step_model = footprint.StepModel.from_model(model)   # the one memory/FLOP model of this run's step
-    sampler_cfg, memory, block_tokens = resolve_memory_plan(settings, model, step_model, train_ds, device,
-                                                            env.world_size)
-    log.info(f"memory plan: {memory.reason} (anchor rule {anchor_rule_name(model.anchor_density)})")
-    if config["sampler"].get("real_tokens_per_step") != sampler_cfg.get("real_tokens_per_step"):
-        log.info(f"sampler.real_tokens_per_step={config['sampler']['real_tokens_per_step']}: "
-                 f"{sampler_cfg['real_tokens_per_step']} real tokens per rank and step (the bucketed plan's mean)")
-    policy = policy_from_config(sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
-                                rank=env.rank, block_tokens=block_tokens)
+    return train_ds, heldout_ds, probes
+
+
+def build_batching(settings: RunSettings, sizing: StepSizing, train_ds, pad_id: int, probes: ProbeSettings,
+                   env: dist.DistEnv, device: torch.device,
+                   log: logging.Logger) -> tuple[Any, torch.utils.data.DataLoader, record.PlanFacts]:
+    """The batching policy over the training split, its DataLoader and the plan's step counts; refuses probe bands
+    that end below the longest training sample and says what the overlong rule dropped or cut."""
+    trainer = settings.trainer
+    policy = policy_from_config(sizing.sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
+                                rank=env.rank, block_tokens=sizing.block_tokens)
     longest = int(policy.lengths.max())
     if (probes.every or probes.presentations) and longest > probes.bands[-1]:
         raise ValueError(f"probes.bands={probes.bands} end at {probes.bands[-1]} but training samples reach "
                          f"{longest} tokens: extend probes.bands (e.g. append {longest})")
     loader = torch.utils.data.DataLoader(
         train_ds, batch_sampler=policy, num_workers=trainer.num_workers, pin_memory=device.type == "cuda",
-        collate_fn=Collator(pad_id=tokenizer.pad_token_id, packed=policy.packed, effective_lengths=policy.lengths),
+        collate_fn=Collator(pad_id=pad_id, packed=policy.packed, effective_lengths=policy.lengths),
     )
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
-    if device.type == "cuda":  # a config that cannot fit stops here, naming the fix, not at step 1 with an OOM
-        fit = footprint.preflight(
-            step_model, train_ds.lengths, sampler_cfg,
-            footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
-                               world_size=env.world_size, grad_accum=trainer.grad_accum,
-                               attention=footprint.attention_path(device.type, model.attention_backend)),
-            gpu_mem_gb=settings.gpu_memory_gb(device), seed=settings.seed, block_tokens=block_tokens)
-        log.info(f"preflight: {footprint.gpu_use(fit['pred_peak_mem_gb'], fit['gpu_mem_gb'])}")
     if plan.dropped_overlong or plan.truncated:
-        log.warning(f"sampler.overlong={sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) dropped, "
-                    f"{plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
+        log.warning(f"sampler.overlong={sizing.sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) "
+                    f"dropped, {plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")
+    return policy, loader, plan
+
+
+def data_warnings(counts: Mapping[str, Any], stats: Mapping[str, Any], max_length: int | None) -> list[str]:
+    """What the data loader left out or cut (``Components.data_counts``), in words, with the ``data.max_length``
+    that keeps 99% of the lines whole where a larger one would (``stats``: the training split's loader statistics).
+
+    Example:
+        >>> data_warnings({"data_skipped": {"too_long": 0}, "data_truncated": 0}, {}, 1024)
+        []
+    """
+    keeping = stats.get("length_keeping_99pct")
+    longer = f"data.max_length={keeping} keeps 99% of the lines whole" if keeping and max_length and keeping > max_length else ""
+    warnings = []
+    skipped = {reason: n for reason, n in counts["data_skipped"].items() if n}
+    if skipped:
+        warnings.append(f"data: skipped lines by reason {skipped} (summary.json 'data_skipped')"
+                        + (f"; {longer} (now {max_length})" if skipped.get("too_long") and longer else ""))
+    if counts["data_truncated"]:
+        warnings.append(f"data: {counts['data_truncated']} of {stats.get('kept', '?')} samples were cut to "
+                        f"data.max_length={max_length} tokens (summary.json 'data_truncated'); raise data.max_length "
+                        f"to keep them whole" + (f" ({longer})" if longer else ""))
+    if counts.get("data_notes", {}).get("reasoning_not_rendered"):
+        warnings.append(f"data: the chat template leaves out the reasoning_content of "
+                        f"{counts['data_notes']['reasoning_not_rendered']} assistant turn(s) of kept lines (Qwen3's "
+                        f"writes reasoning only after the last user turn, as at inference): they train without it "
+                        f"(summary.json 'data_notes')")
+    return warnings
+
+
+def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.device,
+                     log: logging.Logger) -> Components:
+    """Build the run's parts (see the module docstring); refuses, naming the key, what cannot run."""
+    config, trainer = settings.config, settings.trainer
+    model, tokenizer = build_model(**pretrain_corpus_follows_data(config["model"], config["data"]),
+                                   activation_checkpointing=trainer.activation_checkpointing is True)
+    model.to(device)
+    train_ds, heldout_ds, probes = split_data(settings, tokenizer, log)
+    sizing = resolve_memory_plan(settings, model, train_ds, device, env.world_size, log)
+    policy, loader, plan = build_batching(settings, sizing, train_ds, tokenizer.pad_token_id, probes, env, device,
+                                          log)
     if device.type == "cpu" and config["model"]["kind"] != "tiny":
-        warn_if_slow_on_cpu(model, step_model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
+        warn_if_slow_on_cpu(model, sizing.step_model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
     optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
                                   weight_decay=trainer.weight_decay)
     components = Components(
         model=model, train_model=dist.wrap_ddp(model, env), tokenizer=tokenizer, train_ds=train_ds,
-        heldout_ds=heldout_ds, policy=policy, loader=loader, plan=plan, memory=memory, optimizer=optimizer,
+        heldout_ds=heldout_ds, policy=policy, loader=loader, plan=plan, memory=sizing.memory, optimizer=optimizer,
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
-    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step,
-                                  probes_every=probes.every, n_bands=len(probes.bands) - 1)
-    if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
-        log.warning(short)
-    counts = components.data_counts()
-    keeping, max_length = train_ds.stats.get("length_keeping_99pct"), config["data"].get("max_length")
-    if any(counts["data_skipped"].values()):
-        skipped = {reason: n for reason, n in counts["data_skipped"].items() if n}
-        log.warning(f"data: skipped lines by reason {skipped} (summary.json 'data_skipped')"
-                    + (f"; data.max_length={keeping} keeps 99% of the lines whole (now {max_length})"
-                       if skipped.get("too_long") and keeping and max_length and keeping > max_length else ""))
-    if counts["data_truncated"]:
-        log.warning(f"data: {counts['data_truncated']} of {train_ds.stats.get('kept', '?')} samples were cut to "
-                    f"data.max_length={max_length} tokens (summary.json 'data_truncated'); raise data.max_length to "
-                    f"keep them whole" + (f" (data.max_length={keeping} keeps 99% of the lines whole)"
-                                          if keeping and max_length and keeping > max_length else ""))
-    if counts.get("data_notes", {}).get("reasoning_not_rendered"):
-        log.warning(f"data: the chat template leaves out the reasoning_content of "
-                    f"{counts['data_notes']['reasoning_not_rendered']} assistant turn(s) of kept lines (Qwen3's writes "
-                    f"reasoning only after the last user turn, as at inference): they train without it "
-                    f"(summary.json 'data_notes')")
+    for warning in data_warnings(components.data_counts(), train_ds.stats, config["data"].get("max_length")):
+        log.warning(warning)
     return components

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lab.analysis.sizing import tau_prompt_warning
 from dflash_lab.config_check import as_choice, as_int
 from dflash_lab.metrics.draft_quality import acceptance_length_tau, tau_bootstrap_se
 from dflash_lab.metrics.gradients import warmup_probe_steps
@@ -41,6 +40,20 @@ from dflash_lab.training.settings import ProbeSettings
 
 PROGRESS_EVERY_S = 30.0   # tau progress lines at least this often (and one per tenth of the prompts)
 TAU_METHODS = ("replay", "generate")   # model.tau_method
+
+
+def tau_prompt_warning(found: int, wanted: int, heldout: int) -> str | None:
+    """A warning when the held-out split holds fewer tau prompts than ``model.decode_num_prompts`` asks for.
+
+    Example:
+        >>> print(tau_prompt_warning(6, 12, 9))  # doctest: +ELLIPSIS
+        tau: only 6 of the 12 prompts of model.decode_num_prompts exist (the held-out split holds 9 samples): ...
+    """
+    if found >= wanted:
+        return None
+    return (f"tau: only {found} of the {wanted} prompts of model.decode_num_prompts exist (the held-out split holds "
+            f"{heldout} samples): tau, tau per band and tau_band_min rest on {found} prompts; raise "
+            f"data.probe_fraction for more held-out samples, or set model.decode_num_prompts={found}")
 
 
 def tau_by_band(prompt_bands: list[int], accepted_per_prompt: list[list[int]], num_bands: int) -> list[float | None]:

@@ -108,7 +108,8 @@ class ProbeSets:
 
     Args:
         heldout_lengths: lengths of the held-out dataset (``heldout_ds.lengths``).
-        bands: band boundaries (``probes.bands``).
+        bands: band boundaries (``probes.bands``, as ``ProbeSettings`` checked them and ``resolve_bands`` resolved
+            ``auto``).
         per_band: examples per band (``probes.per_band``); a band with fewer held-out examples takes them all, and
             a band with none is left out (logged by the trainer).
         seed: the probe seed (``probes.seed``), independent of the run seed so all runs share the same probes.
@@ -116,17 +117,8 @@ class ProbeSets:
             forward passes when they exceed it.
     """
 
-    def __init__(
-        self,
-        heldout_lengths: np.ndarray,
-        bands: list[int] | tuple[int, ...] = DEFAULT_BANDS,
-        per_band: int = 4,
-        seed: int = 0,
-        max_tokens: int = 4096,
-    ):
-        if per_band < 1:
-            raise ValueError(f"probes.per_band={per_band}: must be at least 1 (or set probes.every=0 to turn off)")
-        self.bands = validate_bands(bands)
+    def __init__(self, heldout_lengths: np.ndarray, bands: list[int], per_band: int, seed: int, max_tokens: int):
+        self.bands = list(bands)
         self.max_tokens = int(max_tokens)
         lengths = np.asarray(heldout_lengths, dtype=np.int64)
         band_ids = bucket_ids(lengths, self.bands)
@@ -161,7 +153,7 @@ class ProbeSets:
         self,
         evaluate_batch: Callable[[np.ndarray, torch.Generator], Any],
         step: int,
-        seed: int = 0,
+        seed: int,
     ) -> list[dict[str, Any]]:
         """Evaluate every band; returns ``probes.jsonl`` rows.
 
@@ -231,9 +223,9 @@ class PresentationRecorder:
         bands: band boundaries for the ``band`` column (the probe bands, so both views line up).
     """
 
-    def __init__(self, path: Path | str, bands: list[int] | tuple[int, ...] = DEFAULT_BANDS):
+    def __init__(self, path: Path | str, bands: list[int]):
         self.path = Path(path)
-        self.bands = validate_bands(bands)
+        self.bands = list(bands)
         self._chunks: list[dict[str, np.ndarray]] = []
         self._previous: Any = None  # a pyarrow table loaded on resume
 

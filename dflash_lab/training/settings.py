@@ -2,13 +2,19 @@
 (unknown keys, missing keys and badly typed values are refused with a message naming the key and the fix), and
 nothing past :meth:`RunSettings.from_config` reads a DictConfig.
 
+Each settings class declares its section (``SPEC``: one check per key; ``SECTION``: the spec and the preset that
+gives every key), and a rule that reads two keys or the machine in its ``__post_init__``; :class:`RunSettings`
+declares the whole config from them (the sections its builders check, the policy, data and model sections, pass as
+given). The config is checked in one pass (``config_check.check_section``), each group once, where its settings
+object is built.
+
 One home per default: the values live in the YAML presets (conf/train.yaml, conf/trainer/*.yaml, conf/logger/*.yaml;
 ``dflash_lab.presets`` reads them for code that holds a section in part); the settings here declare each key's type
 (a dataclass field with no default) and its one check (``SPEC``), never a value."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,24 +22,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.config_check import as_bool, as_choice, as_float, as_int, refuse_unknown_keys
+from dflash_lab.config_check import (Kinds, Section, as_bool, as_choice, as_float, as_given, as_int,
+                                     check_section)
 from dflash_lab.training.probes import validate_bands
 
-CONFIG_SECTIONS = ("sampler", "data", "model", "trainer", "gpu", "logger", "probes", "analysis", "seed",
-                   "target_seeds", "resume", "overwrite", "run_dir", "experiment")
 
-
-def _checked(section: str, values: Mapping[str, Any], spec: dict[str, Callable[[str, Any], Any]],
-             preset: str) -> dict[str, Any]:
-    """Refuse unknown and missing keys, then check each value with its checker (named ``section.key`` in errors);
-    ``preset`` names the file that gives every key of the section."""
-    refuse_unknown_keys(section, values, spec)
-    missing = [k for k in spec if k not in values]
-    if missing:
-        raise ValueError(f"{section} lacks {', '.join(f'{section}.{k}' for k in missing)}: {preset} gives every "
-                         f"{section} key; compose the config, or complete the section with "
-                         f"dflash_lab.presets.preset({section!r}, ...)")
-    return {k: spec[k](f"{section}.{k}", v) for k, v in values.items()}
+def _preset_gives(section: str, preset: str) -> str:
+    """The fix for a missing key of a section that a preset gives whole."""
+    return (f"{preset} gives every {section} key; compose the config, or complete the section with "
+            f"dflash_lab.presets.preset({section!r}, ...)")
 
 
 def _int(minimum: int, allow_none: bool = False):
@@ -105,16 +102,18 @@ class TrainerSettings:
         "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
         "dist_backend": lambda k, v: None if v is None else as_choice(k, v, ["gloo", "nccl"]),
     }
+    SECTION = Section(SPEC, missing=_preset_gives("trainer", "conf/trainer/cpu.yaml"))
+
+    def __post_init__(self) -> None:
+        if self.precision == "bf16" and not self.device.startswith("cuda"):
+            raise ValueError("trainer.precision=bf16 is for GPUs; on CPU use trainer.precision=fp32 (or trainer=gpu)")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={self.device} but no CUDA device is visible; use trainer=cpu")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainerSettings:
         """Build from the config section; unknown keys and badly typed values are refused, naming the key."""
-        settings = cls(**_checked("trainer", values, cls.SPEC, "conf/trainer/cpu.yaml"))
-        if settings.precision == "bf16" and not settings.device.startswith("cuda"):
-            raise ValueError("trainer.precision=bf16 is for GPUs; on CPU use trainer.precision=fp32 (or trainer=gpu)")
-        if settings.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"trainer.device={settings.device} but no CUDA device is visible; use trainer=cpu")
-        return settings
+        return cls(**check_section("trainer", values, cls.SECTION))
 
 
 @dataclass
@@ -129,32 +128,26 @@ class ProbeSettings:
     max_tokens: int
     presentations: bool
 
-    SPEC = {"every": _int(0), "warmup_evals": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v), "per_band": _int(1),
-            "seed": _int(0),
-            "max_tokens": _int(1), "presentations": as_bool}
+    SPEC = {"every": _int(0), "warmup_evals": _int(0), "bands": lambda k, v: v if v == "auto" else validate_bands(v),
+            "per_band": _int(1), "seed": _int(0), "max_tokens": _int(1), "presentations": as_bool}
+    SECTION = Section(SPEC, missing=_preset_gives("probes", "conf/train.yaml"))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> ProbeSettings:
-        return cls(**_checked("probes", values, cls.SPEC, "conf/train.yaml"))
+        return cls(**check_section("probes", values, cls.SECTION))
 
 
-
-LOGGER_KEYS = {"none": ("kind",),
-               "wandb": ("kind", "mode", "project", "entity", "group", "job_type", "name", "tags", "overrides")}
-
-
-def logger_settings(values: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``logger`` section checked (kind none | wandb, known keys only); the W&B settings, or None."""
-    if "kind" not in values:
-        raise ValueError("the logger section lacks logger.kind: choose a preset (logger=none | wandb)")
-    kind = as_choice("logger.kind", values["kind"], list(LOGGER_KEYS))
-    refuse_unknown_keys("logger", values, LOGGER_KEYS[kind])
-    if kind == "wandb":
-        if "mode" not in values:
-            raise ValueError("the logger section lacks logger.mode: conf/logger/wandb.yaml gives it (logger=wandb)")
-        as_choice("logger.mode", values["mode"], ["offline", "online", "disabled"])
-        return dict(values)
-    return None
+# The logger section: its keys depend on its kind (conf/logger/none.yaml, wandb.yaml); main() adds logger.overrides.
+WANDB_NAMES = ("project", "entity", "group", "job_type", "name", "tags", "overrides")
+WANDB = Section({"kind": as_given, "mode": lambda k, v: as_choice(k, v, ["offline", "online", "disabled"]),
+                 **dict.fromkeys(WANDB_NAMES, as_given)},
+                missing="conf/logger/wandb.yaml gives it (logger=wandb)", optional=WANDB_NAMES)
+LOGGER = Kinds({"none": Section({"kind": as_given}, missing="conf/logger/none.yaml gives every logger key"),
+                "wandb": WANDB}, missing="choose a preset (logger=none | wandb)")
+# The gpu section (conf/gpu/*.yaml): the memory the preflight plans for; the planner reads and checks the rest.
+GPU = Section({"name": as_given, "memory_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
+               "bf16_dense_tflops": as_given, "source": as_given},
+              missing=_preset_gives("gpu", "conf/gpu/none.yaml"))
 
 
 def plain_config(cfg: DictConfig | Mapping) -> dict[str, Any]:
@@ -173,37 +166,36 @@ class RunSettings:
     trainer: TrainerSettings
     probes: ProbeSettings
     wandb: dict[str, Any] | None   # the W&B settings; None: no W&B
+    gpu_preset_gb: float | None    # gpu.memory_gb: one GPU's memory by the gpu preset (None: gpu=none)
     seed: int
     resume: bool
     overwrite: bool
     run_dir: Path
+
+    SECTION = Section({
+        "sampler": as_given, "data": as_given, "model": as_given, "analysis": as_given, "experiment": as_given,
+        "trainer": TrainerSettings.SECTION, "probes": ProbeSettings.SECTION, "logger": LOGGER, "gpu": GPU,
+        "seed": _int(0), "target_seeds": _int(1), "resume": as_bool, "overwrite": as_bool, "run_dir": as_given,
+    }, missing="conf/train.yaml gives every top-level key; compose it (python -m dflash_lab.train, or "
+               "hydra.compose(config_name='train'))")
 
     @classmethod
     def from_config(cls, cfg: DictConfig | Mapping) -> RunSettings:
         """Check the composed config of conf/train.yaml (``run_dir`` must resolve: Hydra sets it; tests pass a
         path)."""
         config = plain_config(cfg)
-        refuse_unknown_keys("top-level config", config, CONFIG_SECTIONS)
-        missing = [k for k in CONFIG_SECTIONS if k not in config]
-        if missing:
-            raise ValueError(f"the config lacks {', '.join(missing)}: conf/train.yaml gives every top-level key; "
-                             f"compose it (python -m dflash_lab.train, or hydra.compose(config_name='train'))")
-        as_int("target_seeds", config["target_seeds"], minimum=1)
-        return cls(config=config,
-                   trainer=TrainerSettings.from_dict(config["trainer"]),
-                   probes=ProbeSettings.from_dict(config["probes"]),
-                   wandb=logger_settings(config["logger"]),
-                   seed=as_int("seed", config["seed"], minimum=0),
-                   resume=as_bool("resume", config["resume"]),
-                   overwrite=as_bool("overwrite", config["overwrite"]),
-                   run_dir=Path(config["run_dir"]))
+        checked = check_section("", config, cls.SECTION)
+        logger = checked["logger"]
+        return cls(config=config, trainer=TrainerSettings(**checked["trainer"]),
+                   probes=ProbeSettings(**checked["probes"]), wandb=logger if logger["kind"] == "wandb" else None,
+                   gpu_preset_gb=checked["gpu"]["memory_gb"], seed=checked["seed"], resume=checked["resume"],
+                   overwrite=checked["overwrite"], run_dir=Path(checked["run_dir"]))
 
     def gpu_memory_gb(self, device: torch.device) -> float | None:
         """Memory of one GPU for the memory plan: ``gpu.memory_gb`` (a preset), else ``trainer.gpu_mem_gb``, else
         the device's own total; None on CPU."""
-        preset = (self.config.get("gpu") or {}).get("memory_gb")
-        if preset is not None:
-            return as_float("gpu.memory_gb", preset, minimum=1.0)
+        if self.gpu_preset_gb is not None:
+            return self.gpu_preset_gb
         if self.trainer.gpu_mem_gb is not None:
             return self.trainer.gpu_mem_gb
         if device.type == "cuda":
