@@ -29,6 +29,15 @@ structure, no length curriculum. Random groups pack worse (a batch pads to its l
 ``full_random``), so a group takes more steps than its length bucket. The per-step ``bucket`` metric
 (``Policy.bucket_of``) is then the random group.
 
+``real_tokens_per_step`` (``null`` | ``T`` | ``full_random``; bucketed only, not its subclasses) replaces the padded
+budget inside each bucket, as full_random's key of the same name does: ``T`` closes a batch at the sample boundary
+nearest to T real tokens (``core.pack_real_tokens``; ``max_tokens`` still decides admission, ``max_samples`` caps
+rows, T is at least the longest admitted sample, ``quadratic_length`` is refused). ``full_random`` is full_random's
+mean real tokens per rank and step over the same data, budget and seed, resolved where the data is known
+(``sampling.stats.resolve_matched_real_tokens``): bucketed then makes as many optimizer updates per epoch as
+full_random, so the two differ in batch composition alone (the converse of full_random at bucketed's real tokens).
+Its batches pad to about T / 0.8 tokens, below ``max_tokens`` at full_random's T.
+
 Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping and ordering;
 ``bucket_by: random`` adds one O(N) permutation at construction.
 """
@@ -43,7 +52,8 @@ import numpy as np
 from ..config_check import as_choice, as_int
 from .boundaries import FIT_METHODS, bucket_ids, fit_boundaries, validate_boundaries
 from .core import (
-    Admission, StepPlan, Steps, TokenBudget, bucket_run_order, epoch_rng, group_into_steps, pack_in_order,
+    MAX_BUDGET, Admission, StepPlan, Steps, TokenBudget, bucket_run_order, epoch_rng, group_into_steps, pack_in_order,
+    pack_real_tokens,
 )
 
 BUCKET_BY = ("length", "random")
@@ -147,7 +157,9 @@ class Bucketed:
         fit_method: str = "optimal",
         run_length: int = 1,
         bucket_by: str = "length",
+        real_tokens_per_step: int | None = None,
     ):
+        self.real_tokens = self._real_token_budget(real_tokens_per_step, admission, budget)
         self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
         if bucket_by not in BUCKET_BY:
             raise ValueError(
@@ -174,6 +186,36 @@ class Bucketed:
             self.sample_bucket[members] = bucket
         self._row_cost = budget.row_cost(admission.lengths)
 
+    @staticmethod
+    def _real_token_budget(value: int | str | None, admission: Admission, budget: TokenBudget) -> int | None:
+        """``sampler.real_tokens_per_step`` checked: None (the padded budget) or T >= the longest admitted sample."""
+        key = "sampler.real_tokens_per_step"
+        if isinstance(value, str):
+            raise ValueError(f"{key}={value} is resolved where the data is known (the trainer and the planner: "
+                             f"sampling.stats.resolve_matched_real_tokens); give a number to build a policy directly")
+        tokens = as_int(key, value, minimum=1, maximum=MAX_BUDGET, allow_none=True)
+        if tokens is None:
+            return None
+        if budget.quadratic_length is not None:
+            raise ValueError(f"sampler.quadratic_length applies to the padded budget, which {key} replaces; set one "
+                             f"of them to null")
+        longest = int(admission.lengths[admission.kept].max())
+        if tokens < longest:
+            raise ValueError(f"{key}={tokens} is below the longest admitted sample ({longest} tokens); raise it to at "
+                             f"least {longest} (or null for the padded budget)")
+        return tokens
+
+    def pack_bucket(self, order: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """One bucket's batches along ``order`` and each batch's width (its sort key): under the padded budget
+        (``core.pack_in_order``), or ``real_tokens_per_step`` (``core.pack_real_tokens``; width: the longest row)."""
+        if self.real_tokens is None:
+            return pack_in_order(order, self._row_cost, self.budget, self.admission.block_tokens)
+        lengths = self.admission.lengths
+        batches = pack_real_tokens(order, lengths, self.real_tokens, self.budget.max_samples,
+                                   self.admission.block_tokens, self.budget.max_block_tokens)
+        widest = np.array([lengths[b].max() for b in batches], dtype=np.float64)
+        return batches, widest
+
     def order_bucket(self, members: np.ndarray, bucket: int, rng: np.random.Generator) -> np.ndarray:
         """The consumption order of one bucket's samples this epoch: a plain shuffle."""
         return members[rng.permutation(members.size)]
@@ -187,8 +229,7 @@ class Bucketed:
         batches: list[np.ndarray] = []
         keys = []
         for bucket, members in enumerate(self.members):
-            packed, widest = pack_in_order(self.order_bucket(members, bucket, rng), self._row_cost, self.budget,
-                                           self.admission.block_tokens)
+            packed, widest = self.pack_bucket(self.order_bucket(members, bucket, rng))
             batches += packed
             keys.append(np.stack([np.full(len(packed), bucket, dtype=np.float64), widest], axis=1))
         key = np.concatenate(keys) if keys else np.zeros((0, 2))
