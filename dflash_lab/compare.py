@@ -81,7 +81,7 @@ from dflash_lab.analysis.arms import DUPLICATE_POLICIES, MIXED_DIGEST_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
 from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_code_digest, overridden_keys,
                                          recorded_protocol, resolve_protocol, section_disagreements)
-from dflash_lab.analysis.recommendation import THROUGHPUT_SOURCES, decide, plan_throughput
+from dflash_lab.analysis.recommendation import THROUGHPUT_SOURCES, compared_policies, decide, plan_throughput
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
@@ -468,10 +468,8 @@ def given_throughput(args: argparse.Namespace, recommendation: dict) -> dict | N
     except (OSError, ValueError) as error:
         raise Refused(f"--throughput-from {args.throughput_from}: cannot be read as JSON ({error}); give the "
                       "plan.json that python -m dflash_lab.plan wrote") from None
-    policies = recommendation.get("policies") or {}
     try:
-        return plan_throughput(plan, policies.get("question", {}).get("sampler", "bucketed"),
-                           policies.get("baseline", {}).get("sampler", "full_random"), args.throughput_from)
+        return plan_throughput(plan, *compared_policies(recommendation), args.throughput_from)
     except ValueError as error:
         raise Refused(str(error)) from None
 

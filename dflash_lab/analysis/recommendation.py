@@ -209,6 +209,17 @@ def default_throughput(verdict: dict) -> dict | None:
             "detail": THROUGHPUT_SOURCES[claim or "measured_ktok_s"]}
 
 
+def compared_policies(recommendation: dict) -> tuple[str, str]:
+    """The sampler names of the question's and the baseline's arms (what a plan is read for).
+
+    Example:
+        >>> compared_policies({"policies": {"question": {"sampler": "bucketed"}, "baseline": {}}})
+        ('bucketed', 'full_random')
+    """
+    names = {role: (recommendation["policies"].get(role) or {}).get("sampler") for role in ("question", "baseline")}
+    return names["question"] or "bucketed", names["baseline"] or "full_random"
+
+
 def plan_throughput(plan: dict, question_policy: str, baseline_policy: str, path: str = "plan.json") -> dict:
     """The throughput ratio a plan predicts (``python -m dflash_lab.plan``'s plan.json): the question policy's
     predicted Ktok/s over the baseline policy's.
@@ -312,8 +323,7 @@ def _interval(entry: dict) -> str:
 def recommendation_text(result: dict) -> str:
     """The recommendation in one paragraph: what to use with which settings, then the numbers that decide it."""
     even, rate, time = result["break_even_throughput"], result["throughput_ratio"], result["time_ratio"]
-    question, baseline = result["policies"]["question"].get("sampler", "the question"), \
-        result["policies"]["baseline"].get("sampler", "the baseline")
+    question, baseline = compared_policies(result)
     level = f"probe loss {result['probe_loss']:.3g}" if result.get("probe_loss") is not None else "the target"
     lead = {"bucketed": f"Use {question} ({result['overrides']}): it reaches {level} in less GPU time.",
             "full_random": f"Use {baseline} ({result['overrides']}): it reaches {level} in less GPU time.",
