@@ -254,8 +254,8 @@ def build_recommendation(verdict: dict, runs: pd.DataFrame, roles: dict[str, str
     """Add `composition` and `recommendation` to a rules-6 verdict (module docstring), with the throughput ratio
     the answer claims; :func:`decide` redoes the decision for another throughput ratio."""
     question = verdict["arms"].get("question")
-    baseline = (verdict.get("time_to_target") or {}).get("baseline") or next(
-        (r["baseline"] for r in verdict["bucketed_vs_full_random"]), None)
+    entry = verdict.get("time_to_target") or {}
+    baseline = entry.get("baseline") or next((r["baseline"] for r in verdict["bucketed_vs_full_random"]), None)
     arms, missing = optional_arms(runs, roles, match)
     verdict["composition"] = {**composition(runs, arms, question, baseline, nested, alpha), "missing": missing}
     tokens = ratio_interval(runs, question, baseline, "tokens_to_target", nested, alpha)
@@ -263,13 +263,14 @@ def build_recommendation(verdict: dict, runs: pd.DataFrame, roles: dict[str, str
                 (("question", question), ("baseline", baseline), ("lr_scaled", arms.get("lr_scaled")))}
     recommendation = {
         "question": question, "baseline": baseline, "policies": policies,
-        "probe_loss": (verdict.get("time_to_target") or {}).get("probe_loss"),
+        "probe_loss": entry.get("probe_loss"), "target_declared": bool(entry),
+        "not_reached": [f"{missed['arm']} seed {missed['seed']}" for missed in entry.get("not_reached", [])],
         "forgetting": forgetting_bound(verdict), "valid": verdict["valid"],
         "tokens_to_target_ratio": tokens,
         "break_even_throughput": None if tokens is None else {
             key: tokens[key] for key in ("value", "ci_low", "ci_high", "n_pairs", "unit")} | {
             "from": "tokens_to_target_ratio: the throughput ratio at which both reach the target in equal GPU time"},
-        "time_ratio_runs": (verdict.get("time_to_target") or {}).get("time_ratio"),
+        "time_ratio_runs": entry.get("time_ratio"),
         "composition": verdict["composition"]}
     verdict["recommendation"] = decide(recommendation, default_throughput(verdict))
 
@@ -292,9 +293,8 @@ def decide(recommendation: dict, throughput: dict | None) -> dict:
     even = recommendation.get("break_even_throughput")
     forgetting = recommendation["forgetting"]
     if even is None or throughput is None:
-        why = "no time to target (declare analysis.target)" if even is None else "no throughput ratio"
         return {**result, "conclusion": None, "policy": None, "settings": {}, "overrides": "", "time_ratio": None,
-                "text": f"no recommendation: {why}"}
+                "text": f"no recommendation: {_why_none(recommendation, throughput)}"}
     rate = float(throughput["value"])
     low, high = even["ci_low"], even["ci_high"]
     result["time_ratio"] = {"value": even["value"] / rate, "ci_low": None if low is None else low / rate,
@@ -312,6 +312,21 @@ def decide(recommendation: dict, throughput: dict | None) -> dict:
                   overrides=" ".join(f"{key}={value}" for key, value in settings.items()))
     result["text"] = recommendation_text(result)
     return result
+
+
+def _why_none(recommendation: dict, throughput: dict | None) -> str:
+    """Why there is nothing to decide by: no target declared, no seed pair that reached it, or no throughput."""
+    if recommendation.get("break_even_throughput") is not None:
+        return "no throughput ratio (no cost model, padding or Ktok/s record; give compare --throughput-ratio)"
+    if not recommendation.get("target_declared"):
+        return ("no time to a target: declare analysis.target (the break-even throughput is the ratio of the real "
+                "tokens each policy needs to reach it)")
+    level = recommendation.get("probe_loss")
+    missed = recommendation.get("not_reached") or []
+    return (f"no seed pair of {recommendation['question']} and {recommendation['baseline']} reached probe loss "
+            f"{'the target' if level is None else f'{level:.3g}'}"
+            + (f" (never reached: {', '.join(missed)})" if missed else "")
+            + ": train longer, or declare a target the runs reach")
 
 
 def _interval(entry: dict) -> str:

@@ -370,8 +370,7 @@ def add_controls_by_equivalence(verdict: dict, runs: pd.DataFrame, paired: pd.Da
     verdict["question_net_of_matched_control"] = net_of_matched_control(
         runs, paired, endpoint, arms["question"], matched_control_arm(runs, roles, arms, config_values), nested,
         alpha)
-    verdict["throughput_from"] = throughput_from(runs, arms["question"],
-                                                 rows_baseline(verdict["bucketed_vs_full_random"], endpoint),
+    verdict["throughput_from"] = throughput_from(runs, arms["question"], question_baseline(verdict),
                                                  verdict["throughput_ratio"])
 
 
@@ -485,6 +484,13 @@ def amplitude_in_tau(runs: pd.DataFrame, paired: pd.DataFrame) -> dict:
     tau_margin = _number(margins.iloc[0]) if len(margins) else None
     implied = tau_margin / abs(slope) if tau_margin is not None and slope != 0 else None
     return {"slope": slope, "r": r, "runs": int(len(x)), "tau_margin": tau_margin, "implied_margin": implied}
+
+
+def question_baseline(verdict: dict) -> str | None:
+    """The question arm's baseline: that of its primary endpoint's row, else of any of its rows (a run too short
+    for the primary endpoint still has a baseline to compare throughput and time to target with)."""
+    rows = verdict["bucketed_vs_full_random"]
+    return rows_baseline(rows, verdict["endpoint"]) or next((row["baseline"] for row in rows), None)
 
 
 def rows_baseline(rows: list[dict], endpoint: str) -> str | None:
@@ -758,6 +764,8 @@ def analysis_basis(question: pd.DataFrame, endpoint: str) -> dict:
 
 def _basis_phrase(units: dict) -> str:
     seeds = f"{units['seeds']} seed{'s' if units['seeds'] != 1 else ''}"
+    if not units["units"]:
+        return f"it rests on {seeds} (no paired primary endpoint)"
     if not units["targets"]:
         return f"it rests on {seeds} (no target recorded; the seed is the unit)"
     targets = f"{units['targets']} target{'s' if units['targets'] != 1 else ''}"
@@ -848,7 +856,7 @@ loss 2.3 (1.20x the steps: +20 [+19, +21] steps, 5 pairs, worse)'
         return
     sentences = []
     if target is not None:
-        entry = time_to_target_entry(paired, question, target)
+        entry = time_to_target_entry(paired, question, target, question_baseline(verdict))
         verdict["time_to_target"] = entry
         sentences += [_trade_with_outcomes(verdict, entry) if state_outcome else _trade(verdict, entry)]
     early = paired[(paired["policy"] == question) & (paired["endpoint"] == "probe_loss_early")]
@@ -863,11 +871,12 @@ loss 2.3 (1.20x the steps: +20 [+19, +21] steps, 5 pairs, worse)'
         verdict["answer"] += "; " + "; ".join(sentences)
 
 
-def time_to_target_entry(paired: pd.DataFrame, question: str, target: dict) -> dict:
+def time_to_target_entry(paired: pd.DataFrame, question: str, target: dict, baseline: str | None = None) -> dict:
     """verdict.json's ``time_to_target``: the level, how it was fixed, the question's paired rows of steps, real
-    tokens and modelled time to reach it (:func:`_target_row`), their ratios, and the runs that never reached it."""
+    tokens and modelled time to reach it (:func:`_target_row`), their ratios, and the runs that never reached it.
+    ``baseline``: the question's baseline where no time-to-target row names it (no seed pair reached the level)."""
     rows = {name: _target_row(paired, question, name) for name, _ in TARGET_ENDPOINTS}
-    baseline = next((row["baseline"] for row in rows.values() if row is not None), None)
+    baseline = next((row["baseline"] for row in rows.values() if row is not None), baseline)
     levels = target.get("levels") or {}
     return {"probe_loss": levels.get("all", levels.get(baseline)), "fixed_by": target.get("fixed_by"),
             "rule": target.get("rule"), "at": target.get("at"), "step": target.get("step"),
