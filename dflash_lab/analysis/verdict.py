@@ -489,11 +489,11 @@ def amplitude_in_tau(runs: pd.DataFrame, paired: pd.DataFrame) -> dict:
 def question_baseline(verdict: dict) -> str | None:
     """The question arm's baseline: that of its primary endpoint's row, else of any of its rows (a run too short
     for the primary endpoint still has a baseline to compare throughput and time to target with)."""
-    rows = verdict["bucketed_vs_full_random"]
-    return rows_baseline(rows, verdict["endpoint"]) or next((row["baseline"] for row in rows), None)
+    rows = verdict.get("bucketed_vs_full_random") or []
+    return rows_baseline(rows, verdict.get("endpoint")) or next((row["baseline"] for row in rows), None)
 
 
-def rows_baseline(rows: list[dict], endpoint: str) -> str | None:
+def rows_baseline(rows: list[dict], endpoint: str | None) -> str | None:
     """The baseline arm of the question's row for ``endpoint`` (None: no such row)."""
     return next((r["baseline"] for r in rows if r["endpoint"] == endpoint), None)
 
