@@ -51,7 +51,8 @@ then not the launch protocol's: compare judges the runs both ways, the first not
 and what the launch protocol answers, and verdict.json's `launch_protocol` holds both answers
 (:func:`overridden_keys`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
 the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration), and
-whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict).
+whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict), and from version 6
+whether verdict.json holds the recommendation and the composition split (`recommendation`, analysis.recommendation).
 """
 
 from __future__ import annotations

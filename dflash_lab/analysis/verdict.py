@@ -81,6 +81,14 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   steps: diff [interval] steps, n pairs, verdict)"
     early_window                  rules version >= 5, when probe_loss_early is paired: the paired probe-loss gap
                                   over the first 25% of the common step budget, stated in the answer too
+    seeds                         the seeds the answer rests on: those of the question's primary paired row
+                                  (n_seeds; 0 without that row), the number compare prints next to the verdict
+    Rules version >= 6 (`finish_verdict`, the protocol's RULES flag recommendation):
+    trade                         each ratio to the target (modelled GPU time, steps, real tokens) stated with its
+                                  own paired interval, verdict and Holm p (`_trade_with_outcomes`)
+    recommendation, composition   what to do and the update-count / composition split
+                                  (analysis.recommendation); the answer adds the forgetting effect at most against
+                                  its margin and the composition costs
 
 Cost: a few table lookups.
 """
