@@ -98,7 +98,7 @@ def test_the_recommendation_holds_the_keys_and_break_even_is_the_tokens_ratio_it
     rate = advice["throughput_ratio"]
     assert rate["source"] == "modelled_cost" and rate["value"] == pytest.approx(1.0)   # equal padding planted
     assert advice["time_ratio"]["value"] == pytest.approx(even["value"] / rate["value"])
-    assert advice["conclusion"] == "full_random" and advice["policy"] == "full_random"
+    assert advice["conclusion"] == "baseline" and advice["policy"] == "full_random"
     assert advice["text"].startswith("Use full_random (sampler=full_random ") and "sampler.max_tokens=4096" in \
         advice["text"]
     assert f"{even['value']:.2f}x [{even['ci_low']:.2f}, {even['ci_high']:.2f}] the real tokens" in advice["text"]
@@ -133,7 +133,7 @@ def test_a_throughput_given_on_the_command_line_decides_against_the_break_even_i
     assert "the interval straddles break-even" in advice["text"]
     faster = decide(advice, {"value": even["ci_high"] * 1.5, "source": "command_line", "detail": ""})
     slower = decide(advice, {"value": even["ci_low"] / 1.5, "source": "command_line", "detail": ""})
-    assert (faster["conclusion"], slower["conclusion"]) == ("bucketed", "full_random")
+    assert (faster["conclusion"], slower["conclusion"]) == ("question", "baseline")
     assert faster["text"].startswith("Use bucketed (sampler=bucketed ") and faster["policy"] == "bucketed"
 
 
@@ -183,7 +183,8 @@ def test_the_decision_rule_and_its_text_without_runs():
             "break_even_throughput": {"value": 1.99, "ci_low": 1.67, "ci_high": 2.37, "n_pairs": 5,
                                       "unit": "target"}}
     seen = {rate: decide(base, {"value": rate, "source": "plan", "detail": "d"}) for rate in (1.23, 1.99, 2.5)}
-    assert [seen[rate]["conclusion"] for rate in (1.23, 1.99, 2.5)] == ["full_random", "inconclusive", "bucketed"]
+    assert [seen[rate]["conclusion"] for rate in (1.23, 1.99, 2.5)] == ["baseline", "inconclusive", "question"]
+    assert [seen[rate]["policy"] for rate in (1.23, 1.99, 2.5)] == ["full_random", "full_random", "bucketed"]
     assert seen[2.5]["overrides"] == "sampler=bucketed sampler.boundaries=auto"
     assert "beyond the margin 0.01 declared irrelevant" in seen[1.23]["text"]
     assert decide({**base, "forgetting": {**base["forgetting"], "answer": "yes"}},

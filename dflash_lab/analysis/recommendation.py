@@ -21,11 +21,12 @@ and interval *are* the tokens-to-target ratio's).
 recommendation keys:
     policy, settings, overrides   the policy to use and its settings (the swept keys of its arm, and the common
                                   ones: sampler.max_tokens, sampler.boundaries, trainer.lr, ...), as Hydra overrides
-    conclusion                    bucketed | full_random (each: the policy that reaches the target in less GPU
-                                  time, the throughput ratio outside the break-even interval) | inconclusive (the
-                                  interval straddles it; full_random, the baseline, is named as the policy to keep)
-                                  | forgetting (the question shows the forgetting signature: the baseline) | null
-                                  (no time to target to decide by)
+    conclusion                    question | baseline (the arm that reaches the target in less GPU time: the
+                                  throughput ratio above | below the break-even interval) | inconclusive (the
+                                  interval straddles it: the baseline is named as the policy to keep, with the
+                                  throughput ratio above which the question wins) | forgetting (the question shows
+                                  the forgetting signature: the baseline) | null (nothing to decide by: the text
+                                  says why). `policy` names the recommended arm's sampler (bucketed, full_random)
     forgetting                    the question's effect on the primary endpoint at most (the worse end of its
                                   interval), the margin it was tested against, its share of the positive control
     tokens_to_target_ratio        q / b with its interval (:func:`ratio_interval` on tokens_to_target)
@@ -287,7 +288,7 @@ def decide(recommendation: dict, throughput: dict | None) -> dict:
         ...         "break_even_throughput": {"value": 2.0, "ci_low": 1.7, "ci_high": 2.4, "n_pairs": 5,
         ...                                   "unit": "target"}, "composition": {}}
         >>> [decide(base, {"value": r, "source": "command_line", "detail": ""})["conclusion"] for r in (1.2, 2.0, 3)]
-        ['full_random', 'inconclusive', 'bucketed']
+        ['baseline', 'inconclusive', 'question']
     """
     result = {**recommendation, "throughput_ratio": throughput}
     even = recommendation.get("break_even_throughput")
@@ -305,8 +306,8 @@ def decide(recommendation: dict, throughput: dict | None) -> dict:
     elif low is None or high is None or low <= rate <= high:
         conclusion = "inconclusive"
     else:
-        conclusion = "bucketed" if rate > high else "full_random"
-    role = "question" if conclusion == "bucketed" else "baseline"
+        conclusion = "question" if rate > high else "baseline"
+    role = "question" if conclusion == "question" else "baseline"
     settings = recommendation["policies"].get(role) or {}
     result.update(conclusion=conclusion, policy=settings.get("sampler"), settings=settings,
                   overrides=" ".join(f"{key}={value}" for key, value in settings.items()))
@@ -340,8 +341,8 @@ def recommendation_text(result: dict) -> str:
     even, rate, time = result["break_even_throughput"], result["throughput_ratio"], result["time_ratio"]
     question, baseline = compared_policies(result)
     level = f"probe loss {result['probe_loss']:.3g}" if result.get("probe_loss") is not None else "the target"
-    lead = {"bucketed": f"Use {question} ({result['overrides']}): it reaches {level} in less GPU time.",
-            "full_random": f"Use {baseline} ({result['overrides']}): it reaches {level} in less GPU time.",
+    lead = {"question": f"Use {question} ({result['overrides']}): it reaches {level} in less GPU time.",
+            "baseline": f"Use {baseline} ({result['overrides']}): it reaches {level} in less GPU time.",
             "inconclusive": f"Inconclusive on GPU time; keep {baseline} ({result['overrides']}) unless {question}'s "
                             f"throughput on your data and GPU exceeds {baseline}'s by more than "
                             f"{even['ci_high'] or even['value']:.2f}x (measure it, or plan it: python -m "
