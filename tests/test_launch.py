@@ -273,7 +273,7 @@ def test_a_bad_value_in_a_command_line_sweep_names_its_job():
 @pytest.mark.parametrize(
     "name, njobs",
     [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_epochs", 25),
-     ("forgetting_scale", 12)],
+     ("forgetting_scale", 24)],
 )
 def test_sweep_files_expand_to_valid_jobs(name, njobs):
     cfg, jobs, problems = _with_sweep_checks(name)

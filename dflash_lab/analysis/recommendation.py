@@ -349,11 +349,12 @@ def recommendation_text(result: dict) -> str:
                             f"dflash_lab.plan, then compare --throughput-from plan.json).",
             "forgetting": f"Use {baseline} ({result['overrides']}): {question} shows the forgetting signature."}
     text = [lead[result["conclusion"]]]
+    units = f"{even['n_pairs']} {even['unit']}{'s' if even['n_pairs'] != 1 else ''}"
+    straddles = result["conclusion"] == "inconclusive" and even.get("ci_low") is not None
     text.append(f"Break-even: {question} needs {_interval(even)} the real tokens of {baseline} to reach {level} "
-                f"({even['n_pairs']} {even['unit']}s), so it saves GPU time only above that throughput ratio; "
-                f"assumed {rate['value']:.2f}x ({rate['source'].replace('_', ' ')}: {rate['detail']}), hence "
-                f"{_interval(time)} the GPU time"
-                + (" (the interval straddles break-even)" if result["conclusion"] == "inconclusive" else "") + ".")
+                f"({units}), so it saves GPU time only above that throughput ratio; assumed {rate['value']:.2f}x "
+                f"({rate['source'].replace('_', ' ')}: {rate['detail']}), hence {_interval(time)} the GPU time"
+                + (" (the interval straddles break-even)" if straddles else "") + ".")
     text.append(_capital(forgetting_phrase(result["forgetting"], question)))
     text.append(_capital(composition_phrase(result.get("composition") or {}, question)))
     if not result.get("valid", True):
