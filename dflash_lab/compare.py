@@ -81,6 +81,7 @@ from dflash_lab.analysis.arms import DUPLICATE_POLICIES, MIXED_DIGEST_POLICIES
 from dflash_lab.analysis.plots import PLOT_FILES, write_all_plots
 from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_code_digest, overridden_keys,
                                          recorded_protocol, resolve_protocol, section_disagreements)
+from dflash_lab.analysis.recommendation import THROUGHPUT_SOURCES, compared_policies, decide, plan_throughput
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
@@ -173,6 +174,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="probe-loss level of the time-to-target endpoints: a fixed level, or the baseline "
                              "arm's mean probe loss at SHARE x the common step budget; margin: a ratio margin "
                              "(default: analysis.target, else none)")
+    parser.add_argument("--throughput-ratio", type=float, metavar="R",
+                        help="the throughput ratio (question / baseline real tokens per GPU second) the "
+                             "recommendation assumes, e.g. a measured run's: 1.23 (default: the ratio the verdict "
+                             "claims, the modelled cost; rules version >= 6)")
+    parser.add_argument("--throughput-source", metavar="TEXT",
+                        help="where --throughput-ratio comes from, in words (recorded next to it), e.g. 'measured: "
+                             "one H200, an epoch of the seed workload'")
+    parser.add_argument("--throughput-from", metavar="PLAN_JSON",
+                        help="take the throughput ratio from a plan of your data and GPU: the plan.json that "
+                             "python -m dflash_lab.plan wrote (its predicted Ktok/s of the question's and the "
+                             "baseline's policies)")
     parser.add_argument("--theta", type=float, default=LEARNED_THRESHOLD,
                         help="block accuracy at which a training example counts as learned, for forgetting events "
                              f"(default {LEARNED_THRESHOLD})")
@@ -192,6 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give at least one PATH or --wandb ENTITY/PROJECT")
+    if args.throughput_ratio is not None and args.throughput_from:
+        parser.error("give --throughput-ratio or --throughput-from, not both")
+    if args.throughput_ratio is not None and not args.throughput_ratio > 0:
+        parser.error(f"--throughput-ratio {args.throughput_ratio:g}: give a ratio > 0, e.g. 1.23")
+    if args.throughput_source and args.throughput_ratio is None:
+        parser.error("--throughput-source describes --throughput-ratio: give both")
     return args
 
 
@@ -435,6 +453,51 @@ def verdict_protocol(recorded: dict | None, rules: int, today) -> dict:
     return entry
 
 
+def given_throughput(args: argparse.Namespace, recommendation: dict) -> dict | None:
+    """The throughput ratio given on the command line ({value, source, detail}), None when none was given.
+
+    Raises:
+        Refused: --throughput-from names a file that is not a plan.json, or one without both policies."""
+    if args.throughput_ratio is not None:
+        return {"value": float(args.throughput_ratio), "source": "command_line",
+                "detail": args.throughput_source or THROUGHPUT_SOURCES["command_line"]}
+    if not args.throughput_from:
+        return None
+    try:
+        plan = json.loads(Path(args.throughput_from).read_text())
+    except (OSError, ValueError) as error:
+        raise Refused(f"--throughput-from {args.throughput_from}: cannot be read as JSON ({error}); give the "
+                      "plan.json that python -m dflash_lab.plan wrote") from None
+    try:
+        return plan_throughput(plan, *compared_policies(recommendation), args.throughput_from)
+    except ValueError as error:
+        raise Refused(str(error)) from None
+
+
+def apply_throughput(args: argparse.Namespace, *comparisons) -> None:
+    """Redo each comparison's recommendation (verdict.json's, rules version >= 6) for the throughput ratio the
+    command line gives (:func:`given_throughput`); the recommendations stay as built when none is given."""
+    for comparison in comparisons:
+        verdict = (comparison.verdict or {}) if comparison is not None else {}
+        if "recommendation" in verdict:
+            throughput = given_throughput(args, verdict["recommendation"])
+            if throughput is not None:
+                verdict["recommendation"] = decide(verdict["recommendation"], throughput)
+
+
+def recommendation_lines(comparison, today) -> list[str]:
+    """What compare prints first: the recommendation of the rules that judged the sweep, else today's (a sweep
+    recorded under rules older than 6 has none of its own), named as such."""
+    own = (comparison.verdict or {}).get("recommendation")
+    if own is not None:
+        return [f"recommendation: {own['text']}", ""]
+    later = ((today.verdict if today is not None else None) or {}).get("recommendation")
+    if later is not None:
+        return [f"recommendation (today's rules, version {RULES_VERSION}; the sweep's rules have none): "
+                f"{later['text']}", ""]
+    return []
+
+
 def _compare(args: argparse.Namespace) -> int:
     target = check_out(args.out, force=args.force, inputs=args.paths)
     report = load_runs(args.paths, wandb=args.wandb, group=args.group, offline_wandb=args.offline_wandb)
@@ -465,6 +528,7 @@ def _compare(args: argparse.Namespace) -> int:
         disagreements = section_disagreements(report.runs, recorded, rules)
     except ValueError as error:
         raise Refused(str(error)) from error
+    apply_throughput(args, comparison, today)
     comparison.notes[0:0] = [protocol_note(recorded, comparison, today), *disagreements]
     if overridden:
         comparison.notes.insert(0, override_note(overridden, comparison, launch_comparison))
@@ -486,7 +550,7 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"error: could not write --out {args.out} ({error}); it is left as it was", file=sys.stderr)
         return 1
     partial = int(comparison.runs["partial"].sum())
-    print(markdown_tables(comparison))
+    print("\n".join(recommendation_lines(comparison, today) + [markdown_tables(comparison)]))
     if comparison.verdict is not None:
         print(f"\nverdict ({comparison.verdict['seeds']} seeds, protocol rules version {protocol.rules}): "
               f"{comparison.verdict['answer']}")

@@ -272,7 +272,8 @@ def test_a_bad_value_in_a_command_line_sweep_names_its_job():
 
 @pytest.mark.parametrize(
     "name, njobs",
-    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_epochs", 15)],
+    [("boundaries_grid", 7), ("bucket_count_grid", 15), ("policies_seeds", 15), ("forgetting_epochs", 25),
+     ("forgetting_scale", 24)],
 )
 def test_sweep_files_expand_to_valid_jobs(name, njobs):
     cfg, jobs, problems = _with_sweep_checks(name)
@@ -298,6 +299,19 @@ def test_the_seed_lr_sweep_is_the_protocol_at_lr_6e_4_with_a_clip_that_does_not_
     assert seed_lr.hydra.sweeper.params == protocol.hydra.sweeper.params
     differ = {key for key in protocol.trainer if seed_lr.trainer[key] != protocol.trainer[key]}
     assert differ == {"lr", "grad_clip"}
+
+
+def test_the_protocol_runs_eight_arms_on_five_targets_with_two_seeds_each():
+    """Rules version 6's protocol: the equal-updates and LR-scaled arms join the six, the seeds nest within the five
+    shipped targets, and every arm role the verdict declares is an arm of the sweep."""
+    cfg, jobs, problems = _with_sweep_checks("forgetting_protocol")
+    assert problems == [] and len(jobs) == 80 and cfg.target_seeds == 5
+    arms = {o.split("=", 1)[1] for job in jobs for o in job if o.startswith("+arm=")}
+    assert {"any_bucketed_equal_updates", "any_bucketed_lr_sqrt", "any_full_random_equal_tokens"} <= arms
+    assert len(arms) == 8 and {o for job in jobs for o in job if o.startswith("seed=")} == {f"seed={s}"
+                                                                                        for s in range(10)}
+    roles = cfg.analysis.verdict
+    assert roles.equal_updates and roles.equal_tokens and roles.lr_scaled
 
 
 def test_boundaries_grid_holds_the_seed_lists():

@@ -189,3 +189,94 @@ def test_checkpoint_digest_reads_names_sizes_ends_and_config(tmp_path):
     assert target_module.checkpoint_digest(tmp_path) not in (digest, changed_end)
     with pytest.raises(ValueError, match="model.target_path=.*no config.json or no"):
         target_module.checkpoint_digest(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------- the shipped reference targets (issue 33)
+def _reference(seed: int) -> dict:
+    (entry,) = [e for e in target_module.shipped_targets() if e["name"] == f"tiny_s{seed}"]
+    return entry
+
+
+def _spec(section: dict):
+    from dflash_lab.data.tokenizer import ByteTokenizer
+    from dflash_lab.model.build import tiny_target_spec
+
+    keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings",
+            "pretrain_steps", "pretrain_tokens_per_step", "pretrain_lr", "pretrain_window", "pretrain_seed",
+            "pretrain_max_seconds")
+    arch, pretrain = tiny_target_spec(**{key: section[key] for key in keys})
+    return ByteTokenizer(), arch, pretrain, dict(section["pretrain_data"])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_default_target_and_the_protocols_five_are_shipped_and_found_by_their_settings(seed):
+    tokenizer, arch, pretrain, corpus = _spec(preset("model", "tiny", pretrain_seed=seed))
+    entry = target_module.shipped_target(tokenizer, arch, pretrain, corpus)
+    assert entry is not None and entry["name"] == f"tiny_s{seed}" and len(entry["target_digest"]) == 16
+    assert entry["settings"]["pretrain"]["seed"] == seed
+    other = _spec(preset("model", "tiny", pretrain_seed=seed, pretrain_steps=401))
+    assert target_module.shipped_target(*other) is None   # another recipe: pretrained locally
+
+
+def test_a_shipped_target_loads_with_the_manifests_digest_without_pretraining(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("pretrained although a shipped target matches")
+
+    monkeypatch.setattr(target_module, "pretrain_tiny_target", boom)
+    tokenizer, arch, pretrain, corpus = _spec(preset("model", "tiny"))
+    model, meta = target_module.load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain,
+                                                          corpus=corpus, cache_dir=None)
+    assert meta["source"] == "shipped" and meta["target_digest"] == _reference(0)["target_digest"]
+    assert target_module.weights_digest(model) == meta["target_digest"]
+    assert Path(meta["path"]).parent == target_module.SHIPPED_DIR
+
+
+def test_a_damaged_shipped_file_is_refused_naming_the_reinstall(tmp_path):
+    import shutil
+
+    shipped = tmp_path / "targets"
+    shutil.copytree(target_module.SHIPPED_DIR, shipped)
+    entry = _reference(0)
+    data = bytearray((shipped / entry["file"]).read_bytes())
+    data[-5] ^= 0x01   # one bit of the last tensor's bytes
+    (shipped / entry["file"]).write_bytes(bytes(data))
+    tokenizer, arch, pretrain, corpus = _spec(preset("model", "tiny"))
+    with pytest.raises(RuntimeError, match=rf"shipped tiny target .*{entry['file']} has weights digest \w+, but the "
+                                           rf"manifest records {entry['target_digest']}: reinstall dflash_lab"):
+        target_module.load_shipped_target(entry, tokenizer, corpus, None, directory=shipped)
+
+
+def test_a_shipped_target_whose_corpus_changed_is_pretrained_here_instead(monkeypatch, caplog):
+    entry = {**_reference(0), "corpus_digest": "0" * 16}   # as if the corpus generator had changed since
+    calls = []
+    monkeypatch.setattr(target_module, "load_or_build_tiny_target", lambda **kwargs: calls.append(kwargs) or "local")
+    tokenizer, arch, pretrain, corpus = _spec(preset("model", "tiny"))
+    assert target_module.load_shipped_target(entry, tokenizer, corpus, None) == "local"
+    assert calls[0]["shipped"] is False and calls[0]["pretrain"] == pretrain
+    assert "the corpus generator changed" in caplog.text
+
+
+@pytest.mark.integration
+def test_the_default_target_has_one_digest_in_fresh_caches_whatever_the_cpu_kernels(tmp_path):
+    """The acceptance of issue 33: the default tiny target in two fresh caches, one process with
+    ATEN_CPU_CAPABILITY=avx2, has one digest: the shipped manifest's (docs/results.md states it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("from dflash_lab.model.build import build_model; from dflash_lab.presets import preset; import torch\n"
+              "model, _ = build_model(**preset('model', 'tiny'), activation_checkpointing=False)\n"
+              "print(model.target_digest, model.target.dflash_meta['source'], torch.backends.cpu.get_cpu_capability())")
+    seen = []
+    for name, capability in (("a", None), ("b", "avx2")):
+        env = {**os.environ, "DFLASH_LAB_CACHE": str(tmp_path / name)}
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen.append(out.stdout.split())
+    assert seen[1][2] == "AVX2"
+    assert {tuple(row[:2]) for row in seen} == {(_reference(0)["target_digest"], "shipped")}
+    results = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    assert _reference(0)["target_digest"] in results

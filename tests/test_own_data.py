@@ -196,8 +196,9 @@ def test_the_gpu_recipe_on_a_cpu_is_announced_even_when_the_prediction_is_small(
 @pytest.mark.integration
 def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_command(tmp_path):
     """sweeps/forgetting_protocol.yaml on a chat JSONL and a local Qwen3 (tiny: 2 seeds, a few steps): one multirun
-    command trains the six arms (the random-key controls and full_random at bucketed's real tokens among them), records the protocol at launch,
-    and compare writes the paired table with the tau endpoints and verdict.json."""
+    command trains the eight arms (the random-key controls, full_random at bucketed's real tokens, bucketed at
+    full_random's and bucketed with its LR scaled among them), records the protocol at launch, and compare writes
+    the paired table with the tau endpoints and verdict.json with its recommendation."""
     import subprocess
     import sys
 
@@ -221,7 +222,7 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
     protocol = json.loads((sweep / "protocol.json").read_text())
     assert protocol["resolved"]["verdict"]["negative_control"] == "sampler=bucket_sequential,sampler.bucket_by=random"
     runs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert len(runs) == 12
+    assert len(runs) == 16
     summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
     assert all(s["status"] == "finished" and s["steps"] == 4 for s in summaries)
     assert {s["sampler"] for s in summaries} == {"full_random", "bucketed", "bucket_sequential"}
@@ -240,3 +241,8 @@ def test_the_forgetting_protocol_runs_on_your_chat_file_and_target_in_one_comman
     assert verdict["protocol"]["recorded_at_launch"] and verdict["protocol"]["rules_version"] == RULES_VERSION
     assert {"tau_band_min", "tau"} <= set(verdict["co_primary"]) and "mean tau" in verdict["answer"]
     assert all(s["target_seed"] is None for s in summaries)   # model=hf: the one given target
+    scaled = [s for s in summaries if s["sampler"] == "bucketed" and s["peak_lr"] != 3.0e-3]
+    assert len(scaled) == 2 and all(s["peak_lr"] > 3.0e-3 for s in scaled)   # trainer.lr_scaling=sqrt
+    advice = verdict["recommendation"]
+    assert {"text", "break_even_throughput", "throughput_ratio", "time_ratio"} <= set(advice)
+    assert set(verdict["composition"]["arms"]) == {"equal_updates", "equal_tokens", "lr_scaled"}

@@ -13,11 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ROOT / "dflash_lab" / "model" / "targets"
 SOURCES = ("pyproject.toml", "README.md", "dflash_lab", "conf", "conf_plan", "sweeps", "notebooks", "hydra_plugins")
 SMALL = [
     "++model.hidden_size=64", "++model.num_layers=2", "++model.num_heads=4", "++model.num_kv_heads=2",
@@ -103,6 +105,9 @@ def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
           source], tmp_path)
     (wheel,) = (tmp_path / "dist").glob("dflash_lab-*.whl")
+    shipped = _shipped_files()
+    with zipfile.ZipFile(wheel) as archive:   # the reference tiny targets travel in the wheel
+        assert {f"dflash_lab/model/targets/{name}" for name in shipped} <= set(archive.namelist())
     bin_dir = _venv(tmp_path / "venv")
     _pip_install(bin_dir, wheel, cwd=tmp_path)
     # Every declared requirement is met by this environment (pins not above what the code runs on).
@@ -121,6 +126,15 @@ def test_wheel_installs_and_every_command_runs_from_an_empty_directory(tmp_path)
     notebook = _run([bin_dir / "python", "-c", "from dflash_lab.notebooks import COMPARE_POLICIES as p; "
                      "import json; print(p, len(json.loads(p.read_text())['cells']))"], work).stdout.split()
     assert tmp_path / "venv" in Path(notebook[0]).parents and int(notebook[1]) > 5   # the notebook, in the wheel
+
+    default = _run([bin_dir / "python", "-c", (
+        "from dflash_lab.model.build import build_model; from dflash_lab.presets import preset\n"
+        "model, _ = build_model(**preset('model', 'tiny'), activation_checkpointing=False)\n"
+        "print(model.target_digest, model.target.dflash_meta['source'], model.target.dflash_meta['path'])")],
+        work).stdout.split()
+    manifest = json.loads((ROOT / "dflash_lab" / "model" / "targets" / "manifest.json").read_text())
+    assert default[:2] == [next(e["target_digest"] for e in manifest["targets"] if e["name"] == "tiny_s0"), "shipped"]
+    assert tmp_path / "venv" in Path(default[2]).parents   # loaded from the installed package
 
     _run([bin_dir / "dflash-train", "hydra.run.dir=run", "trainer.max_steps=2", *SMALL], work)
     summary = json.loads((work / "run" / "summary.json").read_text())
@@ -158,6 +172,29 @@ def test_checkout_on_pythonpath_runs_from_any_directory(tmp_path):
                           "job"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "experiment: bucket_count_grid" in out.stdout
+
+
+def _shipped_files() -> set[str]:
+    """manifest.json and every weights file it lists (the reference tiny targets, dflash_lab/model/target.py)."""
+    manifest = json.loads((TARGETS / "manifest.json").read_text())
+    return {"manifest.json", *(entry["file"] for entry in manifest["targets"])}
+
+
+def test_the_reference_targets_are_package_data_and_the_files_the_manifest_records():
+    import fnmatch
+    import hashlib
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "dflash_lab.model"]
+    shipped = _shipped_files()
+    assert all(any(fnmatch.fnmatch(f"targets/{name}", pattern) for pattern in patterns) for name in shipped)
+    manifest = json.loads((TARGETS / "manifest.json").read_text())
+    names = {entry["name"] for entry in manifest["targets"]}
+    assert {f"tiny_s{seed}" for seed in range(5)} <= names   # the default target and the protocol's five
+    for entry in manifest["targets"]:
+        assert hashlib.sha256((TARGETS / entry["file"]).read_bytes()).hexdigest() == entry["file_sha256"]
+        assert (TARGETS / entry["file"]).stat().st_size < 2 * 1024 * 1024   # small enough to ship
 
 
 def test_every_imported_third_party_package_is_declared():

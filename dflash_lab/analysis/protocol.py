@@ -20,7 +20,9 @@ seeing them:
                                 # the ablation's verdict.json (analysis.verdict); null: no verdict. Optional
                                 # matched_control: the question's sampler on data where length carries no signal
                                 # (e.g. data.band_skills=independent), whose effect the question is also stated net
-                                # of (rules version >= 5; default: the negative control)
+                                # of (rules version >= 5; default: the negative control). Optional
+                                # equal_updates, equal_tokens, lr_scaled (rules version >= 6): the arms that separate
+                                # update count from batch composition (verdict.json's `composition`)
       target: null              # the probe-loss level of the time-to-target endpoints (steps_to_target,
                                 # tokens_to_target, time_to_target; analysis.budgets.time_to_target); null: none.
                                 # {probe_loss: 2.316}: a fixed level; {rule: baseline_mean_at, at: 0.5}: fixed from
@@ -49,7 +51,8 @@ then not the launch protocol's: compare judges the runs both ways, the first not
 and what the launch protocol answers, and verdict.json's `launch_protocol` holds both answers
 (:func:`overridden_keys`). The rules of each version (:data:`RULES`): whether the verdict has a "small" category, and
 the defaults of `analysis.test` and `analysis.window` (a sweep that declared them keeps its declaration), and
-whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict).
+whether the answer states the co-primary endpoints at equal compute (`costs`, analysis.verdict), and from version 6
+whether verdict.json holds the recommendation and the composition split (`recommendation`, analysis.recommendation).
 """
 
 from __future__ import annotations
@@ -68,19 +71,25 @@ PROTOCOL_FILE = "protocol.json"
 
 # The verdict rules, by version: what code decides beyond the declared keys. A version is added whenever a rule
 # changes, so a sweep recorded under an older version is still judged as it was declared.
-RULES_VERSION = 5
+RULES_VERSION = 6
 _V4 = {"small": True, "test": "t", "window": 0.25, "costs": True}
 _BEFORE_V5 = {"nested": False, "controls_by_equivalence": False, "time_to_target": False}
+_BEFORE_V6 = {"recommendation": False}
+_V5 = {**_V4, "nested": True, "controls_by_equivalence": True, "time_to_target": True}
 RULES: dict[int, dict[str, Any]] = {
-    1: {"small": False, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5},
-    2: {"small": True, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5},
-    3: {"small": True, "test": "t", "window": 0.25, "costs": False, **_BEFORE_V5},
-    4: {**_V4, **_BEFORE_V5},
+    1: {"small": False, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5, **_BEFORE_V6},
+    2: {"small": True, "test": "sign_flip", "window": "steady", "costs": False, **_BEFORE_V5, **_BEFORE_V6},
+    3: {"small": True, "test": "t", "window": 0.25, "costs": False, **_BEFORE_V5, **_BEFORE_V6},
+    4: {**_V4, **_BEFORE_V5, **_BEFORE_V6},
     # nested: seeds nested within targets are analysed with the target as the unit; controls_by_equivalence: a
     # negative control reacts only when it fails equivalence within its margin, and the question is also stated
     # net of its matched control; time_to_target: the answer states time to the declared probe-loss target next to
     # throughput, and the early-window probe-loss gap
-    5: {**_V4, "nested": True, "controls_by_equivalence": True, "time_to_target": True},
+    5: {**_V5, **_BEFORE_V6},
+    # recommendation: verdict.json's `recommendation` (what to do: the policy and its settings, the break-even
+    # throughput ratio, the throughput ratio assumed and its source, the GPU-time conclusion) and `composition`
+    # (update count separated from batch composition); the answer states each claim with its test's outcome
+    6: {**_V5, "recommendation": True},
 }
 RULE_CHANGES: dict[int, str] = {
     2: "the verdict gained the 'small' answer (detected, yet inside the declared margin); before, that was 'yes'",
@@ -93,11 +102,23 @@ RULE_CHANGES: dict[int, str] = {
        "and seeds it rests on); a negative control counts as reacting only when it fails equivalence within its "
        "margin, and the question's effect is also stated net of its matched control; tau endpoints need the "
        "positive control too; the answer states time to the declared probe-loss target next to throughput",
+    6: "verdict.json gains `recommendation`: the policy to use with its settings, the forgetting effect at most "
+       "against its margin, the break-even throughput ratio (the real-tokens-to-target ratio, per unit, with its "
+       "interval), the throughput ratio assumed and its source (modelled cost, a plan or a measured run: compare "
+       "--throughput-ratio / --throughput-from) and the GPU-time conclusion, inconclusive where the interval "
+       "straddles break-even; and `composition`: steps to target at equal optimizer updates and at equal real "
+       "tokens per step, and the LR-scaled arm (optional roles equal_updates, equal_tokens, lr_scaled); the "
+       "answer states the time to target with its own interval and verdict, and the forgetting bound against its "
+       "margin",
 }
 VERDICT_KEYS = ("endpoint", "positive_control", "negative_control", "question")
 TARGET_KEYS = ("probe_loss", "rule", "at", "margin")
 TARGET_RULES = ("baseline_mean_at",)
-OPTIONAL_VERDICT_KEYS = ("matched_control",)   # the question's sampler on data where length carries no signal
+# matched_control: the question's sampler on data where length carries no signal (rules >= 5); equal_updates: the
+# question's sampler at the baseline's real tokens per step (as many optimizer updates per epoch); equal_tokens: the
+# baseline's sampler at the question's real tokens per step; lr_scaled: the question with its LR scaled for its
+# larger step (trainer.lr_scaling). The last three feed verdict.json's `composition` (rules >= 6).
+OPTIONAL_VERDICT_KEYS = ("matched_control", "equal_updates", "equal_tokens", "lr_scaled")
 COST_KEYS = ("c0", "c1", "c2")
 
 
@@ -207,8 +228,8 @@ def check_baseline(value: Any, key: str = "analysis.baseline") -> str | None:
 
 
 def check_verdict(value: Any, key: str = "analysis.verdict") -> dict[str, str] | None:
-    """The verdict roles: a primary endpoint and an arm selector per role (all four keys, and optionally
-    ``matched_control``), or None.
+    """The verdict roles: a primary endpoint and an arm selector per role (all four keys, and optionally those of
+    ``OPTIONAL_VERDICT_KEYS``), or None.
 
     Example:
         >>> check_verdict({"endpoint": "residual_amplitude", "positive_control": "bucket_sequential",
@@ -371,7 +392,7 @@ def resolve_protocol(records: list[RunRecord], rules: int | None = None, **comma
         >>> resolve_protocol([run], alpha=0.1)
         Protocol(baseline='full_random', endpoints=('ktok_s', 'jumpiness', 'residual_amplitude', \
 'own_share_slope', 'band_forgetting', 'probe_loss_at_tokens'), margins={}, cost=None, alpha=0.1, verdict=None, \
-test='t', window=0.25, target=None, rules=5)
+test='t', window=0.25, target=None, rules=6)
     """
     refuse_unknown_keys("compare option", command_line, PROTOCOL_KEYS)
     recorded = recorded_protocol(records)

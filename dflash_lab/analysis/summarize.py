@@ -20,7 +20,7 @@ from dflash_lab.analysis import arms as arms_module
 from dflash_lab.analysis import budgets
 from dflash_lab.analysis.paired import PAIRED_COLUMNS, paired_table
 from dflash_lab.analysis.protocol import RULES, Protocol, resolve_protocol
-from dflash_lab.analysis.verdict import add_time_to_target, build_verdict
+from dflash_lab.analysis.verdict import build_verdict, finish_verdict
 from dflash_lab.analysis.schema import (
     COMPARISON_COLUMNS,
     NUMERIC_RUN_COLUMNS,
@@ -454,8 +454,10 @@ def compare_records(records: list[RunRecord], theta: float = forgetting.LEARNED_
                                     config_values=lambda key: arms_module.config_values(records, key))
         except ValueError as error:  # a selector that matches several arms, or names a key no run has
             notes.append(f"verdict.json not written: {error}")
-        if verdict is not None and RULES[protocol.rules]["time_to_target"]:
-            add_time_to_target(verdict, paired, target, early_step=budgets.EARLY_SHARE * budget["steps"])
+        if verdict is not None:
+            finish_verdict(verdict, runs, paired, protocol.verdict, RULES[protocol.rules], target,
+                           budgets.EARLY_SHARE * budget["steps"], protocol.alpha,
+                           lambda key: arms_module.config_values(records, key))
     return Comparison(runs=runs, groups=group_table(runs, arms.swept), bands=bands, cross=cross, paired=paired,
                       curves=curves, swept=arms.swept, budgets=budget, protocol=protocol, notes=notes, verdict=verdict,
                       target=target, gradients=gradient_table(records, runs))

@@ -81,6 +81,14 @@ Rules (alpha from the protocol, intervals are the paired t intervals):
                                   steps: diff [interval] steps, n pairs, verdict)"
     early_window                  rules version >= 5, when probe_loss_early is paired: the paired probe-loss gap
                                   over the first 25% of the common step budget, stated in the answer too
+    seeds                         the seeds the answer rests on: those of the question's primary paired row
+                                  (n_seeds; 0 without that row), the number compare prints next to the verdict
+    Rules version >= 6 (`finish_verdict`, the protocol's RULES flag recommendation):
+    trade                         each ratio to the target (modelled GPU time, steps, real tokens) stated with its
+                                  own paired interval, verdict and Holm p (`_trade_with_outcomes`)
+    recommendation, composition   what to do and the update-count / composition split
+                                  (analysis.recommendation); the answer adds the forgetting effect at most against
+                                  its margin and the composition costs
 
 Cost: a few table lookups.
 """
@@ -98,6 +106,7 @@ from dflash_lab.analysis.arms import parse_selector
 from dflash_lab.analysis.budgets import EARLY_SHARE
 from dflash_lab.analysis.paired import (MIN_BOOTSTRAP_PAIRS, analysis_units, paired_t_p_value, per_seed_values,
                                         seed_targets, t_interval)
+from dflash_lab.analysis.recommendation import build_recommendation, composition_phrase, forgetting_phrase
 from dflash_lab.analysis.schema import BETTER
 
 ROLES = ("positive_control", "negative_control", "question")
@@ -276,29 +285,15 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
         'no detectable effect'
     """
     endpoint = roles["endpoint"]
-    arms: dict[str, str | None] = {}
-    missing_arms: list[str] = []
-    for role in ROLES:
-        try:
-            arms[role] = _matching_arm(runs, role, roles[role], config_values)
-        except MissingArm as error:
-            arms[role] = None
-            missing_arms.append(str(error))
+    arms, missing_arms = role_arms(runs, roles, config_values)
     role_baselines = {role: (baselines or {}).get(arm) for role, arm in arms.items() if arm is not None}
     missing = missing_arms + missing_seeds(runs, arms, role_baselines, left_out)
     positive = _control(paired, arms["positive_control"], endpoint, "worse")
     negative = _control(paired, arms["negative_control"], endpoint, "either")
     question = paired[paired["policy"] == arms["question"]]
-    rows = [{"endpoint": r["endpoint"], "diff": _number(r["diff"]), "ci_low": _number(r["ci_low"]),
-             "ci_high": _number(r["ci_high"]), "p_holm": _number(r["p_holm"]), "verdict": r["verdict"],
-             "baseline": r["baseline"], "n_pairs": int(r["n_pairs"]),
-             "arm_mean": _number(r["arm_mean"]), "baseline_mean": _number(r["baseline_mean"]),
-             "margin": _number(r["margin"]) if "margin" in r else None} for _, r in question.iterrows()]
-    ktok = question[question["endpoint"] == "ktok_s"]
-    ratio = (_number(ktok.iloc[0]["arm_mean"] / ktok.iloc[0]["baseline_mean"]) if not ktok.empty
-             and float(ktok.iloc[0]["baseline_mean"]) > 0 else None)
-    pairs = [c["n_pairs"] for c in (positive, negative)] + [r["n_pairs"] for r in rows]
-    verdict = {"seeds": int(min(pairs)) if pairs else 0, "endpoint": endpoint, "better": BETTER[endpoint],
+    rows = question_rows(question)
+    ratio = ktok_ratio(question)
+    verdict = {"seeds": answer_seeds(question, endpoint), "endpoint": endpoint, "better": BETTER[endpoint],
                "arms": arms, "positive_control": positive, "negative_control": negative,
                "bucketed_vs_full_random": rows, "throughput_ratio": ratio, "left_out": list(left_out or []),
                "missing": missing}
@@ -315,35 +310,108 @@ def build_verdict(runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str
     if nested:
         verdict["units"] = analysis_basis(question, endpoint)
     if controls_by_equivalence:
-        negative.update(negative_control_reaction(paired, arms["negative_control"], endpoint, alpha))
-        verdict["question_net_of_matched_control"] = net_of_matched_control(
-            runs, paired, endpoint, arms["question"], matched_control_arm(runs, roles, arms, config_values),
-            nested, alpha)
-        verdict["throughput_from"] = throughput_from(runs, arms["question"], rows_baseline(rows, endpoint), ratio)
+        add_controls_by_equivalence(verdict, runs, paired, roles, config_values, nested, alpha)
     reacted = negative["reacted"] if controls_by_equivalence else negative["detected"]
     short = _too_few_pairs(verdict, question, endpoint)
     verdict["valid"] = bool(not missing_arms and not short and positive["detected"] and not reacted)
+    verdict["answer"] = _headline(verdict, question, endpoint, missing_arms, short, small_answer)
+    verdict["answer"] += _qualifiers(verdict, missing_arms, missing, state_costs, controls_by_equivalence)
+    return verdict
+
+
+def role_arms(runs: pd.DataFrame, roles: dict[str, str],
+              config_values: Callable[[str], set[str]] | None = None) -> tuple[dict[str, str | None], list[str]]:
+    """The arm each role of ``ROLES`` names (None where it matches no loaded run), and why each missing one is
+    missing (:class:`MissingArm`'s message)."""
+    arms: dict[str, str | None] = {}
+    missing_arms: list[str] = []
+    for role in ROLES:
+        try:
+            arms[role] = _matching_arm(runs, role, roles[role], config_values)
+        except MissingArm as error:
+            arms[role] = None
+            missing_arms.append(str(error))
+    return arms, missing_arms
+
+
+def question_rows(question: pd.DataFrame) -> list[dict]:
+    """The question arm's paired rows as verdict.json states them (one per endpoint)."""
+    return [{"endpoint": r["endpoint"], "diff": _number(r["diff"]), "ci_low": _number(r["ci_low"]),
+             "ci_high": _number(r["ci_high"]), "p_holm": _number(r["p_holm"]), "verdict": r["verdict"],
+             "baseline": r["baseline"], "n_pairs": int(r["n_pairs"]),
+             "arm_mean": _number(r["arm_mean"]), "baseline_mean": _number(r["baseline_mean"]),
+             "margin": _number(r["margin"]) if "margin" in r else None} for _, r in question.iterrows()]
+
+
+def ktok_ratio(question: pd.DataFrame) -> float | None:
+    """The question's mean measured Ktok/s over its baseline's (the ktok_s row's means); None without that row."""
+    ktok = question[question["endpoint"] == "ktok_s"]
+    if ktok.empty or not float(ktok.iloc[0]["baseline_mean"]) > 0:
+        return None
+    return _number(ktok.iloc[0]["arm_mean"] / ktok.iloc[0]["baseline_mean"])
+
+
+def answer_seeds(question: pd.DataFrame, endpoint: str) -> int:
+    """The seeds the answer rests on: those of the question's primary paired row (``n_seeds``, the seeds behind
+    its units; ``n_pairs`` where the table has no such column), 0 without that row. The answer's "N seeds" and
+    compare's printed count read this one number (before, the fewest pairs of any role's row: a missing control
+    arm made it 0 while the answer said 2 seeds).
+
+    Example:
+        >>> answer_seeds(pd.DataFrame({"endpoint": ["x"], "n_pairs": [3], "n_seeds": [5]}), "x")
+        5
+    """
+    rows = question[question["endpoint"] == endpoint]
+    if rows.empty:
+        return 0
+    row = rows.iloc[0]
+    seeds = row.get("n_seeds", row["n_pairs"])
+    return int(seeds) if pd.notna(seeds) else int(row["n_pairs"])
+
+
+def add_controls_by_equivalence(verdict: dict, runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str],
+                                config_values: Callable[[str], set[str]] | None, nested: bool, alpha: float) -> None:
+    """Rules version >= 5: the negative control's reaction by equivalence, the question net of its matched
+    control, and where the claimed throughput comes from (module docstring)."""
+    arms, endpoint = verdict["arms"], verdict["endpoint"]
+    verdict["negative_control"].update(negative_control_reaction(paired, arms["negative_control"], endpoint, alpha))
+    verdict["question_net_of_matched_control"] = net_of_matched_control(
+        runs, paired, endpoint, arms["question"], matched_control_arm(runs, roles, arms, config_values), nested,
+        alpha)
+    verdict["throughput_from"] = throughput_from(runs, arms["question"], question_baseline(verdict),
+                                                 verdict["throughput_ratio"])
+
+
+def _headline(verdict: dict, question: pd.DataFrame, endpoint: str, missing_arms: list[str], short: str,
+              small_answer: bool) -> str:
+    """The answer's first clause: inconclusive for a missing arm or too few pairs, else the rule's answer."""
     if missing_arms:
-        verdict["answer"] = "inconclusive: " + "; ".join(missing_arms)
-    elif short:
-        verdict["answer"] = "inconclusive: too few finished seed pairs for an interval (at least 2): " + short
-    else:
-        verdict["answer"] = _answer(verdict, question, endpoint, small_answer)
+        return "inconclusive: " + "; ".join(missing_arms)
+    if short:
+        return "inconclusive: too few finished seed pairs for an interval (at least 2): " + short
+    return _answer(verdict, question, endpoint, small_answer)
+
+
+def _qualifiers(verdict: dict, missing_arms: list[str], missing: list[str], state_costs: bool,
+                controls_by_equivalence: bool) -> str:
+    """What follows the headline: the controls (rules >= 5), the units, the seeds missing from the pairs and the
+    co-primary endpoints at equal compute (rules >= 4)."""
+    text = ""
     if controls_by_equivalence and not missing_arms:
-        verdict["answer"] += _controls_phrase(verdict)
-    if nested and "units" in verdict:
-        verdict["answer"] += "; " + _basis_phrase(verdict["units"])
+        text += _controls_phrase(verdict)
+    if "units" in verdict:
+        text += "; " + _basis_phrase(verdict["units"])
     if missing and not missing_arms:
-        verdict["answer"] += f"; missing from the pairs: {'; '.join(missing)}"
+        text += f"; missing from the pairs: {'; '.join(missing)}"
     if state_costs and verdict["co_primary"]:
         blind = set(verdict["failed_positive_control"]) if controls_by_equivalence else set()
         # From rules version 5 the real-tokens reading is named for what it is: at equal steps it reads the arm
         # with more tokens per step mid-schedule against the baseline's annealed end, not an equal-epochs design.
         labels = {**dict(CO_PRIMARY), **(EQUAL_TOKENS_LABEL if controls_by_equivalence else {})}
-        verdict["answer"] += "; at equal compute, " + "; ".join(
+        text += "; at equal compute, " + "; ".join(
             _cost_phrase(labels[name], verdict["co_primary"][name], name in blind) for name, _ in CO_PRIMARY
             if name in verdict["co_primary"])
-    return verdict
+    return text
 
 
 def _too_few_pairs(verdict: dict, question: pd.DataFrame, endpoint: str) -> str:
@@ -426,7 +494,14 @@ def amplitude_in_tau(runs: pd.DataFrame, paired: pd.DataFrame) -> dict:
     return {"slope": slope, "r": r, "runs": int(len(x)), "tau_margin": tau_margin, "implied_margin": implied}
 
 
-def rows_baseline(rows: list[dict], endpoint: str) -> str | None:
+def question_baseline(verdict: dict) -> str | None:
+    """The question arm's baseline: that of its primary endpoint's row, else of any of its rows (a run too short
+    for the primary endpoint still has a baseline to compare throughput and time to target with)."""
+    rows = verdict.get("bucketed_vs_full_random") or []
+    return rows_baseline(rows, verdict.get("endpoint")) or next((row["baseline"] for row in rows), None)
+
+
+def rows_baseline(rows: list[dict], endpoint: str | None) -> str | None:
     """The baseline arm of the question's row for ``endpoint`` (None: no such row)."""
     return next((r["baseline"] for r in rows if r["endpoint"] == endpoint), None)
 
@@ -697,6 +772,8 @@ def analysis_basis(question: pd.DataFrame, endpoint: str) -> dict:
 
 def _basis_phrase(units: dict) -> str:
     seeds = f"{units['seeds']} seed{'s' if units['seeds'] != 1 else ''}"
+    if not units["units"]:
+        return f"it rests on {seeds} (no paired primary endpoint)"
     if not units["targets"]:
         return f"it rests on {seeds} (no target recorded; the seed is the unit)"
     targets = f"{units['targets']} target{'s' if units['targets'] != 1 else ''}"
@@ -735,6 +812,7 @@ def _target_row(paired: pd.DataFrame, arm: str, endpoint: str) -> dict | None:
     return {"baseline": row["baseline"], "baseline_mean": _number(row["baseline_mean"]),
             "question_mean": _number(row["arm_mean"]), "diff": _number(row["diff"]),
             "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]), "verdict": row["verdict"],
+            "p_holm": _number(row["p_holm"]) if "p_holm" in row else None,
             "margin": _number(row["margin"]), "n_pairs": int(row["n_pairs"]), "ratio": _number(ratio)}
 
 
@@ -756,22 +834,24 @@ def _trade_throughput(verdict: dict) -> list[str]:
     return [f"{verdict['throughput_ratio']:.2f}x the throughput (Ktok/s)"]
 
 
-def add_time_to_target(verdict: dict, paired: pd.DataFrame, target: dict | None, early_step: float) -> None:
+def add_time_to_target(verdict: dict, paired: pd.DataFrame, target: dict | None, early_step: float,
+                       state_outcome: bool = False) -> None:
     """Rules version >= 5: state the trade of the question arm in verdict.json and its answer.
 
     Adds ``time_to_target`` (with a declared analysis.target): the level and how it was fixed, per endpoint
     (steps, real tokens, modelled time to target) the baseline's and the question's mean over the seed pairs both
-    reached it, the paired diff [t interval], verdict, pairs and the ratio question / baseline, and the runs that
-    never reached it; and ``early_window``: the paired probe_loss_early row (mean probe loss over the first
-    EARLY_SHARE of the common step budget). The answer gains one sentence: "trade: <throughput>x the throughput
-    (Ktok/s), <time ratio>x the modelled GPU time to reach probe loss L (<steps ratio>x the steps: diff [interval]
-    steps, n pairs)", and the early-window gap.
+    reached it, the paired diff [t interval], verdict, Holm p, pairs and the ratio question / baseline, and the
+    runs that never reached it; and ``early_window``: the paired probe_loss_early row (mean probe loss over the
+    first EARLY_SHARE of the common step budget). The answer gains one sentence: "trade: <throughput>x the
+    throughput (Ktok/s), <time ratio>x the modelled GPU time to reach probe loss L (<steps ratio>x the steps: diff
+    [interval] steps, n pairs)", and the early-window gap. ``state_outcome`` (rules version >= 6): each ratio
+    carries its own test's outcome instead (:func:`_trade_with_outcomes`).
 
     Example:
         >>> def row(endpoint, arm_mean, diff):
         ...     return {"policy": "q", "endpoint": endpoint, "baseline": "b", "arm_mean": arm_mean,
         ...             "baseline_mean": arm_mean - diff, "diff": diff, "ci_low": diff - 1, "ci_high": diff + 1,
-        ...             "verdict": "worse", "margin": float("nan"), "n_pairs": 5}
+        ...             "verdict": "worse", "margin": float("nan"), "n_pairs": 5, "p_holm": 0.01}
         >>> paired = pd.DataFrame([row("steps_to_target", 120.0, 20.0), row("time_to_target", 130.0, 30.0)])
         >>> verdict = {"arms": {"question": "q"}, "throughput_ratio": 2.0, "answer": "no detectable effect"}
         >>> add_time_to_target(verdict, paired, {"levels": {"b": 2.3}, "fixed_by": "declared"}, early_step=25.0)
@@ -784,50 +864,115 @@ loss 2.3 (1.20x the steps: +20 [+19, +21] steps, 5 pairs, worse)'
         return
     sentences = []
     if target is not None:
-        rows = {name: _target_row(paired, question, name) for name, _ in TARGET_ENDPOINTS}
-        baseline = next((row["baseline"] for row in rows.values() if row is not None), None)
-        levels = target.get("levels") or {}
-        level = levels.get("all", levels.get(baseline))
-        verdict["time_to_target"] = {
-            "probe_loss": level, "fixed_by": target.get("fixed_by"), "rule": target.get("rule"),
-            "at": target.get("at"), "step": target.get("step"), "ratio_margin": target.get("margin"),
-            "question": question, "baseline": baseline, **rows,
+        entry = time_to_target_entry(paired, question, target, question_baseline(verdict))
+        verdict["time_to_target"] = entry
+        sentences += [_trade_with_outcomes(verdict, entry) if state_outcome else _trade(verdict, entry)]
+    early = paired[(paired["policy"] == question) & (paired["endpoint"] == "probe_loss_early")]
+    if not early.empty:
+        verdict["early_window"] = _early_window(early.iloc[0], early_step)
+        window = verdict["early_window"]
+        sentences.append(f"paired probe-loss gap over the first {EARLY_SHARE:.0%} of steps (to step "
+                         f"{early_step:.0f}) {_fmt(window['diff'])} [{_fmt(window['ci_low'])}, "
+                         f"{_fmt(window['ci_high'])}] ({window['verdict']})")
+    sentences = [sentence for sentence in sentences if sentence]
+    if sentences:
+        verdict["answer"] += "; " + "; ".join(sentences)
+
+
+def time_to_target_entry(paired: pd.DataFrame, question: str, target: dict, baseline: str | None = None) -> dict:
+    """verdict.json's ``time_to_target``: the level, how it was fixed, the question's paired rows of steps, real
+    tokens and modelled time to reach it (:func:`_target_row`), their ratios, and the runs that never reached it.
+    ``baseline``: the question's baseline where no time-to-target row names it (no seed pair reached the level)."""
+    rows = {name: _target_row(paired, question, name) for name, _ in TARGET_ENDPOINTS}
+    baseline = next((row["baseline"] for row in rows.values() if row is not None), baseline)
+    levels = target.get("levels") or {}
+    return {"probe_loss": levels.get("all", levels.get(baseline)), "fixed_by": target.get("fixed_by"),
+            "rule": target.get("rule"), "at": target.get("at"), "step": target.get("step"),
+            "ratio_margin": target.get("margin"), "question": question, "baseline": baseline, **rows,
             "steps_ratio": (rows["steps_to_target"] or {}).get("ratio"),
             "time_ratio": (rows["time_to_target"] or {}).get("ratio"),
             "not_reached": [entry for entry in target.get("not_reached", []) if entry["arm"] in (question, baseline)]}
-        steps = rows["steps_to_target"]
-        if level is not None and steps is not None:
-            entry = verdict["time_to_target"]
-            head = _trade_throughput(verdict)
-            interval = (f"{_fmt(steps['diff'])} [{_fmt(steps['ci_low'])}, {_fmt(steps['ci_high'])}] steps, "
-                        f"{steps['n_pairs']} pairs, {steps['verdict']}")
-            if entry["not_reached"]:
-                interval += f"; {len(entry['not_reached'])} run(s) never reached it, their pairs left out"
-            if entry["time_ratio"] is not None:
-                head.append(f"{entry['time_ratio']:.2f}x the modelled GPU time to reach probe loss {level:.4g}")
-                detail = f"{_plain_ratio(steps['ratio'])}x the steps: {interval}"
-            else:   # no cost model: steps are the compute axis stated
-                head.append(f"{_plain_ratio(steps['ratio'])}x the steps to reach probe loss {level:.4g}")
-                detail = interval
-            sentences.append(f"trade: {', '.join(head)} ({detail})")
-        elif level is not None and verdict["time_to_target"]["not_reached"]:
-            missed = verdict["time_to_target"]["not_reached"]
-            sentences.append(f"no paired time to reach probe loss {level:.4g}: never reached by "
-                             + ", ".join(f"{entry['arm']} seed {entry['seed']}" for entry in missed))
-    early = paired[(paired["policy"] == question) & (paired["endpoint"] == "probe_loss_early")]
-    if not early.empty:
-        row = early.iloc[0]
-        verdict["early_window"] = {"endpoint": "probe_loss_early", "until_step": _number(early_step),
-                                   "baseline": row["baseline"], "baseline_mean": _number(row["baseline_mean"]),
-                                   "question_mean": _number(row["arm_mean"]), "diff": _number(row["diff"]),
-                                   "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]),
-                                   "verdict": row["verdict"], "n_pairs": int(row["n_pairs"])}
-        sentences.append(f"paired probe-loss gap over the first {EARLY_SHARE:.0%} of steps (to step "
-                         f"{early_step:.0f}) "
-                         f"{_fmt(_number(row['diff']))} [{_fmt(_number(row['ci_low']))}, "
-                         f"{_fmt(_number(row['ci_high']))}] ({row['verdict']})")
-    if sentences:
-        verdict["answer"] += "; " + "; ".join(sentences)
+
+
+def _trade(verdict: dict, entry: dict) -> str:
+    """The rules-5 trade sentence (the steps' test stated, the time ratio as a point value); "" without a level."""
+    level, steps = entry["probe_loss"], entry["steps_to_target"]
+    if level is None:
+        return ""
+    if steps is None:
+        return _never_reached(entry)
+    head = _trade_throughput(verdict)
+    interval = (f"{_fmt(steps['diff'])} [{_fmt(steps['ci_low'])}, {_fmt(steps['ci_high'])}] steps, "
+                f"{steps['n_pairs']} pairs, {steps['verdict']}")
+    if entry["not_reached"]:
+        interval += f"; {len(entry['not_reached'])} run(s) never reached it, their pairs left out"
+    if entry["time_ratio"] is not None:
+        head.append(f"{entry['time_ratio']:.2f}x the modelled GPU time to reach probe loss {level:.4g}")
+        detail = f"{_plain_ratio(steps['ratio'])}x the steps: {interval}"
+    else:   # no cost model: steps are the compute axis stated
+        head.append(f"{_plain_ratio(steps['ratio'])}x the steps to reach probe loss {level:.4g}")
+        detail = interval
+    return f"trade: {', '.join(head)} ({detail})"
+
+
+def _never_reached(entry: dict) -> str:
+    if not entry["not_reached"]:
+        return ""
+    return (f"no paired time to reach probe loss {entry['probe_loss']:.4g}: never reached by "
+            + ", ".join(f"{missed['arm']} seed {missed['seed']}" for missed in entry["not_reached"]))
+
+
+def _trade_with_outcomes(verdict: dict, entry: dict) -> str:
+    """The rules-6 trade sentence: each ratio to the target (modelled GPU time, steps, real tokens) with its own
+    paired interval, verdict and Holm p, so a ratio whose test is inconclusive says so where it is stated.
+
+    Example:
+        >>> row = {"ratio": 1.21, "diff": 35.1, "ci_low": 1.77, "ci_high": 68.5, "n_pairs": 3, "verdict":
+        ...        "inconclusive", "p_holm": 0.09}
+        >>> entry = {"probe_loss": 2.2197, "time_to_target": row, "steps_to_target": None,
+        ...          "tokens_to_target": None, "not_reached": []}
+        >>> _trade_with_outcomes({"throughput_ratio": None}, entry)
+        'trade to reach probe loss 2.22: 1.21x the modelled GPU time (+35.1 [+1.77, +68.5], 3 pairs, inconclusive, \
+Holm p 0.09)'
+    """
+    if entry["probe_loss"] is None:
+        return ""
+    stated = [f"{row['ratio']:.2f}x the {label} ({_fmt(row['diff'])} [{_fmt(row['ci_low'])}, "
+              f"{_fmt(row['ci_high'])}], {row['n_pairs']} pairs, {row['verdict']}, Holm p {_plain(row['p_holm'])})"
+              for name, label in (("time_to_target", "modelled GPU time"), ("steps_to_target", "steps"),
+                                  ("tokens_to_target", "real tokens"))
+              for row in [entry[name]] if row is not None and row["ratio"] is not None]
+    if not stated:
+        return _never_reached(entry)
+    if entry["not_reached"]:
+        stated.append(f"{len(entry['not_reached'])} run(s) never reached it, their pairs left out")
+    return f"trade to reach probe loss {entry['probe_loss']:.3g}: " + ", ".join(_trade_throughput(verdict) + stated)
+
+
+def _early_window(row: pd.Series, early_step: float) -> dict:
+    """verdict.json's ``early_window``: the question's paired probe_loss_early row."""
+    return {"endpoint": "probe_loss_early", "until_step": _number(early_step), "baseline": row["baseline"],
+            "baseline_mean": _number(row["baseline_mean"]), "question_mean": _number(row["arm_mean"]),
+            "diff": _number(row["diff"]), "ci_low": _number(row["ci_low"]), "ci_high": _number(row["ci_high"]),
+            "verdict": row["verdict"], "n_pairs": int(row["n_pairs"])}
+
+
+def finish_verdict(verdict: dict, runs: pd.DataFrame, paired: pd.DataFrame, roles: dict[str, str],
+                   rules: dict[str, Any], target: dict | None, early_step: float, alpha: float = 0.05,
+                   config_values: Callable[[str], set[str]] | None = None) -> None:
+    """What the rules add after :func:`build_verdict`: the trade to the declared target (``time_to_target``,
+    rules >= 5, :func:`add_time_to_target`) and, rules >= 6, the composition and the recommendation
+    (analysis.recommendation), whose forgetting bound and composition the answer states too."""
+    if rules["time_to_target"]:
+        add_time_to_target(verdict, paired, target, early_step, state_outcome=rules["recommendation"])
+    if not rules["recommendation"]:
+        return
+    build_recommendation(verdict, runs, roles, lambda table, role, selector: _matching_arm(
+        table, role, selector, config_values), config_values, nested=rules["nested"], alpha=alpha)
+    question = verdict["arms"].get("question") or "the question"
+    phrases = [forgetting_phrase(verdict["recommendation"]["forgetting"], question),
+               composition_phrase(verdict["composition"], question)]
+    verdict["answer"] += "".join(f"; {phrase}" for phrase in phrases if phrase)
 
 
 def _plain_ratio(value: float | None) -> str:

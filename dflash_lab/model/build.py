@@ -60,21 +60,35 @@ def build_tiny_model(*, cache_dir: str | None, hidden_size: int, num_layers: int
         **draft: ``wrap_target``'s keys (``DRAFT_KEYS`` and ``activation_checkpointing``).
     """
     tokenizer = ByteTokenizer()
-    arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
-            "num_kv_heads": int(num_kv_heads), "intermediate_size": int(intermediate_size),
-            "max_position_embeddings": int(max_position_embeddings)}
-    pretrain = {"steps": int(pretrain_steps), "tokens_per_step": int(pretrain_tokens_per_step),
-                "lr": float(pretrain_lr), "window": int(pretrain_window), "seed": int(pretrain_seed),
-                "max_seconds": pretrain_max_seconds}
+    arch, pretrain = tiny_target_spec(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        pretrain_steps=pretrain_steps, pretrain_tokens_per_step=pretrain_tokens_per_step, pretrain_lr=pretrain_lr,
+        pretrain_window=pretrain_window, pretrain_seed=pretrain_seed, pretrain_max_seconds=pretrain_max_seconds)
     target, meta = load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain,
                                              corpus=dict(pretrain_data), cache_dir=cache_dir)
-    log.info("tiny target: %s (pretrain loss %.3f, weights digest %s)", meta["path"],
+    log.info("tiny target: %s (%s; pretrain loss %.3f, weights digest %s)", meta["path"], meta["source"],
              meta["pretrain_stats"]["loss"], meta["target_digest"])
     target.dflash_meta = meta
     model = wrap_target(target, mask_token_id=tokenizer.mask_token_id, **draft)
     model.stop_token_ids = list(tokenizer.stop_token_ids)
     model.target_digest = meta["target_digest"]
     return model, tokenizer
+
+
+def tiny_target_spec(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                     intermediate_size: int, max_position_embeddings: int, pretrain_steps: int,
+                     pretrain_tokens_per_step: int, pretrain_lr: float, pretrain_window: int, pretrain_seed: int,
+                     pretrain_max_seconds: float | None) -> tuple[dict, dict]:
+    """The tiny target's shape and pretraining from the model section's keys, typed as the cache key and the
+    shipped targets' manifest record them (``load_or_build_tiny_target``'s ``arch`` and ``pretrain``)."""
+    arch = {"hidden_size": int(hidden_size), "num_layers": int(num_layers), "num_heads": int(num_heads),
+            "num_kv_heads": int(num_kv_heads), "intermediate_size": int(intermediate_size),
+            "max_position_embeddings": int(max_position_embeddings)}
+    pretrain = {"steps": int(pretrain_steps), "tokens_per_step": int(pretrain_tokens_per_step),
+                "lr": float(pretrain_lr), "window": int(pretrain_window), "seed": int(pretrain_seed),
+                "max_seconds": pretrain_max_seconds}
+    return arch, pretrain
 
 
 def build_hf_model(*, target_path: str | None, target_config: str | Mapping | None, dtype: str, device: str | None,

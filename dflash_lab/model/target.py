@@ -10,9 +10,19 @@ change to any of them trains a new target. The cache is built under a file lock 
 
 Pretraining is deterministic on one machine and torch version: a seeded initialisation and document order, one
 thread and deterministic algorithms while it runs (restored afterwards), and the caller's RNG state left as it
-was. Another CPU or torch version may still round differently, so the cache names its weights by a digest
-(``weights_digest``: sha256 over every parameter and buffer) recorded in meta.json and checked on every load;
-runs record it as ``target_digest`` and compare refuses to pair runs trained against different targets.
+was. Another CPU or torch version still rounds differently (AVX-512 and AVX2 kernels give other weights), so the
+cache names its weights by a digest (``weights_digest``: sha256 over the state dict, every parameter and
+persistent buffer) recorded in meta.json and checked on every load; runs record it as ``target_digest`` and
+compare refuses to pair runs trained against different targets.
+
+Reference targets (shipped). The default tiny target and the forgetting protocol's five (pretrain seeds 0-4 of the
+default shape and pretraining) are pretrained once by ``scripts/make_reference_targets.py`` and shipped with the
+package (``dflash_lab/model/targets/``: one ``.safetensors`` file each and ``manifest.json`` with its pretraining
+settings, the digest of the corpus it was pretrained on and its weights digest). A tiny target whose settings
+(shape, pretraining, corpus config, tokenizer) equal a manifest entry's is loaded from that file, and its weights
+digest and the corpus digest are checked against the manifest: the same weights, hence the same
+``target_digest``, on every machine, so runs from any x86-64 machine pair with the committed ones. Any other
+setting pretrains locally as before, with a warning that its digest depends on the machine's CPU kernels.
 
 Target digests. ``kind=tiny``: ``weights_digest`` of the loaded weights (cheap at this size). ``kind=hf``:
 ``checkpoint_digest`` of the checkpoint files (names, sizes and the first and last MiB of each ``*.safetensors`` /
@@ -22,7 +32,8 @@ checkpoint whose files agree in name, size, both ends and config is taken to be 
 HF target: ``AutoModelForCausalLM.from_pretrained(target_path)`` (bf16 on GPU, float32 on CPU) and its tokenizer.
 
 Cost: tiny pretraining (default shape, 400 steps x 2048 tokens) measured 76 s on one thread of a shared 2-core
-machine, 106 s when the machine was busier (meta.json records each build's time and loss); loading: < 1 s.
+machine, 106 s when the machine was busier (meta.json records each build's time and loss); loading: < 1 s (a
+shipped target: the file's ~0.9 MB, plus building its pretraining corpus once to check its digest).
 """
 
 from __future__ import annotations
@@ -52,6 +63,8 @@ log = logging.getLogger(__name__)
 
 
 DIGEST_CHARS = 16            # hex digits kept of a sha256: collisions are no concern among a lab's targets
+SHIPPED_DIR = Path(__file__).resolve().parent / "targets"   # the reference targets (package data)
+MANIFEST = "manifest.json"
 PRETRAIN_THREADS = 1         # matmul reductions split differently with more threads: one thread, one result
 _EDGE_BYTES = 1 << 20        # checkpoint_digest hashes this much of each weight file's start and end
 
@@ -60,8 +73,9 @@ def weights_digest(module_or_state_dict) -> str:
     """Digest of a model's weights: sha256 over every tensor's name, shape, dtype and bytes, in sorted name order.
 
     Args:
-        module_or_state_dict: a ``torch.nn.Module`` (its parameters and buffers, persistent or not, tied ones under
-            each of their names) or a mapping name -> tensor.
+        module_or_state_dict: a ``torch.nn.Module`` (its state dict: parameters and persistent buffers, tied ones
+            under each of their names; not the non-persistent buffers such as rotary frequencies, which each load
+            recomputes from the config) or a mapping name -> tensor.
 
     Returns:
         16 hex digits. Equal weights give equal digests on any machine and device; one changed bit changes it.
@@ -77,9 +91,7 @@ def weights_digest(module_or_state_dict) -> str:
         False
     """
     if isinstance(module_or_state_dict, torch.nn.Module):
-        module = module_or_state_dict
-        tensors = {**dict(module.named_parameters(remove_duplicate=False)),
-                   **dict(module.named_buffers(remove_duplicate=False))}
+        tensors = dict(module_or_state_dict.state_dict(keep_vars=False))
     elif isinstance(module_or_state_dict, Mapping):
         tensors = dict(module_or_state_dict)
     else:
@@ -290,8 +302,10 @@ def save_target(model, directory: Path) -> None:
         raise RuntimeError(f"the tiny target's files were not written to {directory}")
 
 
-def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: dict, cache_dir: str | None):
-    """The pretrained tiny target from the cache, training it first when absent.
+def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: dict, cache_dir: str | None,
+                              shipped: bool = True):
+    """The pretrained tiny target: a shipped reference target whose settings match (:func:`shipped_target`),
+    else from the cache, training it first when absent.
 
     Args:
         tokenizer: the ByteTokenizer (ids of PAD/BOS/EOS, vocab size).
@@ -299,17 +313,23 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
         pretrain: steps, tokens_per_step, lr, seed, max_seconds.
         corpus: data config of the pretraining corpus (``build_dataset`` keys, e.g. kind=synthetic).
         cache_dir: cache root.
+        shipped: look for a shipped reference target first (False: pretrain here; what
+            ``scripts/make_reference_targets.py`` does to make them).
 
     Returns:
-        (Qwen3ForCausalLM in eval mode, meta dict with the pretraining loss and time and ``target_digest``, the
-        ``weights_digest`` of the weights loaded).
+        (Qwen3ForCausalLM in eval mode, meta dict with the pretraining loss and time, ``target_digest`` (the
+        ``weights_digest`` of the weights loaded), ``path`` and ``source``: ``shipped`` or ``pretrained here``).
 
     Raises:
-        RuntimeError: a damaged cache entry (files missing, or weights whose digest is not the one recorded when
-            it was built): the message names the directory to delete.
+        RuntimeError: a damaged cache entry or shipped file (files missing, or weights whose digest is not the one
+            recorded when it was built): the message names what to delete or reinstall.
     """
     from transformers import Qwen3ForCausalLM
 
+    if shipped:
+        entry = shipped_target(tokenizer, arch, pretrain, corpus)
+        if entry is not None:
+            return load_shipped_target(entry, tokenizer, corpus, cache_dir)
     key = {
         "arch": arch,
         "pretrain": pretrain,
@@ -318,6 +338,11 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
         "code": source_hash(sys.modules[__name__], synthetic_module, tokenizer_module, datasets_module, cache_module),
     }
     directory = default_cache_dir(cache_dir) / "targets" / f"tiny-{config_hash(key)}"
+    if shipped and not (directory / "meta.json").is_file():
+        log.warning("no shipped reference target has these pretraining settings (shape, pretraining, corpus): "
+                    "pretraining the tiny target on this machine; its weights digest depends on this machine's CPU "
+                    "kernels and torch version, so runs against it pair only with runs against the same weights "
+                    "(compare refuses mixed target digests)")
 
     def build(tmp: Path) -> None:
         # the run's RNG state must not depend on whether this process built the cache: nothing here draws from it
@@ -327,9 +352,7 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
     def build_and_record(tmp: Path) -> None:
         config = tiny_qwen3_config(tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
-        corpus_args = dict(corpus)
-        dataset = datasets_module.build_dataset(tokenizer=tokenizer, cache_dir=cache_dir, **corpus_args)
-        train_split, _ = dataset.split()
+        train_split = pretraining_corpus(tokenizer, corpus, cache_dir)
         torch.manual_seed(int(pretrain["seed"]))
         model = Qwen3ForCausalLM(config)
         log.info("pretraining the tiny target (%s) on %d documents; cached in %s", arch, len(train_split), directory)
@@ -341,13 +364,91 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
         # the digest of the weights as saved and loaded back: what every later load must find
         saved = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
         meta = {"key": key, "pretrain_stats": stats, "target_digest": weights_digest(saved),
-                "torch": torch.__version__, "pretrain_threads": PRETRAIN_THREADS}
+                "corpus_digest": corpus_digest(train_split), "torch": torch.__version__,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(), "pretrain_threads": PRETRAIN_THREADS}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         log.info("tiny target pretrained: loss %.3f in %.1f s, weights digest %s", stats["loss"], stats["seconds"],
                  meta["target_digest"])
 
     build_once(directory, build)
-    return load_cached_tiny_target(directory)
+    model, meta = load_cached_tiny_target(directory)
+    return model, {**meta, "source": "pretrained here"}
+
+
+def pretraining_corpus(tokenizer, corpus: dict, cache_dir: str | None):
+    """The training split of the tiny target's pretraining corpus (built, or loaded from the data cache)."""
+    dataset = datasets_module.build_dataset(tokenizer=tokenizer, cache_dir=cache_dir, **dict(corpus))
+    return dataset.split()[0]
+
+
+def corpus_digest(train_split) -> str:
+    """Digest of what a target was pretrained on: the corpus's content digest and the training split's indices."""
+    digest = hashlib.sha256(str(train_split.content_digest).encode())
+    digest.update(np.asarray(train_split.source_indices, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+def target_settings(tokenizer, arch: dict, pretrain: dict, corpus: dict) -> dict:
+    """What makes a tiny target, as a shipped target's manifest records it: its shape, its pretraining, its
+    corpus config and the tokenizer's fingerprint, each in plain JSON types (numbers as the presets give them)."""
+    return json.loads(json.dumps({"arch": arch, "pretrain": pretrain, "corpus": dict(corpus),
+                                  "tokenizer": tokenizer.fingerprint}, sort_keys=True, default=str))
+
+
+def shipped_targets(directory: Path = SHIPPED_DIR) -> list[dict]:
+    """The shipped reference targets: ``manifest.json``'s entries (each with ``file``, ``settings``,
+    ``target_digest``, ``corpus_digest``); [] when the package ships none."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text())["targets"])
+
+
+def shipped_target(tokenizer, arch: dict, pretrain: dict, corpus: dict, directory: Path = SHIPPED_DIR) -> dict | None:
+    """The manifest entry whose settings equal these (:func:`target_settings`), or None."""
+    wanted = target_settings(tokenizer, arch, pretrain, corpus)
+    return next((entry for entry in shipped_targets(directory) if entry["settings"] == wanted), None)
+
+
+def load_shipped_target(entry: dict, tokenizer, corpus: dict, cache_dir: str | None,
+                        directory: Path = SHIPPED_DIR):
+    """(model in eval mode, meta) of a shipped reference target, checked twice against its manifest entry: the
+    corpus this code builds from the entry's corpus config has the digest the target was pretrained on (else the
+    corpus generator changed since it was shipped, and the target is pretrained here instead), and the loaded
+    weights have the manifest's weights digest.
+
+    Raises:
+        refusal.DamagedCache: a shipped file that is missing, unreadable or holds other weights (reinstall).
+    """
+    from safetensors.torch import load_model
+    from transformers import Qwen3ForCausalLM
+
+    path = Path(directory) / entry["file"]
+    fix = "reinstall dflash_lab (pip install --force-reinstall), or restore the file from the repository"
+    settings = entry["settings"]
+    built = corpus_digest(pretraining_corpus(tokenizer, corpus, cache_dir))
+    if built != entry["corpus_digest"]:
+        log.warning("the shipped reference target %s was pretrained on a corpus with digest %s, but this code builds "
+                    "%s from the same config (the corpus generator changed): pretraining the tiny target here "
+                    "instead; its digest depends on this machine", entry["file"], entry["corpus_digest"], built)
+        return load_or_build_tiny_target(tokenizer=tokenizer, arch=settings["arch"], pretrain=settings["pretrain"],
+                                         corpus=corpus, cache_dir=cache_dir, shipped=False)
+    config = tiny_qwen3_config(tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               **settings["arch"])
+    model = Qwen3ForCausalLM(config)
+    try:
+        load_model(model, str(path), strict=True)
+    except Exception as error:   # a missing or torn file: name it and the fix
+        raise DamagedCache(f"the shipped tiny target {path} cannot be read ({type(error).__name__}: {error}): "
+                           f"{fix}") from error
+    model.eval()
+    digest = weights_digest(model)
+    if digest != entry["target_digest"]:
+        raise DamagedCache(f"the shipped tiny target {path} has weights digest {digest}, but the manifest records "
+                           f"{entry['target_digest']}: {fix}")
+    return model, {"path": str(path), "target_digest": digest, "source": "shipped",
+                   "pretrain_stats": entry["pretrain_stats"], "corpus_digest": built}
 
 
 def load_cached_tiny_target(directory: Path):

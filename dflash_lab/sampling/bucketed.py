@@ -29,6 +29,15 @@ structure, no length curriculum. Random groups pack worse (a batch pads to its l
 ``full_random``), so a group takes more steps than its length bucket. The per-step ``bucket`` metric
 (``Policy.bucket_of``) is then the random group.
 
+``real_tokens_per_step`` (``null`` | ``T`` | ``full_random``; bucketed and bucketed_megabatch) replaces the padded
+budget inside each bucket, as full_random's key of the same name does: ``T`` closes a batch at the sample boundary
+nearest to T real tokens (``core.pack_real_tokens``; ``max_tokens`` still decides admission, ``max_samples`` caps
+rows, T is at least the longest admitted sample, ``quadratic_length`` is refused). ``full_random`` is full_random's
+mean real tokens per rank and step over the same data, budget and seed, resolved where the data is known
+(``sampling.stats.resolve_matched_real_tokens``): bucketed then makes as many optimizer updates per epoch as
+full_random, so the two differ in batch composition alone (the converse of full_random at bucketed's real tokens).
+Its batches pad to about T / 0.8 tokens, below ``max_tokens`` at full_random's T.
+
 Cost: O(N) per epoch (one permutation per bucket + one packing pass) + O(B log B) step grouping and ordering;
 ``bucket_by: random`` adds one O(N) permutation at construction.
 """
@@ -133,7 +142,8 @@ class Bucketed(Policy):
     name = "bucketed"
 
     def setup(self, *, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str,
-              bucket_by: str, run_length: int) -> None:
+              bucket_by: str, run_length: int, real_tokens_per_step: int | None) -> None:
+        self.use_real_tokens(real_tokens_per_step)
         self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
         self.make_buckets(boundaries, num_buckets, fit_method, bucket_by)
 

@@ -171,35 +171,99 @@ def smallest_k_for_efficiency(
     )
 
 
+# sampler.real_tokens_per_step: <policy>: the named policy's mean real tokens per rank and step over the same data.
+# full_random: bucketed (equal real tokens per step: full_random at the length-grouped policy's larger step);
+# bucketed: full_random (equal optimizer updates per epoch: bucketed at full_random's smaller step).
+MATCHED_POLICIES = ("bucketed", "full_random")
 MATCH_BUCKETED = "bucketed"   # full_random's sampler.real_tokens_per_step: bucketed
+
+
+def reference_real_tokens(name: str, sampler_cfg: dict[str, Any], lengths: np.ndarray, *, builtin_corpus: bool,
+                          seed: int, world_size: int) -> int:
+    """The mean real tokens per rank and step (rounded) of policy ``name``'s own plan (its padded budget; bucketed
+    with its automatic boundaries and default fit, :func:`dflash_lab.sampling.bucketed.resolve_auto_boundaries`)
+    over ``lengths`` with the budget of ``sampler_cfg`` (max_tokens, max_samples, overlong), seed and world size,
+    epoch 0; at least the longest admitted sample (the floor of a real-token budget)."""
+    from .bucketed import resolve_auto_boundaries
+
+    extra: dict[str, Any] = {}
+    if name == "bucketed":
+        auto = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=builtin_corpus)
+        extra = {"boundaries": auto["boundaries"], "num_buckets": auto["num_buckets"]}
+    reference = build_policy(name, lengths, max_tokens=sampler_cfg["max_tokens"], seed=seed, world_size=world_size,
+                             max_samples=sampler_cfg.get("max_samples"), overlong=sampler_cfg["overlong"], **extra)
+    longest = int(reference.admission.lengths[reference.admission.kept].max())
+    return max(longest, int(round(plan_stats(reference)["real_tokens_per_step"])))
 
 
 def resolve_matched_real_tokens(sampler_cfg: dict[str, Any], lengths: np.ndarray, *, builtin_corpus: bool,
                                 seed: int, world_size: int) -> dict[str, Any]:
-    """``sampler.real_tokens_per_step: bucketed`` (full_random at the question arm's real tokens per step), resolved
-    where the data is known: the mean real tokens per rank and step of the bucketed plan over the same lengths,
-    budget (max_tokens, max_samples, overlong), seed and world size, with bucketed's automatic boundaries
-    (:func:`dflash_lab.sampling.bucketed.resolve_auto_boundaries`) and bucketed's default fit, epoch 0; rounded,
-    and at least the longest admitted sample (full_random's floor for T). Any other value is returned as given.
-    Without a block budget: on a GPU with ``max_block_tokens`` the bucketed arm's steps may carry fewer tokens.
+    """``sampler.real_tokens_per_step: <policy>`` resolved where the data is known, in both directions: the other
+    policy's mean real tokens per rank and step over the same lengths, budget, seed and world size
+    (:func:`reference_real_tokens`). full_random with ``bucketed``: full_random at the question arm's real tokens
+    per step (equal real tokens per step); bucketed with ``full_random``: bucketed at full_random's (equal
+    optimizer updates per epoch). Any number or null is returned as given. The trainer and the planner both call
+    this, so a plan and a run of one config resolve the same T. Without a block budget: on a GPU with
+    ``max_block_tokens`` the reference's steps may carry fewer tokens.
 
     Why from a plan, not a number in the arm file: the protocol runs on any data, and T depends on its lengths.
+
+    Raises:
+        ValueError: a policy name that is not the other of the pair (one line naming the key and the choices).
 
     Example:
         >>> cfg = {"name": "full_random", "max_tokens": 400, "overlong": "error", "real_tokens_per_step": "bucketed"}
         >>> lengths = np.array([10, 12, 14, 90, 95, 100] * 20)
         >>> resolve_matched_real_tokens(cfg, lengths, builtin_corpus=False, seed=0, world_size=1)["real_tokens_per_step"]
         357
+        >>> cfg = {"name": "bucketed", "max_tokens": 400, "overlong": "error", "real_tokens_per_step": "full_random"}
+        >>> resolve_matched_real_tokens(cfg, lengths, builtin_corpus=False, seed=0, world_size=1)["real_tokens_per_step"]
+        221
     """
     cfg = dict(sampler_cfg)
-    if cfg.get("real_tokens_per_step") != MATCH_BUCKETED:
+    value = cfg.get("real_tokens_per_step")
+    if not isinstance(value, str):
         return cfg
-    from .bucketed import resolve_auto_boundaries
-
-    auto = resolve_auto_boundaries({"boundaries": "auto", "num_buckets": None}, builtin_corpus=builtin_corpus)
-    bucketed = build_policy("bucketed", lengths, max_tokens=cfg["max_tokens"], seed=seed, world_size=world_size,
-                            max_samples=cfg.get("max_samples"), overlong=cfg["overlong"],
-                            boundaries=auto["boundaries"], num_buckets=auto["num_buckets"])
-    longest = int(bucketed.admission.lengths[bucketed.admission.kept].max())
-    cfg["real_tokens_per_step"] = max(longest, int(round(plan_stats(bucketed)["real_tokens_per_step"])))
+    if cfg.get("name") not in MATCHED_POLICIES or value not in MATCHED_POLICIES or value == cfg.get("name"):
+        raise ValueError(f"sampler.real_tokens_per_step={value} for sampler={cfg.get('name')}: give a number, null, "
+                         f"or the other policy of the pair (sampler=full_random: bucketed; sampler=bucketed: "
+                         f"full_random)")
+    cfg["real_tokens_per_step"] = reference_real_tokens(value, cfg, lengths, builtin_corpus=builtin_corpus,
+                                                        seed=seed, world_size=world_size)
     return cfg
+
+
+LR_SCALING = {"sqrt": 0.5, "linear": 1.0}   # trainer.lr_scaling: the exponent of the real-tokens-per-step ratio
+
+
+def lr_scale(rule: str | None, sampler_cfg: dict[str, Any], lengths: np.ndarray, *, builtin_corpus: bool, seed: int,
+             world_size: int) -> dict[str, Any]:
+    """``trainer.lr_scaling``: the factor on the peak LR for a policy whose steps carry more (or fewer) real tokens
+    than full_random's: (T / T_full_random) ** exponent (``LR_SCALING``: sqrt 0.5, linear 1), T the mean real
+    tokens per rank and step of this run's own plan (``sampler_cfg`` resolved) and T_full_random that of
+    full_random's plan over the same data, budget and seed (:func:`reference_real_tokens`). None: factor 1.
+
+    Why sqrt is the protocol's rule: the loss is a mean over supervised tokens, so a step of r times the tokens has
+    1/r the gradient noise; for Adam-type optimizers the square-root rule (lr x sqrt(r)) keeps the training
+    dynamics' noise scale (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"),
+    where the linear rule belongs to SGD (Goyal et al. 2017).
+
+    Example:
+        >>> lengths = np.array([10, 12, 14, 90, 95, 100] * 20)
+        >>> cfg = {"name": "bucketed", "max_tokens": 400, "overlong": "error", "boundaries": [0, 50, 100]}
+        >>> scale = lr_scale("sqrt", cfg, lengths, builtin_corpus=False, seed=0, world_size=1)
+        >>> scale["real_tokens"], scale["reference_real_tokens"], round(scale["factor"], 3)
+        (357, 221, 1.27)
+    """
+    if rule is None:
+        return {"rule": None, "factor": 1.0, "real_tokens": None, "reference_real_tokens": None}
+    if rule not in LR_SCALING:
+        raise ValueError(f"trainer.lr_scaling={rule!r}: choose null, sqrt or linear (the LR times (real tokens per "
+                         f"step / full_random's) ** 0.5 or ** 1), e.g. trainer.lr_scaling=sqrt")
+    own = build_policy(sampler_cfg["name"], lengths, seed=seed, world_size=world_size,
+                       **{k: v for k, v in sampler_cfg.items() if k not in ("name", "max_block_tokens")})
+    tokens = float(plan_stats(own)["real_tokens_per_step"])
+    reference = reference_real_tokens("full_random", sampler_cfg, lengths, builtin_corpus=builtin_corpus, seed=seed,
+                                      world_size=world_size)
+    return {"rule": rule, "factor": (tokens / reference) ** LR_SCALING[rule], "real_tokens": int(round(tokens)),
+            "reference_real_tokens": reference}

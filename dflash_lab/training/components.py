@@ -31,7 +31,7 @@ from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.training.probes import resolve_bands
 from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
-from dflash_lab.sampling.stats import resolve_matched_real_tokens
+from dflash_lab.sampling.stats import lr_scale, resolve_matched_real_tokens
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 from dflash_lab.training.settings import ProbeSettings, RunSettings
 from dflash_lab.training.step import LRSchedule
@@ -126,7 +126,8 @@ def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.dev
         log.info(f"preflight: {footprint.gpu_use(fit['pred_peak_mem_gb'], fit['gpu_mem_gb'])}")
     if settings.config["sampler"].get("real_tokens_per_step") != sampler_cfg.get("real_tokens_per_step"):
         log.info(f"sampler.real_tokens_per_step={settings.config['sampler']['real_tokens_per_step']}: "
-                 f"{sampler_cfg['real_tokens_per_step']} real tokens per rank and step (the bucketed plan's mean)")
+                 f"{sampler_cfg['real_tokens_per_step']} real tokens per rank and step (the "
+                 f"{settings.config['sampler']['real_tokens_per_step']} plan's mean)")
     return StepSizing(sampler_cfg=sampler_cfg, memory=memory, block_tokens=block_tokens, step_model=step_model)
 
 
@@ -202,7 +203,8 @@ class Components:
                 "max_block_tokens": self.memory.max_block_tokens,
                 "activation_checkpointing": self.memory.activation_checkpointing,
                 "data_digest": self.train_ds.content_digest, "probe_bands": list(self.probes.bands),
-                "target_digest": self.model.target_digest, "target_seed": target_seed_of(settings.config)}
+                "target_digest": self.model.target_digest, "target_seed": target_seed_of(settings.config),
+                "peak_lr": self.schedule.peak_lr}
 
     def data_counts(self) -> dict[str, Any]:
         """Lines the data loader skipped (by reason), samples it cut to ``data.max_length`` and, for data=jsonl,
@@ -300,12 +302,19 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
                                           log)
     if device.type == "cpu" and config["model"]["kind"] != "tiny":
         warn_if_slow_on_cpu(model, sizing.step_model, policy, plan, trainer.grad_accum, trainer.cpu_step_warn_s, log)
-    optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=trainer.lr, betas=trainer.betas,
+    scale = lr_scale(trainer.lr_scaling, sizing.sampler_cfg, train_ds.lengths, seed=settings.seed,
+                     world_size=env.world_size, builtin_corpus=config["data"].get("kind") == "synthetic")
+    peak_lr = trainer.lr * scale["factor"]
+    if scale["rule"] is not None:
+        log.info(f"trainer.lr_scaling={scale['rule']}: peak LR {peak_lr:.4g} = {trainer.lr:g} x ({scale['real_tokens']}"
+                 f" / {scale['reference_real_tokens']} real tokens per step, full_random's) ** "
+                 f"{'0.5' if scale['rule'] == 'sqrt' else '1'}")
+    optimizer = torch.optim.AdamW(list(model.trainable_parameters()), lr=peak_lr, betas=trainer.betas,
                                   weight_decay=trainer.weight_decay)
     components = Components(
         model=model, train_model=dist.wrap_ddp(model, env), tokenizer=tokenizer, train_ds=train_ds,
         heldout_ds=heldout_ds, policy=policy, loader=loader, plan=plan, memory=sizing.memory, optimizer=optimizer,
-        schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
+        schedule=LRSchedule(peak_lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
     for warning in data_warnings(components.data_counts(), train_ds.stats, config["data"].get("max_length")):

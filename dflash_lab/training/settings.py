@@ -63,6 +63,7 @@ class TrainerSettings:
     max_steps: int | None
     grad_accum: int
     lr: float
+    lr_scaling: str | None   # sqrt | linear: lr x (real tokens per step / full_random's) ** 0.5 | 1 (sampling.stats)
     min_lr_ratio: float
     warmup_frac: float
     weight_decay: float
@@ -91,7 +92,9 @@ class TrainerSettings:
         else as_choice(k, v, ["cpu", "cuda"]),
         "precision": lambda k, v: as_choice(k, v, ["fp32", "bf16"]),
         "epochs": _int(1), "max_steps": _int(0, allow_none=True), "grad_accum": _int(1),
-        "lr": _float(minimum=0.0), "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
+        "lr": _float(minimum=0.0),
+        "lr_scaling": lambda k, v: None if v is None else as_choice(k, v, ["sqrt", "linear"]),
+        "min_lr_ratio": _float(0.0, 1.0), "warmup_frac": _float(0.0, 0.999),
         "weight_decay": _float(minimum=0.0), "betas": _betas, "grad_clip": _float(minimum=0.0),
         "global_loss_norm": as_bool, "skip_nonfinite": as_bool, "max_consecutive_skips": _int(1),
         "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
