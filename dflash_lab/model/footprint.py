@@ -257,7 +257,7 @@ class StepModel:
                    anchors_per_doc=_optional_int(model_cfg["anchors_per_doc"]),
                    anchor_density=_optional_float(model_cfg["anchor_density"]),
                    fixed_anchors=int(model_cfg["fixed_anchors"]),
-                   compiled_layers=compiles_layers(model_cfg.get("compile_layers", "auto"), device_type))
+                   compiled_layers=compiles_layers(model_cfg["compile_layers"], device_type))
 
     @classmethod
     def from_model(cls, model: Any) -> "StepModel":
