@@ -114,6 +114,17 @@ def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_
         train(compose_small(run_dir, "trainer.max_steps=30", *common))
     assert "repaired" in (run_dir / "train_rank0.log").read_text()
     restore()
+    # issue 31, defect 1: the last band row of the checkpointed step deleted, or torn by a kill (repaired, then
+    # missing): that evaluation would keep 5 of its 6 bands, and compare would count the band one evaluation short
+    lines = (run_dir / "probes.jsonl").read_text().splitlines(keepends=True)
+    last = json.loads(lines[-1])
+    assert last["step"] == 20 and last["band"] == 5
+    for damaged in ("".join(lines[:-1]), "".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]):
+        (run_dir / "probes.jsonl").write_text(damaged)
+        with pytest.raises(Refused, match=r"probes\.jsonl lacks band rows of probe evaluations: step 20 holds "
+                                          r"bands \[0, 1, 2, 3, 4\] of \[0, 1, 2, 3, 4, 5\] \(missing \[5\]\)"):
+            train(compose_small(run_dir, "trainer.max_steps=30", *common))
+        restore()
     # a torn last line after the checkpoint (a kill while it was written) is repaired, with a log line
     with open(run_dir / "tau.jsonl", "a") as handle:
         handle.write('{"step": 21, "tau": 1.')

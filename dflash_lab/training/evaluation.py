@@ -127,6 +127,11 @@ class Evaluation:
                 "tau_band_min": min(bands, default=math.nan),
                 "tau_band_mean": float(np.mean(bands)) if bands else math.nan, "tau_by_band": by_band}
 
+    def probe_bands(self) -> list[int] | None:
+        """The bands every probe evaluation writes a row for (bands without held-out samples are left out); None
+        when probes are off."""
+        return None if self.probe_sets is None else [probe.band for probe in self.probe_sets.sets]
+
     def probe(self, step: int) -> None:
         """Evaluate every probe band once for this step number (rank 0)."""
         if self.probe_sets is None or step == self.last_probe_step:

@@ -83,7 +83,9 @@ class RunRecords:
                 check_records_cover(position.loaded_step, logger.history, logger.probed_steps,
                                     expected.get("last_probe_step"), problem,
                                     probed_steps_expected=expected.get("probed_steps"),
-                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"))
+                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"),
+                                    probe_bands=logger.probe_bands,
+                                    probe_bands_expected=expected.get("probe_bands"))
             if recording:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
@@ -204,6 +206,7 @@ class Checkpointer:
                           "last_probe_step": self.evaluation.last_probe_step,
                           # what the records hold now: a resume from this checkpoint checks them against it
                           "probed_steps": sorted(self.records.logger.probed_steps),
+                          "probe_bands": self.evaluation.probe_bands(),
                           "tau_steps": sorted(self.records.logger.tau_steps),
                           "presentation_rows": len(presentations) if presentations is not None else None},
             }, step=position.step)
