@@ -47,7 +47,7 @@ from dflash_lab.training import dist
 from dflash_lab.records import record
 from dflash_lab.training.components import Components, build_components
 from dflash_lab.training.evaluation import Evaluation
-from dflash_lab.refusal import Refused, describe_failure, full_disk
+from dflash_lab.refusal import Refused, describe_failure, full_disk, unwritable_file
 from dflash_lab.records.run_dir import RunDirectory
 from dflash_lab.records.run_lock import RunDirBusy
 from dflash_lab.records.run_logger import close_text_log, setup_text_log
@@ -363,8 +363,8 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"dflash_lab.train: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(REFUSED_EXIT_CODE) from None
-    except Exception as exc:  # a full disk: its cause in one line (torch's writer buries it in the chain)
-        if full_disk(exc) is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as exc:  # a full disk, a record file it cannot write: the cause in one line, naming the file
+        if (full_disk(exc) is None and unwritable_file(exc) is None) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"dflash_lab.train: error: {describe_failure(exc)}\n(HYDRA_FULL_ERROR=1 shows the traceback)",
               file=sys.stderr)

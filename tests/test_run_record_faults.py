@@ -301,3 +301,36 @@ def test_a_huge_line_is_cut_before_it_is_encoded_with_the_same_result():
     tracemalloc.stop()
     assert len(ids) == 1024 and truncated and all(mask[5:]) and not any(mask[:5])
     assert peak < 40e6, f"peak {peak / 1e6:.0f} MB for a 5 MB line: it was encoded whole"
+
+
+# ------------------------------------------------------ issue 31, defect 4: a record file that cannot be written
+def _immutable(path: Path) -> bool:
+    """``chattr +i path`` where the file system and the user allow it (root on ext4/overlay), else False."""
+    import subprocess
+
+    return shutil.which("chattr") is not None and subprocess.run(["chattr", "+i", str(path)],
+                                                                capture_output=True).returncode == 0
+
+
+@pytest.mark.integration
+def test_a_record_file_that_cannot_be_written_is_one_line_naming_it(tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "blocked"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("")
+    immutable = _immutable(metrics)
+    if not immutable:   # no chattr here: a directory where the file should be refuses the write as well
+        metrics.unlink()
+        metrics.mkdir()
+    try:
+        result = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "trainer.max_steps=3")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(metrics)], check=True)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = one_line_error(result.stderr)
+    assert f"cannot write {metrics}" in line and "chattr -i" in line, line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"cannot write {metrics}" in summary["error"]
