@@ -23,7 +23,7 @@ data wait, compute and bookkeeping: the probes and checkpoints after it are not.
 
 Failure and preemption: a non-finite loss stops the run (status ``failed``, the last good checkpoint kept, exit
 code 1) or skips the update with ``trainer.skip_nonfinite=true``. SIGUSR2/SIGTERM make the loop checkpoint at the
-next step boundary and exit with code 75; during the final tau measurement they end it early (status
+next step boundary, record status ``preempted`` and exit with code 75; during the final tau measurement they end it early (status
 ``preempted``, partial tau recorded), and the requeued job measures tau again.
 """
 

@@ -141,8 +141,11 @@ def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_
 def test_a_stopped_run_that_lost_its_checkpoints_keeps_its_records_unless_overwrite(tmp_path):
     run_dir = tmp_path / "lost"
     common = ["trainer.max_steps=12", "trainer.measure_tau=false", "trainer.ckpt_every=4", "logger=wandb"]
-    with pytest.raises(ckpt.Preempted):   # stopped at step 8 with status running, as a kill -9 leaves it
+    with pytest.raises(ckpt.Preempted):   # stopped after the checkpoint of step 8
         train(compose_small(run_dir, *common), stop_at(8))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["status"] = "running"        # as a kill -9 after that checkpoint leaves it (a preemption says preempted)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
     old_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     shutil.rmtree(run_dir / "checkpoints")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "train_rank0.log"}

@@ -295,7 +295,7 @@ class Bookkeeping:
         path = self.checkpointer.save(position)
         self.log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step "
                          f"{position.step} to {path}; exiting with code {ckpt.PREEMPTED_EXIT_CODE} for a requeue")
-        self.records.summary("running", steps=position.step)
+        self.records.summary("preempted", steps=position.step)   # a requeue (or a relaunch) continues it
         self.records.logger.close(exit_code=ckpt.PREEMPTED_EXIT_CODE)
         self.clock.close()
         ckpt.run_previous_handler()  # e.g. submitit's requeue (it may exit here on rank 0)
