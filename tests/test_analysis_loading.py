@@ -73,6 +73,24 @@ def test_running_summary_is_partial_and_falls_back_to_metrics(tmp_path):
     assert np.isfinite(row["ktok_s"]) and np.isfinite(row["final_loss"])
 
 
+def test_a_truncated_summary_is_reported_as_such_not_as_missing(tmp_path):
+    """Issue 31: a summary.json cut short (a kill while it was copied, a full disk) is named as unreadable, never
+    as "no summary.json"; the run is partial and left out of pairs with that reason."""
+    from dflash_lab.analysis.summarize import left_out_reason
+
+    run = write_run(tmp_path / "run", "packed", 0)
+    text = (run / "summary.json").read_text()
+    (run / "summary.json").write_text(text[: len(text) // 2])
+    record = load_runs([run]).runs[0]
+    assert record.status == "summary_unreadable" and record.partial and record.sampler == "packed"
+    assert not any(m.startswith("no summary.json") for m in record.messages)
+    assert any(m.startswith("summary.json is not valid JSON") and "truncated or damaged" in m
+               for m in record.messages)
+    assert left_out_reason(record).startswith("summary.json unreadable (truncated or not JSON)")
+    row = compare_records([record]).runs.iloc[0]
+    assert row["status"] == "summary_unreadable" and bool(row["partial"]) and np.isfinite(row["final_loss"])
+
+
 def test_bad_paths_are_reported_not_raised(tmp_path, multirun):
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()

@@ -21,6 +21,7 @@ from dflash_lab.records import record
 from dflash_lab.analysis.schema import (
     PRESENTATION_COLUMNS,
     PROBE_COLUMNS,
+    STATUS_SUMMARY_UNREADABLE,
     STEP_COLUMNS,
     RunRecord,
     conform,
@@ -166,9 +167,14 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     if summary_path.is_file():
         try:
             loaded = json.loads(summary_path.read_text())
-            record.summary = loaded if isinstance(loaded, dict) else {}
-        except json.JSONDecodeError as exc:
-            messages.append(f"summary.json is not valid JSON ({exc}): treated as a partial run")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            loaded = f"not valid JSON ({exc})"
+        if isinstance(loaded, dict):
+            record.summary = loaded
+        else:   # truncated or damaged: said as such (its status), never as a run without a summary
+            problem = loaded if isinstance(loaded, str) else f"not a JSON object ({type(loaded).__name__})"
+            record.summary = {"status": STATUS_SUMMARY_UNREADABLE, "error": f"summary.json is {problem}"}
+            messages.append(f"summary.json is {problem} (truncated or damaged): treated as a partial run")
     else:
         messages.append("no summary.json (crashed or still running): partial run, figures from metrics.jsonl")
 

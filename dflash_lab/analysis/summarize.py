@@ -608,7 +608,9 @@ def left_out_reason(record: RunRecord) -> str:
         return f"failed: {error[:200]}{'...' if len(error) > 200 else ''}"
     return {"no_summary": "no summary.json: crashed, killed or still running",
             "running": "status running: killed, or still running",
-            "preempted": "preempted: its requeued job has not finished"}.get(status, f"status {status}")
+            "preempted": "preempted: its requeued job has not finished",
+            "summary_unreadable": "summary.json unreadable (truncated or not JSON): killed while it was written, "
+                                  "or damaged"}.get(status, f"status {status}")
 
 
 def left_out_runs(records: list[RunRecord], runs: pd.DataFrame) -> list[dict]:
