@@ -234,7 +234,7 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
                             log_probes=records.logger.log_probes, log_tau=records.logger.log_tau, ledger=ledger,
                             is_main=env.is_main, log=log, last_probe_step=last_probe_step,
-                            warmup_steps=parts.schedule.warmup_steps)
+                            warmup_steps=parts.schedule.warmup_steps, measure_tau=settings.trainer.measure_tau)
     trainer, plan = settings.trainer, parts.plan
     clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
                       log_every=trainer.log_every, name=parts.policy.name, log=log)
@@ -245,6 +245,9 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     run = Run(settings=settings, env=env, device=device, log=log, parts=parts, position=position, ledger=ledger,
               batches=StepBatches(parts.loader, parts.policy, plan, trainer.grad_accum, trainer.epochs, position),
               books=books, hooks=hooks)
+    if plan.end_step == 0:
+        log.warning("trainer.max_steps=0: this launch trains no step (it builds the target, the data and their caches)"
+                    "; set trainer.max_steps=N or null to train")
     log.info(f"{parts.policy.name}: {len(parts.train_ds)} train / {len(parts.heldout_ds)} held-out samples; steps "
              f"per epoch {list(plan.steps_per_epoch)}; running steps {position.step}..{plan.end_step} of "
              f"{plan.total_steps}")
@@ -337,6 +340,10 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
     summary = run.books.records.summary(status, steps=position.step, **taus, error=failure or None)
     run.books.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
+    if status == "finished" and position.step == 0:   # trainer.max_steps=0: a launch that only builds
+        log.info(f"finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
+                 f"caches are built, and summary.json records steps 0")
+        return summary
     log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
              f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
              f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "

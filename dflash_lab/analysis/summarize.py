@@ -899,7 +899,8 @@ def markdown_tables(comparison: Comparison, columns: tuple[str, ...] = COMPARISO
         group_rows.append(cells)
     parts += [_markdown(["arm", *setting_columns, "runs", *columns], group_rows), ""]
     protocol = comparison.protocol
-    parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
+    parts += [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)"
+              if protocol.baseline else "## Paired differences: none (no baseline declared)", "",
               f"diff = arm − baseline, mean over seed pairs (over targets, each the mean of its seeds, where seeds "
               f"nest in several targets: rules version >= 5); {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
               "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "

@@ -250,6 +250,9 @@ class RunDirectory:
             log.warning(f"an earlier attempt failed before its first step ({summary.get('error')}): the run starts "
                         f"over")
             return
+        if status == "finished" and summary.get("steps") == 0 and not last_metrics_step(metrics):
+            log.info("an earlier launch trained no step (trainer.max_steps=0): the run starts over")
+            return
         steps = max(int(summary.get("steps") or 0), last_metrics_step(metrics) or 0)
         what = (f"a run that ended (status {status})" if status in ("finished", "failed", "preempted")
                 else f"a run stopped while running (its checkpoint of step {checkpointed} was written)")
