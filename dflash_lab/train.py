@@ -341,8 +341,8 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
     run.books.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
     if status == "finished" and position.step == 0:   # trainer.max_steps=0: a launch that only builds
-        log.info(f"finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
-                 f"caches are built, and summary.json records steps 0")
+        log.info("finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
+                 "caches are built, and summary.json records steps 0")
         return summary
     log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
              f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "

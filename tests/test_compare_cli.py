@@ -210,6 +210,23 @@ def test_a_grid_sweep_pairs_its_arms_with_its_first_point(tmp_path):
         out / "comparison.md").read_text()
 
 
+def test_compare_names_the_jobs_of_a_killed_sweep_that_never_started(tmp_path):
+    """Issue 31: a sweep killed mid-way; Hydra's multirun.yaml says what it planned, the job folders what ran."""
+    import yaml
+
+    root = tmp_path / "sweep"
+    for job, (sampler, seed) in enumerate([("bucketed", 0), ("bucketed", 1), ("full_random", 0)]):
+        write_run(root / f"{job}_{sampler}_s{seed}", sampler, seed)
+    (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"params": None}, "overrides": {"task": ["sampler=bucketed,full_random", "seed=0,1",
+                                                             "trainer.max_steps=40"]}}}))
+    out = tmp_path / "out"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    note = (f"sweep {root}: 1 of 4 jobs never started: job 3 (sampler=full_random seed=1); relaunch the same "
+            f"command with hydra.sweep.dir={root} to run them (finished jobs say nothing to do)")
+    assert note in (out / "comparison.md").read_text()
+
+
 def test_the_shipped_grid_sweeps_declare_their_first_point_as_baseline():
     from hydra import compose, initialize_config_module
 

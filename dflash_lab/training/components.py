@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,8 @@ import torch
 
 from dflash_lab.training import dist
 from dflash_lab.records import record
+from dflash_lab.analysis.protocol import PROTOCOL_FILE
+from dflash_lab.analysis.schema import DEFAULT_ENDPOINTS
 from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
@@ -246,8 +249,10 @@ def build_components(settings: RunSettings, env: dist.DistEnv, device: torch.dev
         schedule=LRSchedule(trainer.lr, plan.end_step, trainer.warmup_frac, trainer.min_lr_ratio),
         autocast=(torch.autocast(device_type="cuda", dtype=torch.bfloat16) if trainer.precision == "bf16"
                   else contextlib.nullcontext()), probes=probes)
-    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step,
-                                  probes_every=probes.every, n_bands=len(probes.bands) - 1)
+    # a sweep's run (its folder's protocol.json, frozen at launch) is compared on the forgetting endpoints by default
+    in_sweep = (Path(settings.run_dir).parent / PROTOCOL_FILE).is_file()
+    short = verdict_probe_warning(config.get("analysis"), end_step=plan.end_step, probes_every=probes.every,
+                                  n_bands=len(probes.bands) - 1, undeclared=DEFAULT_ENDPOINTS if in_sweep else ())
     if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
         log.warning(short)
     counts = components.data_counts()
