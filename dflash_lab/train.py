@@ -237,7 +237,7 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
                             warmup_steps=parts.schedule.warmup_steps, measure_tau=settings.trainer.measure_tau)
     trainer, plan = settings.trainer, parts.plan
     clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
-                      log_every=trainer.log_every, name=parts.policy.name, log=log)
+                      log_every=trainer.log_every, log_every_s=trainer.log_every_s, name=parts.policy.name, log=log)
     checkpointer = Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, run_id, log)
     books = Bookkeeping(records=records, evaluation=evaluation, checkpointer=checkpointer, clock=clock,
                         policy=parts.policy, end_step=plan.end_step, is_main=env.is_main, log=log,
