@@ -91,6 +91,24 @@ def test_a_truncated_summary_is_reported_as_such_not_as_missing(tmp_path):
     assert row["status"] == "summary_unreadable" and bool(row["partial"]) and np.isfinite(row["final_loss"])
 
 
+def test_a_folder_of_symbolic_links_to_runs_is_read_and_a_broken_link_is_named(tmp_path):
+    """Issue 31: a folder of links to runs kept elsewhere finds them; a link whose target is gone is named."""
+    kept = tmp_path / "kept"
+    runs = [write_run(kept / f"{job}_bucketed_s{job}", "bucketed", job) for job in range(2)]
+    links = tmp_path / "links"
+    links.mkdir()
+    for run in runs:
+        (links / run.name).symlink_to(run)
+    (links / "loop").symlink_to(links)          # a link back up the tree is visited once
+    report = load_runs([links])
+    assert sorted(r.run_id for r in report.runs) == [run.name for run in runs] and not report.problems
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "2_bucketed_s2").symlink_to(tmp_path / "moved_away")
+    (problem,) = load_runs([broken]).problems
+    assert "1 symbolic link(s) to a missing target (2_bucketed_s2 -> " in problem and "moved_away" in problem
+
+
 def test_bad_paths_are_reported_not_raised(tmp_path, multirun):
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()
