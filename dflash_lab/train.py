@@ -1,7 +1,7 @@
 """Train a DFlash draft model with a chosen batching policy: ``python -m dflash_lab.train sampler=bucketed``.
 
 With no arguments this runs a complete small training on the CPU (embedded synthetic data, tiny Qwen3 target
-pretrained once and cached, a few minutes on 2 cores). ``train(cfg)`` does the work and returns the summary dict;
+pretrained once and cached; its time: README.md, "Two commands on a fresh machine"). ``train(cfg)`` does the work and returns the summary dict;
 ``main()`` is the thin Hydra wrapper.
 
 :func:`train` reads as the algorithm:
