@@ -329,7 +329,7 @@ def test_sweep_jobs_get_distinct_directories():
     from hydra.core.hydra_config import HydraConfig
 
     # The name shows what the grid varies, filesystem-safe, after the job number (sampler and seed as before).
-    first_names = {"boundaries_grid": "0_bucketed_b0-770-1216-1728-2432-3296-8192_s0",
+    first_names = {"boundaries_grid": "0_bucketed_b0-96-152-216-304-412-1024_s0",   # the baseline: first
                    "bucket_count_grid": "0_bucketed_K2_s0", "policies_seeds": "0_sorted_static_s0",
                    "forgetting_ablation": "0_full_random_aligned_full_random_s0"}
     for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds", "forgetting_ablation"):
