@@ -57,7 +57,8 @@ Ctrl-C midway leaves the previous comparison as it was. A folder holding only fi
 whole; one holding anything else (your notes, runs, a folder of the same name) is refused, naming those files,
 unless --force (which deletes them). --out is never the current directory or above it, nor a folder holding a PATH.
 
-Bad paths are reported and skipped. A refusal (invalid option or protocol, duplicate runs, mixed digests, an --out
+Bad paths are reported and skipped. A sweep killed mid-way: the jobs it planned (its `multirun.yaml`) that never
+started have no folder; a note names them with the relaunch that runs them (dflash_lab/analysis/sweep_jobs.py). A refusal (invalid option or protocol, duplicate runs, mixed digests, an --out
 that would not be replaced) prints one line, `error: ...`, and exits 2 (--debug or HYDRA_FULL_ERROR=1: the full traceback); exit
 code 1 if no run loaded or --out could not be written.
 """
@@ -83,6 +84,7 @@ from dflash_lab.analysis.protocol import (RULE_CHANGES, RULES_VERSION, analysis_
                                          recorded_protocol, resolve_protocol, section_disagreements)
 from dflash_lab.analysis.recommendation import THROUGHPUT_SOURCES, compared_policies, decide, plan_throughput
 from dflash_lab.analysis.summarize import Comparison
+from dflash_lab.analysis.sweep_jobs import unstarted_job_notes
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
 
 
@@ -530,6 +532,8 @@ def _compare(args: argparse.Namespace) -> int:
         raise Refused(str(error)) from error
     apply_throughput(args, comparison, today)
     comparison.notes[0:0] = [protocol_note(recorded, comparison, today), *disagreements]
+    # a sweep killed mid-way: its jobs that never started have no record to name them (analysis/sweep_jobs.py)
+    comparison.notes.extend(unstarted_job_notes([r.location for r in report.runs if r.source == "local"]))
     if overridden:
         comparison.notes.insert(0, override_note(overridden, comparison, launch_comparison))
     if comparison.verdict is not None:

@@ -22,6 +22,11 @@ Sources: the newest checkpoint of ``RUN_DIR/checkpoints`` (``CheckpointManager.l
 the checkpoint's own config (else the run's ``run_config.json``, or ``.hydra/config.yaml`` of an older run; the
 target's shape from its config.json or the tiny keys: no target weights).
 
+The command prints what it wrote and from what: the checkpoint's file and step, and the run's status from its
+``summary.json`` (an unfinished run's weights are not its final ones). A missing directory, a run without
+checkpoints or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2; ``HYDRA_FULL_ERROR=1``
+shows the traceback). ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
+
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
 
@@ -29,14 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from dflash_lab.model.draft import DFlashDraft, DraftConfig
+from dflash_lab.refusal import Refused
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+REFUSED_EXIT_CODE = 2   # a missing directory, no checkpoint, a bad option: one line naming it (as train and plan)
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -135,35 +144,92 @@ def run_mask_token_id(model_cfg: Mapping[str, Any], target_config: Any) -> int:
     return resolve_mask_token_id(tokenizer, configured, int(target_config.vocab_size))
 
 
+class ExportRefused(ValueError):
+    """The export cannot run (no such directory, no checkpoint, a bad option): one line naming what is wrong."""
+
+
+def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None) -> dict[str, Any]:
+    """The checkpoint to export: ``checkpoint``, else the newest intact one of ``RUN_DIR/checkpoints``
+    (``state["_path"]`` names its file).
+
+    Raises:
+        ExportRefused: ``run_dir`` (or ``checkpoint``) does not exist, or the run holds no checkpoint.
+    """
+    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint
+
+    run_dir = Path(run_dir)
+    if checkpoint is not None:
+        if not Path(checkpoint).is_file():
+            raise ExportRefused(f"--checkpoint {checkpoint}: no such file (the run's are in {run_dir / 'checkpoints'})")
+        return {**load_checkpoint(checkpoint), "_path": str(checkpoint)}
+    if not run_dir.is_dir():
+        raise ExportRefused(f"{run_dir}: no such directory: pass a training run directory (runs/<experiment>/<time>_"
+                            f"<sampler>_s<seed>/, or a job folder of a multirun)")
+    state = CheckpointManager(run_dir / "checkpoints").load_latest(map_location="cpu")
+    if state is None:
+        what = ("a run directory without checkpoints" if (run_dir / "summary.json").is_file()
+                or (run_dir / "run_config.json").is_file() else "not a run directory (no checkpoints/, summary.json "
+                "or run_config.json)")
+        raise ExportRefused(f"{run_dir} is {what}: {run_dir / 'checkpoints'} holds no checkpoint to export; train the "
+                            f"run (it saves one every trainer.ckpt_every steps and at its end), or pass --checkpoint "
+                            f"PATH")
+    return state
+
+
+def describe_source(run_dir: str | Path, state: Mapping[str, Any]) -> str:
+    """Which weights were exported: the checkpoint's file and step, and the run's status from its ``summary.json``
+    (an unfinished or failed run, and a checkpoint older than the run's last step, said in words).
+
+    Example:
+        >>> describe_source("/nowhere", {"step": 7, "_path": "/nowhere/checkpoints/step_7.pt"})
+        'the draft of step 7 (step_7.pt); the run has no readable summary.json (status unknown)'
+    """
+    step = state.get("step")
+    text = f"the draft of step {step} ({Path(state.get('_path') or '?').name})"
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict):
+        return f"{text}; the run has no readable summary.json (status unknown)"
+    status, steps = summary.get("status"), summary.get("steps")
+    text += f"; the run's status: {status} at step {steps}"
+    if status != "finished":
+        text += " (an unfinished run: these are not its final weights)"
+    elif steps is not None and step is not None and int(step) < int(steps):
+        text += f" (this checkpoint is {int(steps) - int(step)} steps before its end)"
+    return text
+
+
 def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | Path | None = None,
-                 dtype: str = "bfloat16", mask_token_id: int | None = None) -> Path:
+                 dtype: str = "bfloat16", mask_token_id: int | None = None,
+                 state: Mapping[str, Any] | None = None) -> Path:
     """Write OUT_DIR/model.safetensors + config.json from a run directory (module docstring).
 
     Args:
-        run_dir: a training run directory (``checkpoints/`` and ``.hydra/config.yaml``).
-        out_dir: created if missing; existing files of the same names are replaced.
+        run_dir: a training run directory (``checkpoints/`` and ``run_config.json``).
+        out_dir: created if missing; existing files of the same names are replaced. The files get the mode the
+            umask gives a new file (as ``config.json`` does), never safetensors' private 0600.
         checkpoint: a checkpoint file to export instead of the newest one.
         dtype: ``bfloat16`` (as the published drafts) or ``float32``.
         mask_token_id: overrides the run's MASK id (needed only when the tokenizer is not available).
+        state: the checkpoint, already loaded (:func:`load_export_state`).
 
     Returns:
         ``out_dir``.
 
     Raises:
-        ValueError: no checkpoint, no config, or a draft the reference layout cannot hold.
+        ExportRefused: no such directory, no checkpoint; ValueError: no config, or a draft the reference layout
+            cannot hold.
     """
     from safetensors.torch import save_file
 
-    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint
     from dflash_lab.model.build import draft_config_for_target, target_config_only
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    state = (load_checkpoint(checkpoint) if checkpoint
-             else CheckpointManager(run_dir / "checkpoints").load_latest(map_location="cpu"))
-    if state is None:
-        raise ValueError(f"{run_dir / 'checkpoints'} holds no checkpoint: train first, or pass --checkpoint PATH")
+        raise ExportRefused(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    state = state if state is not None else load_export_state(run_dir, checkpoint)
     model_cfg = run_model_config(run_dir, state)
     target_config = target_config_only(**model_cfg)
     draft_cfg = draft_config_for_target(target_config, draft_layers=int(model_cfg["draft_layers"]),
@@ -175,24 +241,39 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
     config = reference_config(draft_cfg, target_config, block_size=int(model_cfg["block_size"]),
                               mask_token_id=mask_id, dtype=dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(reference_state_dict(draft.state_dict(), DTYPES[dtype]), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = out_dir / "model.safetensors"
+    save_file(reference_state_dict(draft.state_dict(), DTYPES[dtype]), str(weights), metadata={"format": "pt"})
+    os.chmod(weights, 0o666 & ~current_umask())   # safetensors creates its file 0600
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a trained DFlash draft (model.safetensors + config.json) "
                                                  "for the DFlash inference code.")
-    parser.add_argument("run_dir", help="training run directory (checkpoints/ and .hydra/config.yaml)")
+    parser.add_argument("run_dir", help="training run directory (its checkpoints/ and run_config.json)")
     parser.add_argument("out_dir", help="output directory")
     parser.add_argument("--checkpoint", default=None, help="checkpoint file (default: the run's newest)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--mask-token-id", type=int, default=None, help="override the run's MASK id")
     args = parser.parse_args(argv)
-    out = export_draft(args.run_dir, args.out_dir, checkpoint=args.checkpoint, dtype=args.dtype,
-                       mask_token_id=args.mask_token_id)
-    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    try:
+        state = load_export_state(args.run_dir, args.checkpoint)
+        out = export_draft(args.run_dir, args.out_dir, dtype=args.dtype, mask_token_id=args.mask_token_id,
+                           state=state)
+    except (ValueError, FileNotFoundError, Refused) as exc:   # bad input: one line, as the other commands
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash_lab.export: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(REFUSED_EXIT_CODE) from None
+    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}: {describe_source(args.run_dir, state)}")
 
 
 if __name__ == "__main__":

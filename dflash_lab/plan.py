@@ -18,6 +18,10 @@ gives the target's shape (``model=tiny``, ``model=qwen3_8b``, or ``model.target_
 has the predicted peak GPU memory per rank with and without draft activation checkpointing, model TFLOPs per step,
 a ``fits`` verdict against ``gpu_mem_gb`` and the largest ``max_tokens`` that fits (``dflash_lab.model.footprint``).
 
+The plan says which model it is for (the ``model:`` line, ``plan.json`` meta ``model``) and is refused before any
+work when its workload, cost model and model describe different models (``planning.cost.check_plan_belongs``: the
+seed's workload or cost with the tiny model, a cost calibrated for one shipped model preset with another planned).
+
 The parts live in ``dflash_lab.planning`` (``config``: groups, keys, policies and data; ``cost``: the cost model and
 its prediction; ``table``: the plan table and K sweep; ``report``: what is printed); this module is the command
 and re-exports their names.
@@ -56,7 +60,8 @@ from .planning.config import (  # noqa: F401
     data_counts, describe_data_counts, load_plan_data, load_plan_inputs, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
 )
 from .planning.cost import (  # noqa: F401
-    TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, cost_calibration_warning, cost_from_config,
+    TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, check_plan_belongs, cost_calibration_warning,
+    cost_from_config,
     model_fingerprint, model_preset_config, predict_throughput,
 )
 from .planning.report import (  # noqa: F401
@@ -114,6 +119,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
                 for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
+    check_plan_belongs(dict(cfg["cost"]), cfg.get("model"), dict(cfg["data"]))   # one model, before any work
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, plan.seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
@@ -134,7 +140,8 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
             "epochs": plan.epochs, "world_size": plan.world_size,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
             "recommend": plan.floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
-            "cost_warning": cost_warning, "data": counts}
+            "cost_warning": cost_warning, "data": counts,
+            "model": {"kind": (cfg.get("model") or {}).get("kind"), "shape": model_fingerprint(cfg.get("model"))}}
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
@@ -172,6 +179,7 @@ def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: C
     return (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {plan.world_size}, "
         f"{plan.epochs:g} epochs; {describe_cost(cost)}\n"
+        f"model: {(model_cfg or {}).get('kind')} ({model_fingerprint(model_cfg) or 'shape unknown'})\n"
         + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(model_cfg, block_tokens) + "\n"

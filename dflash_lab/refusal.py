@@ -5,6 +5,8 @@
   line and exits with code 2, as it does for the ``ValueError``/``FileNotFoundError`` of a refused config; the
   traceback only with ``HYDRA_FULL_ERROR=1``. Subclasses also derive from the builtin error they replace
   (``RuntimeError``, ``PermissionError``), so callers that caught those still do.
+- :func:`unwritable_file`: a file the run must write that refuses it (permissions, ``chattr +i``, a read-only
+  file system, a directory in its place), named with its path, in one line and in ``summary.json``'s ``error``.
 - :func:`full_disk`: the "no space left" or "file too large" error behind a failure, however deep in the chain
   (torch's checkpoint writer reports ``unexpected pos`` and keeps the ``OSError`` only as its context; safetensors
   keeps only its text, ``(os error 27)``), so the run and its ``summary.json`` name the real cause.
@@ -27,6 +29,7 @@ import errno
 import os
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR)   # a file the run cannot write
 
 
 class Refused(Exception):
@@ -57,11 +60,42 @@ def full_disk(error: BaseException) -> OSError | None:
     return None
 
 
+def unwritable_file(error: BaseException) -> OSError | None:
+    """The error of a named file that cannot be written (``EACCES``, ``EPERM``: e.g. ``chattr +i``, ``EROFS``,
+    ``EISDIR``) in ``error``'s chain, or None.
+
+    Example:
+        >>> unwritable_file(PermissionError(1, "Operation not permitted", "run/metrics.jsonl")).filename
+        'run/metrics.jsonl'
+        >>> unwritable_file(PermissionError(1, "Operation not permitted")) is None   # no file named: not this case
+        True
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in UNWRITABLE_ERRNOS and error.filename:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def describe_failure(error: BaseException) -> str:
-    """One line for a run's failure: the full-disk cause and its fix where there is one, else ``Type: message``."""
+    """One line for a run's failure: the full-disk or unwritable-file cause and its fix where there is one, else
+    ``Type: message``.
+
+    Example:
+        >>> describe_failure(PermissionError(1, "Operation not permitted", "run/metrics.jsonl"))
+        'cannot write run/metrics.jsonl: [Errno 1] Operation not permitted: make it a writable file (chmod u+w; an immutable one: chattr -i) and relaunch'
+    """
     disk = full_disk(error)
     if disk is None:
-        return f"{type(error).__name__}: {error}"
+        blocked = unwritable_file(error)
+        if blocked is None:
+            return f"{type(error).__name__}: {error}"
+        target = getattr(blocked, "filename2", None)   # os.replace(temporary copy, the file): the file it replaces
+        named = f"{target} (from its temporary copy {blocked.filename})" if target else blocked.filename
+        return (f"cannot write {named}: [Errno {blocked.errno}] {blocked.strerror}: make it a writable file (chmod "
+                f"u+w; an immutable one: chattr -i) and relaunch")
     where = f" writing {disk.filename}" if disk.filename else ""
     outer = f" (while: {type(error).__name__}: {error})" if disk is not error else ""
     return (f"disk full{where}: [Errno {disk.errno}] {disk.strerror}{outer}: free space (or raise the file size "

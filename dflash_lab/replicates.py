@@ -9,7 +9,7 @@ share one target, so the paired differences stay paired; across seeds the target
 k = 1 (the default) keeps the single target of seed 0 (the cache key, hence the cached target, is unchanged).
 model=hf has one given target: target_seeds does not apply there.
 
-Cost: none at run time; the first run of each new target seed pretrains its target once (~1 min on 2 cores).
+Cost: none at run time; the first run of each new target seed pretrains its target once (part of the default run's first time, README.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Train a DFlash draft model with a chosen batching policy: ``python -m dflash_lab.train sampler=bucketed``.
 
 With no arguments this runs a complete small training on the CPU (embedded synthetic data, tiny Qwen3 target
-pretrained once and cached, a few minutes on 2 cores). ``train(cfg)`` does the work and returns the summary dict;
+pretrained once and cached; its time: README.md, "Two commands on a fresh machine"). ``train(cfg)`` does the work and returns the summary dict;
 ``main()`` is the thin Hydra wrapper.
 
 :func:`train` reads as the algorithm:
@@ -23,7 +23,7 @@ data wait, compute and bookkeeping: the probes and checkpoints after it are not.
 
 Failure and preemption: a non-finite loss stops the run (status ``failed``, the last good checkpoint kept, exit
 code 1) or skips the update with ``trainer.skip_nonfinite=true``. SIGUSR2/SIGTERM make the loop checkpoint at the
-next step boundary and exit with code 75; during the final tau measurement they end it early (status
+next step boundary, record status ``preempted`` and exit with code 75; during the final tau measurement they end it early (status
 ``preempted``, partial tau recorded), and the requeued job measures tau again.
 """
 
@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,13 +43,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from dflash_lab.analysis.protocol import PROTOCOL_FILE
+from dflash_lab.analysis.schema import DEFAULT_ENDPOINTS
 from dflash_lab.analysis.sizing import verdict_probe_warning
 from dflash_lab.records import checkpoint as ckpt
 from dflash_lab.training import dist
 from dflash_lab.records import record
 from dflash_lab.training.components import Components, build_components
 from dflash_lab.training.evaluation import Evaluation
-from dflash_lab.refusal import Refused, describe_failure, full_disk
+from dflash_lab.refusal import Refused, describe_failure, full_disk, unwritable_file
 from dflash_lab.records.run_dir import RunDirectory
 from dflash_lab.records.run_lock import RunDirBusy
 from dflash_lab.records.run_logger import close_text_log, setup_text_log
@@ -118,8 +121,11 @@ def _train(settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, ho
     log, checkpoints, state = open_run(settings, env, directory)
     device = torch.device(env.device)
     parts = build_components(settings, env, device, log)
+    # a sweep's run (its folder's protocol.json, frozen at launch) is compared on the forgetting endpoints by default
+    in_sweep = (Path(settings.run_dir).parent / PROTOCOL_FILE).is_file()
     short = verdict_probe_warning(settings.config["analysis"], end_step=parts.plan.end_step,
-                                  probes_every=parts.probes.every, n_bands=len(parts.probes.bands) - 1)
+                                  probes_every=parts.probes.every, n_bands=len(parts.probes.bands) - 1,
+                                  undeclared=DEFAULT_ENDPOINTS if in_sweep else ())
     if short:   # before step 1: a verdict that cannot be computed is said now, not after the runs
         log.warning(short)
     # ---- 2. resume --------------------------------------------------------------------------------------------
@@ -239,10 +245,10 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
                             log_probes=records.logger.log_probes, log_tau=records.logger.log_tau, ledger=ledger,
                             is_main=env.is_main, log=log, last_probe_step=last_probe_step,
-                            warmup_steps=parts.schedule.warmup_steps)
+                            warmup_steps=parts.schedule.warmup_steps, measure_tau=settings.trainer.measure_tau)
     trainer, plan = settings.trainer, parts.plan
     clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
-                      log_every=trainer.log_every, name=parts.policy.name, log=log)
+                      log_every=trainer.log_every, log_every_s=trainer.log_every_s, name=parts.policy.name, log=log)
     checkpointer = Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, run_id, log)
     books = Bookkeeping(records=records, evaluation=evaluation, checkpointer=checkpointer, clock=clock,
                         policy=parts.policy, end_step=plan.end_step, is_main=env.is_main, log=log,
@@ -250,6 +256,9 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     run = Run(settings=settings, env=env, device=device, log=log, parts=parts, position=position, ledger=ledger,
               batches=StepBatches(parts.loader, parts.policy, plan, trainer.grad_accum, trainer.epochs, position),
               books=books, hooks=hooks)
+    if plan.end_step == 0:
+        log.warning("trainer.max_steps=0: this launch trains no step (it builds the target, the data and their caches)"
+                    "; set trainer.max_steps=N or null to train")
     log.info(f"{parts.policy.name}: {len(parts.train_ds)} train / {len(parts.heldout_ds)} held-out samples; steps "
              f"per epoch {list(plan.steps_per_epoch)}; running steps {position.step}..{plan.end_step} of "
              f"{plan.total_steps}")
@@ -342,6 +351,10 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
     summary = run.books.records.summary(status, steps=position.step, **taus, error=failure or None)
     run.books.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
+    if status == "finished" and position.step == 0:   # trainer.max_steps=0: a launch that only builds
+        log.info("finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
+                 "caches are built, and summary.json records steps 0")
+        return summary
     log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
              f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
              f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "
@@ -368,8 +381,8 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"dflash_lab.train: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(REFUSED_EXIT_CODE) from None
-    except Exception as exc:  # a full disk: its cause in one line (torch's writer buries it in the chain)
-        if full_disk(exc) is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as exc:  # a full disk, a record file it cannot write: the cause in one line, naming the file
+        if (full_disk(exc) is None and unwritable_file(exc) is None) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"dflash_lab.train: error: {describe_failure(exc)}\n(HYDRA_FULL_ERROR=1 shows the traceback)",
               file=sys.stderr)

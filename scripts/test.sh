@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bash scripts/test.sh     -- set up, start a local single-node Slurm cluster, run every test tier (unit, integration,
 # slurm), stop Slurm. Extra arguments go to pytest (e.g. bash scripts/test.sh -x -k sampling). The unit tier alone:
-# plain `pytest` (about 1.5 minutes).
+# plain `pytest` (their times: README.md, "Two commands on a fresh machine").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,7 +1,7 @@
 """Shared test setup: caches kept out of the checkout and the user's cache, and the tiers.
 
 Tiers (``pyproject.toml`` markers): plain ``pytest`` runs the unit tier (no model training, no tiny-target
-pretraining, no subprocess, no cluster; about 2 minutes on 2 cores). ``integration`` tests train, pretrain or start
+pretraining, no subprocess, no cluster; its time: README.md, "Two commands on a fresh machine"). ``integration`` tests train, pretrain or start
 processes, ``slurm`` tests need the local cluster; ``bash scripts/test.sh`` runs every tier.
 
 Caches: every test process (and the training subprocesses it starts, which inherit the environment) uses one test

@@ -73,6 +73,42 @@ def test_running_summary_is_partial_and_falls_back_to_metrics(tmp_path):
     assert np.isfinite(row["ktok_s"]) and np.isfinite(row["final_loss"])
 
 
+def test_a_truncated_summary_is_reported_as_such_not_as_missing(tmp_path):
+    """Issue 31: a summary.json cut short (a kill while it was copied, a full disk) is named as unreadable, never
+    as "no summary.json"; the run is partial and left out of pairs with that reason."""
+    from dflash_lab.analysis.summarize import left_out_reason
+
+    run = write_run(tmp_path / "run", "packed", 0)
+    text = (run / "summary.json").read_text()
+    (run / "summary.json").write_text(text[: len(text) // 2])
+    record = load_runs([run]).runs[0]
+    assert record.status == "summary_unreadable" and record.partial and record.sampler == "packed"
+    assert not any(m.startswith("no summary.json") for m in record.messages)
+    assert any(m.startswith("summary.json is not valid JSON") and "truncated or damaged" in m
+               for m in record.messages)
+    assert left_out_reason(record).startswith("summary.json unreadable (truncated or not JSON)")
+    row = compare_records([record]).runs.iloc[0]
+    assert row["status"] == "summary_unreadable" and bool(row["partial"]) and np.isfinite(row["final_loss"])
+
+
+def test_a_folder_of_symbolic_links_to_runs_is_read_and_a_broken_link_is_named(tmp_path):
+    """Issue 31: a folder of links to runs kept elsewhere finds them; a link whose target is gone is named."""
+    kept = tmp_path / "kept"
+    runs = [write_run(kept / f"{job}_bucketed_s{job}", "bucketed", job) for job in range(2)]
+    links = tmp_path / "links"
+    links.mkdir()
+    for run in runs:
+        (links / run.name).symlink_to(run)
+    (links / "loop").symlink_to(links)          # a link back up the tree is visited once
+    report = load_runs([links])
+    assert sorted(r.run_id for r in report.runs) == [run.name for run in runs] and not report.problems
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "2_bucketed_s2").symlink_to(tmp_path / "moved_away")
+    (problem,) = load_runs([broken]).problems
+    assert "1 symbolic link(s) to a missing target (2_bucketed_s2 -> " in problem and "moved_away" in problem
+
+
 def test_bad_paths_are_reported_not_raised(tmp_path, multirun):
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()

@@ -123,7 +123,7 @@ def test_the_notebook_reads_a_wandb_sweep_as_a_sweep(wandb_folder, tmp_path, mon
     from nbclient import NotebookClient
 
     monkeypatch.setenv("DFLASH_RUNS", str(wandb_folder))
-    monkeypatch.setenv("DFLASH_OFFLINE_WANDB", "1")
+    monkeypatch.delenv("DFLASH_OFFLINE_WANDB", raising=False)   # issue 31: found without it
     monkeypatch.setenv("DFLASH_NOTEBOOK_FIGURES", str(tmp_path / "figures"))
     for name, value in _env().items():
         monkeypatch.setenv(name, value)
@@ -132,6 +132,7 @@ def test_the_notebook_reads_a_wandb_sweep_as_a_sweep(wandb_folder, tmp_path, mon
     NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     loaded = "".join(output.get("text", "") for output in code[0].outputs)
+    assert f"read offline W&B runs from their .wandb logs ({wandb_folder} holds no run directory)" in loaded
     assert f"{len(GRID)} runs from {wandb_folder} in {len(GRID)} settings; 0 partial" in loaded
     settings = code[1].outputs[0]["data"]["text/plain"]
     assert all(str(b) in settings for b in GRID) and re.search(r"\bK\b", settings)

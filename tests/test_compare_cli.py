@@ -193,6 +193,48 @@ def test_a_boundaries_sweep_gives_one_row_per_boundary_list(tmp_path):
     assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_grid_sweep_pairs_its_arms_with_its_first_point(tmp_path):
+    """Issue 31: a grid sweep declares analysis.baseline=first (sweeps/boundaries_grid.yaml): every other grid
+    point is paired with job 0's, whatever lists the command line gave; paired.csv is written."""
+    root = tmp_path / "boundaries_grid"
+    lists = [[0, 216, 1024], [0, 96, 1024], [0, 96, 216, 1024]]
+    for job, (seed, boundaries) in enumerate((s, b) for s in (0, 1, 2) for b in lists):
+        write_run(root / f"{job}_bucketed_b{'-'.join(map(str, boundaries))}_s{seed}", "bucketed", seed,
+                  settings={"sampler.boundaries": boundaries}, analysis={"baseline": "first"})
+    out = tmp_path / "out"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    paired = pd.read_csv(out / "paired.csv")
+    assert set(paired["baseline"]) == {"bucketed boundaries=[0, 216, 1024]"}
+    assert set(paired["policy"]) == {"bucketed boundaries=[0, 96, 1024]", "bucketed boundaries=[0, 96, 216, 1024]"}
+    assert "baseline: the sweep's first point (sampler=bucketed,sampler.boundaries=[0, 216, 1024])" in (
+        out / "comparison.md").read_text()
+
+
+def test_compare_names_the_jobs_of_a_killed_sweep_that_never_started(tmp_path):
+    """Issue 31: a sweep killed mid-way; Hydra's multirun.yaml says what it planned, the job folders what ran."""
+    import yaml
+
+    root = tmp_path / "sweep"
+    for job, (sampler, seed) in enumerate([("bucketed", 0), ("bucketed", 1), ("full_random", 0)]):
+        write_run(root / f"{job}_{sampler}_s{seed}", sampler, seed)
+    (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"params": None}, "overrides": {"task": ["sampler=bucketed,full_random", "seed=0,1",
+                                                             "trainer.max_steps=40"]}}}))
+    out = tmp_path / "out"
+    assert compare.main([str(root), "--out", str(out), "--no-plots"]) == 0
+    note = (f"sweep {root}: 1 of 4 jobs never started: job 3 (sampler=full_random seed=1); relaunch the same "
+            f"command with hydra.sweep.dir={root} to run them (finished jobs say nothing to do)")
+    assert note in (out / "comparison.md").read_text()
+
+
+def test_the_shipped_grid_sweeps_declare_their_first_point_as_baseline():
+    from hydra import compose, initialize_config_module
+
+    for name in ("boundaries_grid", "bucket_count_grid"):
+        with initialize_config_module("dflash_lab.conf", version_base="1.3"):   # sweeps: the search-path plugin
+            assert compose(name).analysis.baseline == "first", name
+
+
 @pytest.mark.integration
 def test_help_documents_the_baseline_selector_and_strata():
     result = subprocess.run([sys.executable, "-m", "dflash_lab.compare", "--help"], capture_output=True, text=True,

@@ -173,3 +173,18 @@ def test_every_skipped_line_is_listed_with_its_number_and_reason(tmp_path):
     assert clean.skipped_lines() == []
     assert build_dataset("synthetic", num_samples=20, cache_dir=tmp_path / "cache").skipped_lines() is None
     json.dumps(rows)   # plain JSON rows, as data_skipped.jsonl holds them
+
+
+# ---- issue 31, defect 2: a lone surrogate escape is a named skip, not an error that names neither file nor line ---
+@pytest.mark.parametrize("with_tokenizer", [False, True], ids=["byte tokenizer", "hf tokenizer"])
+def test_a_lone_surrogate_is_skipped_under_its_reason_with_its_line(tmp_path, tokenizer, with_tokenizer):
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world, \U0001f600"}]}
+    lone = '{"messages": [{"role": "user", "content": "hi \\ud800 there"}, {"role": "assistant", "content": "ok!"}]}'
+    paired = '{"messages": [{"role": "user", "content": "a \\ud83d\\ude00"}, {"role": "assistant", "content": "ok!"}]}'
+    file = write_jsonl(tmp_path / "chat.jsonl", [good] * 120 + [lone, paired])
+    options = {"tokenizer": tokenizer, "chat_template": str(QWEN3_TOOLS)} if with_tokenizer else {}
+    ds = build_dataset("jsonl", path=str(file), cache_dir=tmp_path / "cache", **options)
+    assert ds.stats["skipped"] == _skipped(lone_surrogate=1) and len(ds) == 121   # the pair is one emoji: kept
+    (skipped,) = ds.skipped_lines()
+    assert skipped["line"] == 121 and skipped["reason"] == "lone_surrogate"
+    assert "U+D800 at character 3" in skipped["message"] and "not encodable as UTF-8" in skipped["message"]

@@ -81,3 +81,63 @@ def test_docs_workloads_table_is_what_the_generator_gives():
     page = (ROOT / "docs" / "workloads.md").read_text()
     assert workload_table() in page
     assert all(f"| `{name}` |" in page for name in WORKLOADS)
+
+
+# ---- issue 31: one measured time per README command, in one place ------------------------------------------------
+# The commands of README.md's time table, as other texts name them, and a duration as they would state it.
+TIMED_COMMANDS = re.compile(r"scripts/setup\.sh|scripts/test\.sh|dflash_lab\.train sampler=bucketed|"
+                            r"dflash_lab\.train trainer=cpu|\bdefault (?:cpu )?(?:run|training)\b|\bunit tier\b|"
+                            r"plain `pytest`|\bfirst time\b", re.IGNORECASE)
+DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|secs?|seconds?|mins?|minutes?|h|hours?)\b|"
+                      r"\b(?:a|one|few|several)\s+minutes?\b|\bminutes\b", re.IGNORECASE)
+
+
+def _prose(path: Path) -> str:
+    """The text a reader sees of a file: a Python file's docstrings and comments, other files whole."""
+    import io
+    import tokenize
+
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix != ".py":
+        return text
+    docstrings = [ast.get_docstring(node) or "" for node in ast.walk(ast.parse(text))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    comments = [token.string for token in tokenize.generate_tokens(io.StringIO(text).readline)
+                if token.type == tokenize.COMMENT]
+    return "\n\n".join(docstrings + ["\n".join(comments)])
+
+
+def readme_time_statements(path: Path) -> list[str]:
+    """Sentences of ``path`` that state a duration for a command of README.md's time table without pointing at
+    README.md (line breaks and comment markers joined, so a sentence over several comment lines is one)."""
+    flat = re.sub(r"\n[ \t]*(?:#+[ \t]*)?", " ", _prose(path))
+    return [sentence.strip() for sentence in re.split(r"(?<=[.;!?])\s+|\s{2,}-\s", flat)
+            if TIMED_COMMANDS.search(sentence) and DURATION.search(sentence) and "README" not in sentence]
+
+
+def test_the_readme_table_is_the_one_place_that_times_its_commands():
+    """README.md's table (the machine it was measured on above it) gives each command's time; any other file that
+    states one (a config header's "~5 min", a docstring's "a few minutes") would disagree with it sooner or later."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Two commands on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"measured .* on ", section), "the table says which machine its times were measured on"
+    for command in ("bash scripts/setup.sh", "python -m dflash_lab.train sampler=bucketed", "pytest",
+                    "bash scripts/test.sh"):
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{command}`"))
+        assert DURATION.search(row.rsplit("|", 2)[-2]), row
+    others = [p for p in SOURCES if p.name != "README.md"] + sorted((ROOT / "tests").glob("*.py"))
+    stated = {str(p.relative_to(ROOT)): found for p in others if (found := readme_time_statements(p))}
+    assert not stated, f"times of README commands stated outside README.md's table: {stated}"
+
+
+def test_the_time_statement_finder_finds_them():
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp())
+    examples = {"a.yaml": "# python -m dflash_lab.train sampler=bucketed          (CPU, tiny target, ~5 min)\n",
+                "b.py": '"""Runs the default\ntraining on the CPU (a few minutes on 2 cores)."""\n',
+                "c.sh": "# The unit tier alone: plain `pytest` (about 1.5 minutes).\n",
+                "d.md": "The default run: its time is in README.md's table (2 minutes here).\n"}
+    for name, text in examples.items():
+        (folder / name).write_text(text)
+    assert [bool(readme_time_statements(folder / name)) for name in sorted(examples)] == [True, True, True, False]

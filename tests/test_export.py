@@ -132,6 +132,65 @@ def test_export_cli_bf16_and_missing_checkpoint(run_dir, tmp_path, capsys):
         export_draft(tmp_path / "bf16", tmp_path / "nothing")
 
 
+# ---- issue 31: what export says, its file mode, and its refusals (defect 3: one line each, naming what is wrong) ---
+def test_export_names_the_checkpoint_step_and_the_run_status(run_dir, tmp_path, capsys):
+    run, _ = run_dir
+    (run / "summary.json").write_text(json.dumps({"status": "running", "steps": 9}))
+    main([str(run), str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {tmp_path / 'out' / 'model.safetensors'} and ")
+    assert ("the draft of step 7 (step_7.pt); the run's status: running at step 9 (an unfinished run: these are "
+            "not its final weights)") in printed
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 12}))
+    main([str(run), str(tmp_path / "out")])
+    assert "status: finished at step 12 (this checkpoint is 5 steps before its end)" in capsys.readouterr().out
+
+
+def test_the_weights_file_mode_follows_the_umask(run_dir, tmp_path):
+    import os
+
+    run, _ = run_dir
+    previous = os.umask(0o022)
+    try:
+        out = export_draft(run, tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_export_help_names_the_run_config_record(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "run_config.json" in text and ".hydra/config.yaml" not in text
+
+
+@pytest.mark.parametrize("case", ["missing directory", "no checkpoints", "not a run directory"])
+def test_export_refusals_are_one_line(run_dir, tmp_path, capsys, monkeypatch, case):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, _ = run_dir
+    if case == "missing directory":
+        target, expected = tmp_path / "nowhere", f"{tmp_path / 'nowhere'}: no such directory"
+    elif case == "no checkpoints":
+        import shutil
+
+        shutil.rmtree(run / "checkpoints")
+        (run / "summary.json").write_text(json.dumps({"status": "failed", "steps": 0}))
+        target, expected = run, f"{run} is a run directory without checkpoints: {run / 'checkpoints'} holds no"
+    else:
+        target = tmp_path / "empty"
+        target.mkdir()
+        expected = f"{target} is not a run directory (no checkpoints/, summary.json or run_config.json)"
+    with pytest.raises(SystemExit) as stopped:
+        main([str(target), str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dflash_lab.export: error: ") and expected in lines[0], lines
+    assert lines[1] == "(HYDRA_FULL_ERROR=1 shows the traceback)"
+    assert not (tmp_path / "out").exists()
+
+
 def test_mask_token_id_is_added_past_the_vocabulary():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast

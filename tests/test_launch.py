@@ -343,7 +343,7 @@ def test_sweep_jobs_get_distinct_directories():
     from hydra.core.hydra_config import HydraConfig
 
     # The name shows what the grid varies, filesystem-safe, after the job number (sampler and seed as before).
-    first_names = {"boundaries_grid": "0_bucketed_b0-770-1216-1728-2432-3296-8192_s0",
+    first_names = {"boundaries_grid": "0_bucketed_b0-96-152-216-304-412-1024_s0",   # the baseline: first
                    "bucket_count_grid": "0_bucketed_K2_s0", "policies_seeds": "0_sorted_static_s0",
                    "forgetting_ablation": "0_full_random_aligned_full_random_s0"}
     for name in ("boundaries_grid", "bucket_count_grid", "policies_seeds", "forgetting_ablation"):
@@ -415,3 +415,56 @@ def test_cli_sweep_file_with_a_bad_override_is_rejected(tmp_path):
     assert out.returncode != 0
     assert "job #0 (" in out.stderr and "sampler.num_buckets=0" in out.stderr
     assert not sweep_dir.exists()
+
+
+# ------------------------------------------- issue 31: what a (re)launch of a sweep says before anything runs
+def _multirun_config(config_name, overrides):
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    with _hydra_context():
+        return GlobalHydra.instance().hydra.compose_config(config_name, list(overrides), run_mode=RunMode.MULTIRUN)
+
+
+def test_a_short_grid_sweep_is_told_at_launch_that_its_probes_cannot_give_the_forgetting_endpoints():
+    from dflash_lab.cluster.launch import launch_probe_warning
+
+    lists = "'sampler.boundaries=[0,96,152,216,304,412,1024],[0,216,1024]'"
+    cfg = _multirun_config("boundaries_grid", [lists.strip("'"), "trainer.max_steps=40"])
+    section = OmegaConf.to_container(cfg.analysis, resolve=True)
+    warning = launch_probe_warning(cfg, section)
+    assert warning.startswith("analysis: every run of this sweep (trainer.max_steps=40) probes 1 time(s) in the "
+                              "analysis window (steps 11..40 of 40, probes.every=100)"), warning
+    assert "residual_amplitude needs 8, own_share_slope needs 8" in warning and "probes.every=4 or less" in warning
+    cfg = _multirun_config("boundaries_grid", [lists.strip("'"), "trainer.max_steps=40", "probes.every=4"])
+    assert launch_probe_warning(cfg, section) is None
+    # the runs' length unknown at launch (epochs) or swept: each run says it before its first step instead
+    assert launch_probe_warning(_multirun_config("boundaries_grid", [lists.strip("'")]), section) is None
+    swept = _multirun_config("boundaries_grid", [lists.strip("'"), "trainer.max_steps=40,400"])
+    assert launch_probe_warning(swept, section) is None
+
+
+def test_a_relaunch_names_the_kept_protocol_and_the_jobs_that_never_started(tmp_path, caplog):
+    import json
+    import logging
+
+    from dflash_lab.cluster.launch import record_sweep_protocol
+
+    sweep = tmp_path / "sweep"
+    overrides = ["sampler=bucketed", "seed=0,1,2,3", "trainer.max_steps=40", "probes.every=4",
+                 f"hydra.sweep.dir={sweep}"]
+    cfg = _multirun_config("train", overrides)
+    record_sweep_protocol(cfg)
+    recorded = (sweep / "protocol.json").read_text()
+    for job, status in ((0, "finished"), (1, "preempted")):   # jobs 2 and 3 never started: the sweep was killed
+        (sweep / f"{job}_bucketed_s{job}").mkdir()
+        (sweep / f"{job}_bucketed_s{job}" / "summary.json").write_text(json.dumps({"status": status}))
+    cfg = _multirun_config("train", [*overrides, "+analysis.margins.jumpiness=0.02"])
+    with caplog.at_level(logging.INFO, logger="dflash_lab.cluster.launch"):
+        record_sweep_protocol(cfg)
+    assert (sweep / "protocol.json").read_text() == recorded
+    said = caplog.text
+    assert "relaunch: protocol.json keeps the first launch's analysis protocol" in said
+    assert "analysis.margins={'jumpiness': 0.02} (recorded: {}), which compare will NOT apply" in said
+    assert (f"relaunch into {sweep}: 1 of 4 jobs finished (nothing to do); unfinished, continued now: job 1 "
+            f"(preempted); never started, run now: job 2 (seed=2); job 3 (seed=3)") in said

@@ -47,7 +47,7 @@ def test_a_run_lists_its_skipped_lines_and_warns_before_step_one(tmp_path):
     with initialize_config_module("dflash_lab.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
             f"run_dir={run_dir}", *SMALL, "data=jsonl", f"data.path={data}", "data.max_bad_fraction=0.1",
-            f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=4", "trainer.measure_tau=false",
+            f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=4", "trainer.measure_tau=true",
             "probes.every=15", "model.decode_num_prompts=12", VERDICT])
     summary = train(cfg)
     assert summary["status"] == "finished"
@@ -61,6 +61,7 @@ def test_a_run_lists_its_skipped_lines_and_warns_before_step_one(tmp_path):
     first_step = log.index("running steps 0..4")   # the warnings come before the loop starts
     verdict = log.index("analysis: this run probes 1 time(s) in the analysis window (steps 2..4 of 4")
     assert verdict < first_step and "residual_amplitude needs 8" in log
+    # tau is measured (issue 31: with trainer.measure_tau=false the warning about its prompts is not given)
     assert log.index("tau: only ") < first_step and "of the 12 prompts of model.decode_num_prompts exist" in log
 
 

@@ -410,3 +410,112 @@ def test_the_plan_prints_and_records_the_calibration_warning(plan_cfg, tmp_path,
     assert "not calibrated" in json.loads((tmp_path / "plan.json").read_text())["meta"]["cost_warning"]
     run_plan(with_override(plan_cfg, "out_dir", str(tmp_path)))   # the tiny model the default cost was fitted on
     assert "not calibrated" not in capsys.readouterr().out
+
+
+# ---- issue 31: the parts of a plan belong to one model, and the README's plan commands plan the model they claim --
+def test_a_plan_whose_workload_cost_and_model_describe_different_models_is_refused(tmp_path):
+    from dflash_lab.plan import check_plan_belongs
+
+    lengths = {"kind": "lengths", "workload": "seed", "num_samples": 800000, "seed": 0}
+    seed_cost = {"calibrated_for": "qwen3_8b", "from_run": None, "calibrate": False}
+    tiny_cost = {"calibrated_for": "tiny", "from_run": None, "calibrate": False}
+    with pytest.raises(ValueError, match=r"^data\.workload=seed is the seed run's Qwen3-8B token lengths .* plan is "
+                                         r"for model=tiny \(the default\): add model=qwen3_8b"):
+        check_plan_belongs(seed_cost, _model("tiny"), lengths)
+    with pytest.raises(ValueError, match=r"calibrated for model=qwen3_8b .* the plan is for model=tiny \(the "
+                                         r"default\).* Add model=qwen3_8b to plan that model, or cost=cpu_tiny"):
+        check_plan_belongs(seed_cost, _model("tiny"), {**lengths, "workload": "cpu"})
+    with pytest.raises(ValueError, match=r"calibrated for model=tiny .* plan is for model=qwen3_8b.*cost=seed for "
+                                         r"model=qwen3_8b"):
+        check_plan_belongs(tiny_cost, _model("qwen3_8b"), lengths)
+    check_plan_belongs(seed_cost, _model("qwen3_8b"), lengths)                           # the seed's run
+    check_plan_belongs(tiny_cost, _model("tiny"), {**lengths, "workload": "cpu"})         # the tiny CPU model
+    hf = _model("hf", target_path=str(_hf_target(tmp_path / "target", 64)), draft_layers=1)
+    check_plan_belongs(tiny_cost, hf, {"kind": "jsonl"})        # your own target: the calibration warning only
+    check_plan_belongs({**seed_cost, "calibrated_for": None}, _model("tiny"), {**lengths, "workload": "cpu"})
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_plan_commands() -> list[list[str]]:
+    """The ``python -m dflash_lab.plan`` commands of the README's bash blocks, as argument lists (continuation
+    lines joined, comments dropped)."""
+    import re
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:3] == ["python", "-m", "dflash_lab.plan"]:
+                commands.append(words[3:])
+    return commands
+
+
+def _readme_overrides(arguments: list[str], tmp_path: Path) -> list[str]:
+    """A README command's overrides with its placeholders made real: a local Qwen3 target as the planner needs it
+    (config.json and the tokenizer with its chat template; no weights) and a chat JSONL (tests/helpers.py)."""
+    from helpers import CONVERSATIONS, QWEN3, tiny_chat_tokenizer, write_jsonl
+    from transformers import Qwen3Config
+
+    target = tmp_path / "target"
+    if not target.exists():
+        tokenizer = tiny_chat_tokenizer()
+        tokenizer.chat_template = QWEN3.read_text()   # the target's own template, as a real one ships it
+        tokenizer.save_pretrained(target)
+        Qwen3Config(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                    eos_token_id=tokenizer.eos_token_id).save_pretrained(target)   # room for the recipe's 5 layers
+        write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CONVERSATIONS * 60])
+    return [a.replace("/path/to/local/model", str(target)).replace("/path/to/chats.jsonl", str(tmp_path / "chats.jsonl"))
+            for a in arguments]
+
+
+def _claimed_shape(arguments: list[str], tmp_path: Path) -> str:
+    """The shape a README plan command claims: the seed's (Qwen3-8B) for the seed's workload or cost, else the
+    target its model.target_path names."""
+    from dflash_lab.plan import model_fingerprint, model_preset_config
+
+    if "data.workload=seed" in arguments or "cost=seed" in arguments:
+        return model_fingerprint(model_preset_config("qwen3_8b"))
+    assert "model=hf" in arguments, arguments
+    return model_fingerprint({**_model("hf"), "target_path": str(tmp_path / "target")})
+
+
+def _compose_plan(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("plan", overrides=overrides), resolve=True)
+
+
+def test_every_readme_plan_command_composes_to_the_model_it_claims(tmp_path):
+    from dflash_lab.plan import check_plan_belongs, model_fingerprint
+
+    commands = readme_plan_commands()
+    assert len(commands) >= 4, commands
+    for arguments in commands:
+        cfg = _compose_plan(_readme_overrides(arguments, tmp_path) + [f"out_dir={tmp_path / 'out'}"])
+        check_plan_belongs(dict(cfg["cost"]), cfg["model"], dict(cfg["data"]))
+        assert model_fingerprint(cfg["model"]) == _claimed_shape(arguments, tmp_path), arguments
+
+
+@pytest.mark.integration
+def test_every_readme_plan_command_plans_the_model_it_claims(tmp_path, capsys):
+    """Each README plan command through the planner (in-process, as the CLI runs it), on 20,000 samples of its
+    workload instead of 800,000 (the same plan, smaller: the sweep_k command takes ~14 minutes at full size on a busy
+    2-core machine): its plan.json names the claimed model's shape, the printed plan says it, no cost warning."""
+    from dflash_lab.plan import run_plan
+
+    for number, arguments in enumerate(readme_plan_commands()):
+        out = tmp_path / f"plan{number}"
+        smaller = ["data.num_samples=20000"] if "data=lengths" in arguments else []
+        run_plan(_compose_plan(_readme_overrides(arguments, tmp_path) + smaller + [f"out_dir={out}"]))
+        printed = capsys.readouterr().out
+        meta = json.loads((out / "plan.json").read_text())["meta"]
+        assert meta["model"]["shape"] == _claimed_shape(arguments, tmp_path), arguments
+        assert f"({meta['model']['shape']})" in printed.splitlines()[1]
+        if "cost=seed" in arguments:
+            assert meta["cost_warning"] is None and "warning" not in printed.lower(), arguments

@@ -114,6 +114,17 @@ def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_
         train(compose_small(run_dir, "trainer.max_steps=30", *common))
     assert "repaired" in (run_dir / "train_rank0.log").read_text()
     restore()
+    # issue 31, defect 1: the last band row of the checkpointed step deleted, or torn by a kill (repaired, then
+    # missing): that evaluation would keep 5 of its 6 bands, and compare would count the band one evaluation short
+    lines = (run_dir / "probes.jsonl").read_text().splitlines(keepends=True)
+    last = json.loads(lines[-1])
+    assert last["step"] == 20 and last["band"] == 5
+    for damaged in ("".join(lines[:-1]), "".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]):
+        (run_dir / "probes.jsonl").write_text(damaged)
+        with pytest.raises(Refused, match=r"probes\.jsonl lacks band rows of probe evaluations: step 20 holds "
+                                          r"bands \[0, 1, 2, 3, 4\] of \[0, 1, 2, 3, 4, 5\] \(missing \[5\]\)"):
+            train(compose_small(run_dir, "trainer.max_steps=30", *common))
+        restore()
     # a torn last line after the checkpoint (a kill while it was written) is repaired, with a log line
     with open(run_dir / "tau.jsonl", "a") as handle:
         handle.write('{"step": 21, "tau": 1.')
@@ -130,8 +141,11 @@ def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_
 def test_a_stopped_run_that_lost_its_checkpoints_keeps_its_records_unless_overwrite(tmp_path):
     run_dir = tmp_path / "lost"
     common = ["trainer.max_steps=12", "trainer.measure_tau=false", "trainer.ckpt_every=4", "logger=wandb"]
-    with pytest.raises(ckpt.Preempted):   # stopped at step 8 with status running, as a kill -9 leaves it
+    with pytest.raises(ckpt.Preempted):   # stopped after the checkpoint of step 8
         train(compose_small(run_dir, *common), stop_at(8))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["status"] = "running"        # as a kill -9 after that checkpoint leaves it (a preemption says preempted)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
     old_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     shutil.rmtree(run_dir / "checkpoints")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "train_rank0.log"}
@@ -290,3 +304,36 @@ def test_a_huge_line_is_cut_before_it_is_encoded_with_the_same_result():
     tracemalloc.stop()
     assert len(ids) == 1024 and truncated and all(mask[5:]) and not any(mask[:5])
     assert peak < 40e6, f"peak {peak / 1e6:.0f} MB for a 5 MB line: it was encoded whole"
+
+
+# ------------------------------------------------------ issue 31, defect 4: a record file that cannot be written
+def _immutable(path: Path) -> bool:
+    """``chattr +i path`` where the file system and the user allow it (root on ext4/overlay), else False."""
+    import subprocess
+
+    return shutil.which("chattr") is not None and subprocess.run(["chattr", "+i", str(path)],
+                                                                capture_output=True).returncode == 0
+
+
+@pytest.mark.integration
+def test_a_record_file_that_cannot_be_written_is_one_line_naming_it(tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "blocked"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("")
+    immutable = _immutable(metrics)
+    if not immutable:   # no chattr here: a directory where the file should be refuses the write as well
+        metrics.unlink()
+        metrics.mkdir()
+    try:
+        result = train_cli(f"hydra.run.dir={run_dir}", *SHORT_CLI, "trainer.max_steps=3")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(metrics)], check=True)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = one_line_error(result.stderr)
+    assert f"cannot write {metrics}" in line and "chattr -i" in line, line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"cannot write {metrics}" in summary["error"]

@@ -8,6 +8,7 @@ All runs share one small configuration (a 2-layer target pretrained for a few st
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -164,8 +165,8 @@ def test_signal_during_training_checkpoints_and_the_requeued_job_resumes_exactly
     train(compose_cfg(straight, "trainer.max_steps=8", "trainer.measure_tau=false"))
 
     def signal_during_step_4(step, micro, out):
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGUSR2)
+        if step == 4:   # SIGTERM: what a scheduler's preemption sends (SIGUSR2, Slurm's warning, takes the same path)
+            os.kill(os.getpid(), signal.SIGTERM)
         return out
 
     run_dir = tmp_path / "preempted"
@@ -174,7 +175,8 @@ def test_signal_during_training_checkpoints_and_the_requeued_job_resumes_exactly
               TrainHooks(after_forward=signal_during_step_4))
     assert info.value.code == ckpt.PREEMPTED_EXIT_CODE and info.value.step == 4
     assert ckpt.load_run_checkpoint(run_dir)["step"] == 4
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    saved = json.loads((run_dir / "summary.json").read_text())   # issue 31: not "running" (killed, or running)
+    assert saved["status"] == "preempted" and saved["steps"] == 4 and saved["checkpoint_step"] == 4
     train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))  # the requeued job
     assert losses(run_dir) == losses(straight)
 
@@ -269,9 +271,15 @@ def test_rerunning_a_finished_directory_changes_nothing_but_a_log_line(tmp_path)
 
 def test_max_steps_zero_and_a_kill_before_the_first_checkpoint_leave_no_duplicate_rows(tmp_path):
     run_dir = tmp_path / "zero"
-    train(compose_cfg(run_dir, "trainer.max_steps=0", "trainer.measure_tau=false"))
+    summary = train(compose_cfg(run_dir, "trainer.max_steps=0", "trainer.measure_tau=false"))
     assert {r["step"] for r in read_jsonl(run_dir / "probes.jsonl")} == {0}
     assert_no_duplicate_rows(run_dir)
+    # issue 31: said as what it is (no step trained), never "overhead 100.0%"; a later launch there trains
+    assert summary["status"] == "finished" and summary["steps"] == 0 and math.isnan(summary["overhead_frac"])
+    text = (run_dir / "train_rank0.log").read_text()
+    assert "trainer.max_steps=0: this launch trains no step" in text and "finished without training" in text
+    assert "overhead 100.0%" not in text
+    assert train(compose_cfg(run_dir, "trainer.max_steps=2", "trainer.measure_tau=false"))["steps"] == 2
     # an earlier attempt killed before its first checkpoint left rows behind: a fresh start drops them
     fresh = tmp_path / "fresh"
     fresh.mkdir()

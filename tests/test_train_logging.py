@@ -175,3 +175,33 @@ def test_broken_wandb_log_disables_wandb(tmp_path):
     logger.close()
     assert failing.calls == 1 and not sink.active
     assert len(logger.metrics_path.read_text().splitlines()) == 2
+
+
+def test_without_a_terminal_a_progress_line_comes_every_n_steps_and_every_n_seconds():
+    """Issue 31: a slow run in a Slurm log shows life within trainer.log_every_s (30 s in the preset), not only
+    every trainer.log_every steps (the first line came ~4 minutes in on a busy machine)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflash_lab.training.run_records import StepClock
+
+    now = [0.0]
+    lines = []
+    log = logging.getLogger("test-step-clock")
+    log.addHandler(type("Keep", (logging.Handler,), {"emit": lambda self, r: lines.append(r.getMessage())})())
+    log.setLevel(logging.INFO)
+    clock = StepClock(200, 0, show_bar=False, log_every=50, name="bucketed", log=log, log_every_s=30.0,
+                      clock=lambda: now[0])
+    stats = SimpleNamespace(loss=2.5, acc=0.1)
+    logged = []
+    for step in range(1, 201):
+        now[0] += 7.0   # one step every 7 s: 50 steps take 350 s
+        lines.clear()
+        clock.show({"step": step, "epoch": 0, "ktok_s": 1.0, "eta_s": 60.0, "pad_eff": 0.8}, stats)
+        logged += [step] * len(lines)
+    assert logged[:3] == [5, 10, 15]          # 35 s, then every 35 s: never more than 30 s without a line
+    assert 50 in logged and 200 in logged
+    assert all(b - a <= 5 for a, b in zip(logged, logged[1:]))
+    quiet = StepClock(200, 0, show_bar=False, log_every=50, name="bucketed", log=log, log_every_s=0.0,
+                      clock=lambda: now[0])
+    assert [s for s in range(1, 201) if quiet.line_due(s)] == [50, 100, 150, 200]   # 0: steps only

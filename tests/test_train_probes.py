@@ -110,3 +110,31 @@ def test_gather_merges_ranks(tmp_path):
     recorder.gather(lambda mine: [mine, other_rank])
     recorder.write()
     assert sorted(pq.read_table(tmp_path / "p.parquet")["sample_index"].to_pylist()) == [1, 5]
+
+
+# ---- issue 31: what the scheduled evaluation says before step 1 ------------------------------------------------
+@pytest.mark.parametrize("measure_tau", [False, True])
+def test_a_clamped_warmup_is_said_and_the_tau_prompt_warning_only_with_tau(tmp_path, caplog, measure_tau):
+    import contextlib
+    import logging
+
+    from dflash_lab.data.datasets import build_dataset
+    from dflash_lab.training.evaluation import Evaluation
+    from dflash_lab.training.settings import ProbeSettings
+
+    bands = [0, 96, 152, 216, 304, 412, 1024]
+    _, heldout = build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200).split(bands=bands, per_band=2)
+    probes = ProbeSettings(every=5, warmup_evals=1000, bands=bands, per_band=2, seed=0, max_tokens=4096,
+                           presentations=False)
+    model_cfg = {"tau_method": "replay", "decode_num_prompts": 10_000, "decode_max_prompt_tokens": 64,
+                 "decode_max_new_tokens": 8}
+    log = logging.getLogger("test-evaluation")
+    with caplog.at_level(logging.WARNING, logger="test-evaluation"):
+        evaluation = Evaluation(model=None, heldout_ds=heldout, pad_id=0, device=torch.device("cpu"),
+                                autocast=contextlib.nullcontext(), probes=probes, tau_every=0, model_cfg=model_cfg,
+                                log_probes=lambda rows: None, log_tau=lambda row: None, ledger=None, is_main=True,
+                                log=log, warmup_steps=19, measure_tau=measure_tau)
+    assert evaluation.warmup_probe_steps == frozenset(range(1, 20))
+    assert ("probes.warmup_evals=1000: the LR warmup lasts 19 step(s), so it gets 19 evaluation(s), at most one per "
+            "step") in caplog.text
+    assert ("tau: only" in caplog.text) == measure_tau   # no tau measured (trainer.measure_tau=false): nothing to say

@@ -16,7 +16,7 @@ from dflash_lab.analysis.summarize import Comparison, analyse_run, compare_recor
 from dflash_lab.analysis.wandb_runs import OfflineRun, load_offline_runs, load_wandb_runs, wandb_run_to_record
 
 
-OFFLINE_WANDB_HINT = ("read them with --offline-wandb (compare) or DFLASH_OFFLINE_WANDB=1 (the notebook): that parses "
+OFFLINE_WANDB_HINT = ("read them with --offline-wandb (compare; the notebook reads them unless DFLASH_OFFLINE_WANDB=0): that parses "
                       "W&B's own .wandb transaction log, an undocumented format read for wandb >=0.19.10,<0.32 "
                       "(pyproject.toml pins that range); or `wandb sync` them and load them from W&B "
                       "(--wandb ENTITY/PROJECT)")

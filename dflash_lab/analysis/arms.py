@@ -16,8 +16,8 @@ logger, analysis, overrides, the W&B config's `resolved` facts).
 
 Arm = the tuple of the run's swept values; its label reads `bucketed run_length=8 band_skills=aligned`.
 
-Baseline selector (`--baseline` / `analysis.baseline`): `full_random` (= `sampler=full_random`) or comma-separated
-`key=value` terms, e.g. `sampler=full_random,sampler.tokens_per_step=equal` (values as in the swept columns; a
+Baseline selector (`--baseline` / `analysis.baseline`): `first` (a grid sweep's first point: every swept value of
+job 0, the run folder numbered `0_`), `full_random` (= `sampler=full_random`) or comma-separated `key=value` terms, e.g. `sampler=full_random,sampler.tokens_per_step=equal` (values as in the swept columns; a
 list value keeps its commas inside brackets). The selector's keys, and the swept keys below them (`sampler.*` for
 `sampler`), are the compared keys. Every other swept key is a stratum key: an arm is paired only with the baseline
 arm of its own stratum, e.g. bucket_sequential on `data.band_skills=independent` with full_random on independent
@@ -423,6 +423,28 @@ class Pairing:
     notes: list[str]
 
 
+FIRST_POINT = "first"   # the baseline selector of a grid sweep's first point
+
+
+def first_point_selector(sweep: Sweep, arm_of_run: pd.Series) -> str:
+    """The selector of a grid sweep's first point: every swept value of the run with the lowest job number (its
+    folder's ``<n>_`` prefix, Hydra's job number; else the first run given).
+
+    Example:
+        >>> values = pd.DataFrame({"sampler": ["bucketed"] * 2, "sampler.boundaries": ["[0, 96, 1024]", "[0, 1024]"]},
+        ...                       index=["1_bucketed_b0-96-1024_s0", "0_bucketed_b0-1024_s0"])
+        >>> first_point_selector(Sweep(["sampler", "sampler.boundaries"], values), values.apply(arm_label, axis=1))
+        'sampler=bucketed,sampler.boundaries=[0, 1024]'
+    """
+    def job_number(run_id: Any) -> float:
+        match = re.match(r"(\d+)_", str(run_id))
+        return int(match.group(1)) if match else math.inf
+
+    first = min(range(len(arm_of_run)), key=lambda i: (job_number(arm_of_run.index[i]), i))
+    row = sweep.values.loc[arm_of_run.index[first]]
+    return ",".join(f"{key}={row[key]}" for key in sweep.keys if row[key] != UNSET)
+
+
 def pair_arms(sweep: Sweep, arm_of_run: pd.Series, selector_text: str) -> Pairing:
     """Stratum and baseline arm of every arm (rules in the module docstring).
 
@@ -444,6 +466,9 @@ def pair_arms(sweep: Sweep, arm_of_run: pd.Series, selector_text: str) -> Pairin
         ['full_random band_skills=aligned', 'full_random band_skills=aligned', \
 'full_random band_skills=independent', 'full_random band_skills=independent']
     """
+    first_point = selector_text.strip() == FIRST_POINT and len(arm_of_run) > 0
+    if first_point:
+        selector_text = first_point_selector(sweep, arm_of_run)
     selector = parse_selector(selector_text)
     unknown = [k for k in selector if k not in sweep.keys]
     if unknown:
@@ -459,7 +484,7 @@ def pair_arms(sweep: Sweep, arm_of_run: pd.Series, selector_text: str) -> Pairin
     for run_id, arm in arm_of_run.items():
         explicit[arm] = min(explicit.get(arm, 10**6), len(sweep.overridden.get(run_id, set()) & set(compared)))
     table["baseline"] = None
-    notes = []
+    notes = [f"baseline: the sweep's first point ({selector_text})"] if first_point else []
     for stratum, arms in table.groupby("stratum", sort=False):
         matching = arms[(arms[list(selector)] == pd.Series(selector)).all(axis=1)]
         if matching.empty:

@@ -21,6 +21,7 @@ from dflash_lab.records import record
 from dflash_lab.analysis.schema import (
     PRESENTATION_COLUMNS,
     PROBE_COLUMNS,
+    STATUS_SUMMARY_UNREADABLE,
     STEP_COLUMNS,
     RunRecord,
     conform,
@@ -54,6 +55,7 @@ def _is_wandb_dir(path: Path) -> bool:
 
 def find_run_dirs(path: Path | str) -> list[Path]:
     """`path` itself if it is a run directory, else every run directory below it (sorted; hidden dirs skipped).
+    Symbolic links to folders are followed (a folder of links to runs kept elsewhere), each folder once.
 
     W&B folders are not searched: an offline run's files/ holds copies of metrics.jsonl (read those through
     `wandb_runs.load_offline_runs` instead).
@@ -68,8 +70,14 @@ def find_run_dirs(path: Path | str) -> list[Path]:
     found: list[Path] = []
     if not root.is_dir() or _is_wandb_dir(root):
         return found
-    for directory, subdirs, _ in os.walk(root):
+    visited: set[str] = set()
+    for directory, subdirs, _ in os.walk(root, followlinks=True):
         current = Path(directory)
+        real = os.path.realpath(current)
+        if real in visited:   # a link back up the tree, or two links to one folder
+            subdirs[:] = []
+            continue
+        visited.add(real)
         if is_run_dir(current):
             found.append(current)
             subdirs[:] = []  # checkpoints/, wandb/ ... of a run are not runs
@@ -166,9 +174,14 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     if summary_path.is_file():
         try:
             loaded = json.loads(summary_path.read_text())
-            record.summary = loaded if isinstance(loaded, dict) else {}
-        except json.JSONDecodeError as exc:
-            messages.append(f"summary.json is not valid JSON ({exc}): treated as a partial run")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            loaded = f"not valid JSON ({exc})"
+        if isinstance(loaded, dict):
+            record.summary = loaded
+        else:   # truncated or damaged: said as such (its status), never as a run without a summary
+            problem = loaded if isinstance(loaded, str) else f"not a JSON object ({type(loaded).__name__})"
+            record.summary = {"status": STATUS_SUMMARY_UNREADABLE, "error": f"summary.json is {problem}"}
+            messages.append(f"summary.json is {problem} (truncated or damaged): treated as a partial run")
     else:
         messages.append("no summary.json (crashed or still running): partial run, figures from metrics.jsonl")
 
@@ -215,6 +228,36 @@ def load_local_run(run_dir: Path | str) -> RunRecord:
     return record
 
 
+def describe_no_runs(path: Path, shown: int = 5) -> str:
+    """Why ``path`` yields no run, and what it holds instead (its first entries, links whose target is missing),
+    so the fix is plain.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "notes.txt").write_text("x") and None
+        >>> (folder / "run_a").symlink_to(folder / "gone")
+        >>> print(describe_no_runs(folder))  # doctest: +ELLIPSIS
+        not a run directory (...) and holds no run directory nor offline W&B run; it holds 2 entries (notes.txt, run_a); 1 symbolic link(s) to a missing target (run_a -> .../gone): ...
+    """
+    entries = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
+    broken = [entry for entry in entries if entry.is_symlink() and not entry.exists()]
+    text = ("not a run directory (no metrics.jsonl, run_config.json or .hydra/config.yaml) and holds no run directory "
+            "nor offline W&B run")
+    if not entries:
+        return text + "; it is empty: point at a multirun folder (multirun/<experiment>/<time>) or a run directory"
+    names = ", ".join(entry.name for entry in entries[:shown]) + (f", ... ({len(entries) - shown} more)"
+                                                                 if len(entries) > shown else "")
+    text += f"; it holds {len(entries)} entries ({names})"
+    if broken:
+        links = ", ".join(f"{entry.name} -> {os.readlink(entry)}" for entry in broken[:shown])
+        text += (f"; {len(broken)} symbolic link(s) to a missing target ({links}): link to the run directories as "
+                 f"they are now (absolute paths, or paths relative to the link's folder)")
+    else:
+        text += ": point at a multirun folder (multirun/<experiment>/<time>), a run directory, or a folder of them"
+    return text
+
+
 def load_local_paths(paths: list[Path | str]) -> LoadReport:
     """Expand each path to its run directories and load them; paths holding no run become problems.
 
@@ -231,10 +274,7 @@ def load_local_paths(paths: list[Path | str]) -> LoadReport:
             continue
         run_dirs = find_run_dirs(path)
         if not run_dirs:
-            report.problems.append(
-                f"{raw}: not a run directory (no metrics.jsonl, run_config.json or .hydra/config.yaml) and holds "
-                "no run directories"
-            )
+            report.problems.append(f"{raw}: {describe_no_runs(path)}")
             continue
         for run_dir in run_dirs:
             resolved = run_dir.resolve()

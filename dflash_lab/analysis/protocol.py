@@ -464,6 +464,37 @@ def record_protocol(sweep_dir: Path, section: Mapping | None) -> Path:
     return path
 
 
+def kept_protocol_note(path: Path, section: Mapping | None) -> str:
+    """What a relaunch into a sweep folder that holds a ``protocol.json`` does with its own ``analysis`` section:
+    nothing (the first launch's protocol is kept). Names each key this launch declares otherwise and the way to
+    see its answer (compare's command line), or says that the declarations agree.
+
+    Example:
+        >>> import json, tempfile
+        >>> path = Path(tempfile.mkdtemp()) / PROTOCOL_FILE
+        >>> _ = path.write_text(json.dumps({"declared": {"margins": {"jumpiness": 0.01}}, "recorded_at": "T"}))
+        >>> print(kept_protocol_note(path, {"margins": {"jumpiness": 0.02}}))  # doctest: +ELLIPSIS
+        relaunch: protocol.json keeps the first launch's analysis protocol (recorded T); this launch declares analysis.margins={'jumpiness': 0.02} (recorded: {'jumpiness': 0.01}), which compare will NOT apply: ...
+    """
+    import json
+
+    try:
+        recorded = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return f"relaunch: {path} is kept as it is (unreadable: compare names the problem)"
+    declared = recorded.get("declared") or {}
+    section = dict(section or {})
+    differ = [key for key in PROTOCOL_KEYS
+              if json.dumps(section.get(key), sort_keys=True, default=str)
+              != json.dumps(declared.get(key), sort_keys=True, default=str)]
+    if not differ:
+        return f"relaunch: the analysis protocol recorded in {path} at {recorded.get('recorded_at')} is kept"
+    changes = ", ".join(f"analysis.{key}={section.get(key)!r} (recorded: {declared.get(key)!r})" for key in differ)
+    return (f"relaunch: protocol.json keeps the first launch's analysis protocol (recorded "
+            f"{recorded.get('recorded_at')}); this launch declares {changes}, which compare will NOT apply: give them "
+            f"on compare's command line (--{differ[0]} ...) to see both answers, or launch into a new sweep folder")
+
+
 def recorded_protocol(records: list[RunRecord]) -> dict[str, Any] | None:
     """The ``protocol.json`` of the sweep folder(s) of local runs (a run's parent folder); None when none
     recorded one (sweeps launched before protocols were recorded, single runs, W&B runs).

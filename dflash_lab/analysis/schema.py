@@ -28,6 +28,8 @@ SUMMARY_KEYS: tuple[str, ...] = SUMMARY_FIELDS
 
 # Status of a run whose summary.json is missing: it crashed or is still running; figures come from metrics.jsonl.
 STATUS_NO_SUMMARY = "no_summary"
+# Status of a run whose summary.json exists but cannot be read (truncated, not JSON): never "no summary.json".
+STATUS_SUMMARY_UNREADABLE = "summary_unreadable"
 
 # Column -> where its value comes from. "summary:" columns fall back to the steps table for partial runs.
 RUN_COLUMN_DOCS: dict[str, str] = {
@@ -40,7 +42,7 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "seed": "summary.seed, else config seed",
     "arm": "the run's setting: sampler plus every swept key (analysis.arms), seeds aggregated",
     "stratum": "the swept keys an arm is not compared on (e.g. data.band_skills=aligned); pairs stay inside one",
-    "status": "summary.status (finished | failed | running), else no_summary",
+    "status": "summary.status (finished | failed | running | preempted), else no_summary or summary_unreadable",
     "partial": "True unless status == finished",
     "steps": "summary.steps, else last logged step",
     "ktok_s": "summary.ktok_s, else throughput.steady_state_ktok_s(steps.ktok_s)",

@@ -8,7 +8,9 @@ at launch: probes run at every multiple of ``probes.every`` and at the end step;
 ``analysis.window`` x the end step (``steady``: each run's own loss steady state, which never starts before 10% of
 the steps, ``metrics.jumpiness.STEADY_MIN_FRAC``). :func:`verdict_probe_warning` counts them against the minimum of
 each declared endpoint (``metrics.forgetting.MIN_EVALS``, ``cross_band_min_evals``) and names ``probes.every``
-that would reach it.
+that would reach it. A sweep's runs (and the sweep at launch, when ``trainer.max_steps`` fixes their length) are
+checked against the forgetting endpoints its comparison reports by default (``schema.DEFAULT_ENDPOINTS``) when
+they declare none: a short grid sweep otherwise compares n/a forgetting figures.
 
 Cost: a few integer operations.
 """
@@ -16,7 +18,7 @@ Cost: a few integer operations.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dflash_lab.metrics.forgetting import MIN_EVALS, cross_band_min_evals
@@ -69,10 +71,11 @@ def window_probe_evals(end_step: int, every: int, start_step: int) -> int:
 
 
 def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, probes_every: int,
-                          n_bands: int) -> str | None:
+                          n_bands: int, undeclared: Sequence[str] = (), who: str = "this run") -> str | None:
     """A warning when a run declared for a verdict cannot compute its declared probe-dynamics endpoints (the
-    verdict's endpoint and ``analysis.endpoints``), naming the probes.every that would; None when it can, or when
-    nothing is declared.
+    verdict's endpoint and ``analysis.endpoints``; ``undeclared``, e.g. the default endpoints of a sweep's
+    comparison, when ``analysis.endpoints`` is null), naming the probes.every that would; None when it can, or when
+    nothing is declared. ``who`` names the runs in the message (a sweep warns at launch for all of its runs).
 
     Example:
         >>> section = {"verdict": {"endpoint": "residual_amplitude"}, "window": 0.25}
@@ -84,7 +87,7 @@ def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, 
     analysis = analysis or {}
     verdict = analysis.get("verdict") or {}
     declared = [verdict.get("endpoint")] if verdict.get("endpoint") else []
-    declared += [name for name in (analysis.get("endpoints") or []) if name not in declared]
+    declared += [name for name in (analysis.get("endpoints") or undeclared or []) if name not in declared]
     needs = {name: need for name in declared if (need := min_window_evals(name, n_bands)) is not None}
     if not needs:
         return None
@@ -101,7 +104,7 @@ def verdict_probe_warning(analysis: Mapping[str, Any] | None, *, end_step: int, 
     fix = (f"set probes.every={every} or less (or train more steps)" if every is not None else
            f"the run is too short for {need} probes after step {start - 1}: train more steps (trainer.max_steps, "
            f"trainer.epochs)")
-    return (f"analysis: this run probes {evals} time(s) in the analysis window (steps {start}..{end_step} of "
+    return (f"analysis: {who} probes {evals} time(s) in the analysis window (steps {start}..{end_step} of "
             f"{end_step}, probes.every={probes_every}): "
             + ", ".join(f"{name} needs {n}" for name, n in short.items())
             + f"; compare will report NaN for {'it' if len(short) == 1 else 'them'}{role}: {fix}")

@@ -686,7 +686,9 @@ def left_out_reason(record: RunRecord) -> str:
         return f"failed: {error[:200]}{'...' if len(error) > 200 else ''}"
     return {"no_summary": "no summary.json: crashed, killed or still running",
             "running": "status running: killed, or still running",
-            "preempted": "preempted: its requeued job has not finished"}.get(status, f"status {status}")
+            "preempted": "preempted: its requeued job has not finished",
+            "summary_unreadable": "summary.json unreadable (truncated or not JSON): killed while it was written, "
+                                  "or damaged"}.get(status, f"status {status}")
 
 
 def left_out_runs(records: list[RunRecord], runs: pd.DataFrame) -> list[dict]:
@@ -995,7 +997,8 @@ def _per_setting_section(comparison: Comparison, columns: tuple[str, ...]) -> li
 
 def _paired_section(comparison: Comparison) -> list[str]:
     protocol = comparison.protocol
-    return [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)", "",
+    return [f"## Paired differences vs baseline `{protocol.baseline}` (same seed = same init and data)"
+            if protocol.baseline else "## Paired differences: none (no baseline declared)", "",
             f"diff = arm − baseline, mean over seed pairs (over targets, each the mean of its seeds, where seeds "
             f"nest in several targets: rules version >= 5); {100 * (1 - protocol.alpha):.0f}% t and bootstrap "
             "intervals; p_t: paired t test, p_bca: BCa bootstrap test, p_sign: exact sign-flip test; p_holm: Holm "

@@ -462,19 +462,14 @@ def expand_sweep(config: DictConfig) -> list[list[str]]:
     ``BasicSweeper.sweep`` does. Other sweepers (Optuna, ...) choose values at run time: one empty list is
     returned and only the base config is checked.
     """
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from dflash_lab.analysis.sweep_jobs import planned_jobs
 
     sweeper_target = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
     if not sweeper_target.endswith("BasicSweeper"):
         return [[]]
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
     params = OmegaConf.to_container(params, resolve=False) if params is not None else {}
-    arguments = [f"{k}={v}" for k, v in params.items()]
-    arguments += list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
-    overrides = OverridesParser.create().parse_overrides(arguments)
-    batches = BasicSweeper.split_arguments(overrides, max_batch_size=None)
-    return [job for batch in batches for job in batch]
+    return planned_jobs(params, list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
 
 
 def check_sweep(config: DictConfig) -> list[str]:
@@ -643,16 +638,85 @@ class RecordProtocol(Callback):
 
 def record_sweep_protocol(config: DictConfig) -> None:
     """Write the sweep's ``protocol.json`` (``analysis.protocol.record_protocol``); a bad ``analysis`` section stops
-    the launch, naming the key."""
-    from dflash_lab.analysis.protocol import record_protocol
+    the launch, naming the key. A relaunch into the same sweep folder says that the first launch's protocol is kept
+    (naming each key this launch declares otherwise) and where its jobs stand (finished, unfinished, never
+    started); a sweep whose runs cannot yield the forgetting endpoints at the configured steps is said now."""
+    from dflash_lab.analysis.protocol import PROTOCOL_FILE, kept_protocol_note, record_protocol
 
     section = OmegaConf.select(config, "analysis")
     section = OmegaConf.to_container(section, resolve=True) if section is not None else None
+    sweep_dir = Path(config.hydra.sweep.dir)
+    relaunch = (sweep_dir / PROTOCOL_FILE).is_file()
     try:
-        path = record_protocol(Path(config.hydra.sweep.dir), section)
+        path = record_protocol(sweep_dir, section)
     except ValueError as exc:   # Hydra turns a callback's Exception into a warning: stop with SystemExit
         raise SystemExit(f"Error: {exc}") from exc
-    log.info("analysis protocol recorded in %s", path)
+    if relaunch:
+        note = kept_protocol_note(path, section)
+        (log.warning if note.startswith("relaunch: protocol.json keeps") else log.info)(note)
+        jobs = relaunch_jobs_note(config)
+        if jobs:
+            log.info(jobs)
+    else:
+        log.info("analysis protocol recorded in %s", path)
+    short = launch_probe_warning(config, section)
+    if short:
+        log.warning(short)
+
+
+def _swept_keys(config: DictConfig) -> tuple[set[str], list[list[str]]]:
+    """The keys whose value differs between the launch's jobs, and the jobs' overrides (Hydra's expansion)."""
+    try:
+        jobs = expand_sweep(config)
+    except Exception:  # noqa: BLE001 - a sweep Hydra's parser cannot expand here (a glob): nothing to say
+        return set(), []
+    varying = set()
+    for index, term in enumerate(jobs[0] if jobs else []):
+        if any(len(job) <= index or job[index] != term for job in jobs):
+            varying.add(term.split("=", 1)[0].lstrip("+~"))
+    return varying, jobs
+
+
+def relaunch_jobs_note(config: DictConfig) -> str | None:
+    """Where the jobs of a relaunch into an existing sweep folder stand: finished (they say nothing to do),
+    unfinished (they continue), and never started (named: they run now)."""
+    from dflash_lab.analysis.sweep_jobs import sweep_jobs
+
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    params = OmegaConf.to_container(params, resolve=False) if params is not None else None
+    jobs = sweep_jobs(Path(config.hydra.sweep.dir), params, list(OmegaConf.select(config, "hydra.overrides.task")
+                                                                 or []))
+    if jobs is None or not jobs.status:
+        return None
+    finished = [job for job, status in enumerate(jobs.status) if status == "finished"]
+    unfinished = [f"job {job} ({status})" for job, status in enumerate(jobs.status)
+                  if status not in ("finished", "never started")]
+    unstarted = [f"job {job} ({' '.join(jobs.terms[job])})" for job in jobs.unstarted]
+    return (f"relaunch into {jobs.sweep_dir}: {len(finished)} of {len(jobs.status)} jobs finished (nothing to do)"
+            + (f"; unfinished, continued now: {', '.join(unfinished)}" if unfinished else "")
+            + (f"; never started, run now: {'; '.join(unstarted)}" if unstarted else ""))
+
+
+def launch_probe_warning(config: DictConfig, section: dict | None) -> str | None:
+    """At launch, when ``trainer.max_steps`` fixes every run's length (and neither it nor ``probes.every`` nor
+    ``analysis.window`` is swept): whether the runs' probes can yield the endpoints the comparison reports
+    (declared, else the default ones: residual_amplitude and own_share_slope need 8 probe evaluations in the
+    analysis window). None when they can, or when the launch cannot know (each run checks itself before step 1)."""
+    from dflash_lab.analysis.schema import DEFAULT_ENDPOINTS
+    from dflash_lab.analysis.sizing import verdict_probe_warning
+
+    max_steps, every = OmegaConf.select(config, "trainer.max_steps"), OmegaConf.select(config, "probes.every")
+    if not isinstance(max_steps, int) or not isinstance(every, int) or every <= 0:
+        return None
+    swept, _ = _swept_keys(config)
+    if swept & {"trainer", "trainer.max_steps", "trainer.epochs", "probes.every", "analysis.window", "analysis",
+                "analysis.endpoints", "probes", "probes.bands"}:
+        return None
+    bands = OmegaConf.select(config, "probes.bands")
+    n_bands = 6 if bands == "auto" or bands is None else len(bands) - 1   # auto: 6 bands (probes.resolve_bands)
+    return verdict_probe_warning(section, end_step=max_steps, probes_every=every, n_bands=n_bands,
+                                 undeclared=DEFAULT_ENDPOINTS, who=f"every run of this sweep (trainer.max_steps="
+                                                                   f"{max_steps})")
 
 
 class ValidateLaunch(Callback):

@@ -44,7 +44,7 @@ def source_hash(*modules) -> str:
     """Hash of the code of ``modules``: a cache built by older code is never reused.
 
     The hash covers the syntax tree without docstrings, so comments, docstrings and formatting can change
-    without invalidating caches (the tiny target takes a minute to rebuild); any change to the code does.
+    without invalidating caches (the tiny target's pretraining is long to redo); any change to the code does.
     """
     digest = hashlib.sha256()
     for module in modules:

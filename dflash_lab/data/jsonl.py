@@ -29,6 +29,7 @@ never system, user or tool turns), cap at ``max_length`` tokens. A line that can
 under one reason (:data:`SKIP_REASONS`):
 
     invalid_utf8          the line is not valid UTF-8 (never silently replaced)
+    lone_surrogate        a string holds a lone surrogate escape (``"\\ud800"``): valid JSON, but no UTF-8 text
     malformed_json        not JSON, or not a conversation: an object with a non-empty ``conversations`` or
                           ``messages`` list of turns with a known string role and string content (null allowed on
                           an assistant turn with tool calls), tool calls with a function name, a list of tools
@@ -70,7 +71,7 @@ from dflash_lab.data.tokenizer import (
 
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "no_assistant_turn", "template_error", "too_long",
                 "bad_tool_arguments", "template_lacks_tools", "non_text_content", "tool_result_without_call",
-                "tool_call_id_unmatched", "template_lacks_reasoning")
+                "tool_call_id_unmatched", "template_lacks_reasoning", "lone_surrogate")
 TEXT_PART_SEPARATOR = "\n"   # between the text parts of one turn's content, as vLLM joins them when serving
 _EXAMPLES_PER_REASON = 5
 
@@ -455,6 +456,40 @@ def cut_before_encoding(tokenizer, messages: list[dict], tools, max_length: int)
     return kept, 1 + sum(2 + len((m["content"] or "").encode("utf-8")) for m in messages)
 
 
+def check_no_lone_surrogate(value) -> None:
+    """Refuse a parsed JSON value holding a string with a lone surrogate (JSON's ``"\\ud800"`` escape without its
+    pair): no tokenizer can encode it as UTF-8 text.
+
+    Raises:
+        UnusableLine: ``lone_surrogate``, naming the code point and where it is.
+
+    Example:
+        >>> check_no_lone_surrogate({"messages": [{"content": "ok \\U0001f600"}]})
+        >>> check_no_lone_surrogate({"messages": [{"content": "hi \\ud800 there"}]})
+        Traceback (most recent call last):
+        ...
+        dflash_lab.data.jsonl.UnusableLine: a string holds the lone surrogate U+D800 at character 3 ('hi \\ud800 there'): not encodable as UTF-8; write the character it stands for, or drop it
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = exc.start
+            else:
+                continue
+            raise UnusableLine("lone_surrogate", f"a string holds the lone surrogate U+{ord(item[where]):04X} at "
+                               f"character {where} ({item[max(where - 20, 0):where + 20]!r}): not encodable as "
+                               f"UTF-8; write the character it stands for, or drop it")
+
+
 def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | None = None,
                 facts: LineFacts | None = None) -> tuple[list[int], list[bool], bool]:
     """(ids, loss_mask, truncated) of one JSONL line; ``facts``, when given, gets its uncut length and notes.
@@ -473,6 +508,8 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
         raise UnusableLine("malformed_json", f"not JSON: {exc}") from exc
     except RecursionError as exc:   # json's decoder recurses per nesting level: one absurd line, not the run
         raise UnusableLine("malformed_json", "not JSON: nested deeper than the JSON decoder's recursion limit") from exc
+    if "\\ud" in line or "\\uD" in line:   # only a \uXXXX escape can put a surrogate into the parsed text
+        check_no_lone_surrogate(record)
     messages = parse_conversation(record)
     tools = parse_tools(record)
     messages, whole_length = cut_before_encoding(tokenizer, messages, tools, max_length)

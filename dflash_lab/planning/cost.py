@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -369,6 +370,79 @@ def model_preset_config(preset: str) -> dict[str, Any]:
     finally:
         restore_gh_from_backup(outer)
     return OmegaConf.to_container(cfg.model, resolve=True)
+
+
+@lru_cache(maxsize=None)
+def preset_fingerprint(preset: str) -> str | None:
+    """``model_fingerprint`` of a ``conf/model`` preset (composed once per process)."""
+    return model_fingerprint(model_preset_config(preset))
+
+
+def model_preset_named(model_cfg: Mapping[str, Any] | None) -> str | None:
+    """The ``conf/model`` preset whose shape the planned model has (``model_fingerprint`` equal), or None (the
+    user's own target, or a preset with changed keys).
+
+    Example:
+        >>> from dflash_lab.presets import preset
+        >>> model_preset_named(preset("model", "tiny")), model_preset_named({**preset("model", "tiny"), "hidden_size": 128})
+        ('tiny', None)
+    """
+    from .config import CONF_DIR
+
+    planned = model_fingerprint(model_cfg)
+    if planned is None:
+        return None
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        if preset_fingerprint(path.stem) == planned:
+            return path.stem
+    return None
+
+
+def cost_preset_for(model_preset: str) -> str | None:
+    """The planner's cost preset (``conf_plan/cost``) calibrated for a model preset (its ``calibrated_for``).
+
+    Example:
+        >>> cost_preset_for("qwen3_8b"), cost_preset_for("tiny")
+        ('seed', 'cpu_tiny')
+    """
+    import yaml
+
+    from .config import PLAN_CONF_DIR
+
+    for path in sorted((PLAN_CONF_DIR / "cost").glob("*.yaml")):
+        if (yaml.safe_load(path.read_text()) or {}).get("calibrated_for") == model_preset:
+            return path.stem
+    return None
+
+
+def check_plan_belongs(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None,
+                       data_cfg: Mapping[str, Any]) -> None:
+    """Refuse a plan whose parts describe different models, where the fix is one word: a cost config calibrated for
+    one shipped model preset with another shipped preset planned (cost=seed, the Qwen3-8B run's utilisation, on
+    the tiny CPU model prices a 0.1 GiB model at 462,000 Ktok/s), and the seed's workload (Qwen3-8B token lengths)
+    planned for the tiny model. The user's own target keeps the warning of :func:`cost_calibration_warning`.
+
+    Raises:
+        ValueError: one line naming both sides and the fix.
+    """
+    kind = (model_cfg or {}).get("kind")
+    if (data_cfg or {}).get("kind") == "lengths" and data_cfg.get("workload") == "seed" and kind == "tiny":
+        raise ValueError("data.workload=seed is the seed run's Qwen3-8B token lengths (800K conversations, mean 2,137 "
+                         "tokens), but the plan is for model=tiny (the default): add model=qwen3_8b (with cost=seed "
+                         "for its Ktok/s and ETA), or plan the tiny model on its own scale (data.workload=cpu)")
+    calibrated = cost_cfg.get("calibrated_for")
+    if (not calibrated or as_bool("cost.calibrate", cost_cfg.get("calibrate", False)) or cost_cfg.get("from_run")
+            or preset_fingerprint(str(calibrated)) == model_fingerprint(model_cfg)):
+        return
+    planned = model_preset_named(model_cfg)
+    if planned is None:
+        return   # the user's own target: the calibration warning says it is a guess
+    own = cost_preset_for(planned)
+    raise ValueError(f"the cost model was calibrated for model={calibrated} (cost.calibrated_for), but the plan is for "
+                     f"model={planned}{' (the default)' if planned == 'tiny' else ''}: its Ktok/s and ETA would "
+                     f"price one model at the other's speed. Add model={calibrated} to plan that model"
+                     + (f", or cost={own} for model={planned}" if own else "")
+                     + " (coefficients of your own: cost.calibrated_for=null)")
 
 
 def cost_calibration_warning(cost_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None) -> str | None:

@@ -195,7 +195,7 @@ def load_run_checkpoint(run_dir: Path | str, map_location: str | torch.device = 
 # ---------------------------------------------------------------------------------------- changed settings
 # Keys whose change does not alter what is computed (dotted prefixes; "x_" matches every key starting with x_).
 RESUME_TOLERATED = (
-    "resume", "run_dir", "experiment", "logger", "analysis", "trainer.progress", "trainer.log_every",
+    "resume", "run_dir", "experiment", "logger", "analysis", "trainer.progress", "trainer.log_every", "trainer.log_every_s",
     "trainer.ckpt_every", "trainer.keep_checkpoints", "trainer.num_workers", "trainer.num_threads",
     "trainer.preempt_signals", "trainer.tau_every", "trainer.measure_tau", "trainer.steady_warmup_steps",
     "trainer.dist_backend", "model.decode_", "probes.every", "trainer.cpu_step_warn_s", "data.max_truncated_fraction",

@@ -579,8 +579,10 @@ def build_summary(
         "tau_baseline": math.nan,
         "tau_se": math.nan,
         "tau_prompts": 0,
+        # no step trained (trainer.max_steps=0): the loop has no overhead to speak of, not 100%
         "overhead_frac": throughput.overhead_fraction(times["compute_time_s"],
-                                                      times["data_wait_time_s"] + times["other_time_s"]),
+                                                      times["data_wait_time_s"] + times["other_time_s"])
+        if history else math.nan,
         "status": status,
         "total_steps": plan.total_steps,
         "end_step": plan.end_step,

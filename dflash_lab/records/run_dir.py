@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -250,6 +250,9 @@ class RunDirectory:
             log.warning(f"an earlier attempt failed before its first step ({summary.get('error')}): the run starts "
                         f"over")
             return
+        if status == "finished" and summary.get("steps") == 0 and not last_metrics_step(metrics):
+            log.info("an earlier launch trained no step (trainer.max_steps=0): the run starts over")
+            return
         steps = max(int(summary.get("steps") or 0), last_metrics_step(metrics) or 0)
         what = (f"a run that ended (status {status})" if status in ("finished", "failed", "preempted")
                 else f"a run stopped while running (its checkpoint of step {checkpointed} was written)")
@@ -313,11 +316,15 @@ class RunRecordsAtRisk(Refused, ValueError):
 def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: set[int],
                         last_probe_step: int | None, presentations_problem: str | None, *,
                         probed_steps_expected: list[int] | None = None, tau_steps: set[int] | None = None,
-                        tau_steps_expected: list[int] | None = None) -> None:
+                        tau_steps_expected: list[int] | None = None,
+                        probe_bands: Mapping[int, set[int]] | None = None,
+                        probe_bands_expected: list[int] | None = None) -> None:
     """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
-    1..step; every probe evaluation and tau measurement the checkpoint's run had written, or, for checkpoints that
-    do not list them, the probe evaluation of its last probe step; presentations as many rows as it had written);
-    otherwise the run would end "finished" with holes in its records, so it is refused, naming each file.
+    1..step, once each; every probe evaluation and tau measurement the checkpoint's run had written, or, for
+    checkpoints that do not list them, the probe evaluation of its last probe step; every band of each probe
+    evaluation (``probe_bands``: step -> bands held; ``probe_bands_expected``: the bands each evaluation wrote, from
+    the checkpoint; else every band seen at any step); presentations as many rows as it had written); otherwise the
+    run would end "finished" with holes in its records, so it is refused, naming each file.
 
     Example:
         >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {0}, 0, None, probed_steps_expected=[0],
@@ -326,26 +333,59 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
         Traceback (most recent call last):
         ...
         dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks the probe evaluations of steps [0]. ...
+        >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {0, 2}, 2, None, probe_bands={0: {0, 1}, 2: {0}},
+        ...                     probe_bands_expected=[0, 1])
+        Traceback (most recent call last):
+        ...
+        dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks band rows of probe evaluations: step 2 holds bands [0] of [0, 1] (missing [1]). ...
     """
-    problems = []
-    steps = [int(row["step"]) for row in history]
-    if steps != list(range(1, step + 1)):
-        missing = sorted(set(range(1, step + 1)) - set(steps))
-        problems.append(f"{record.METRICS_FILE} holds {len(set(steps) & set(range(1, step + 1)))} of the {step} "
-                        f"steps up to it (missing {_some(missing)})")
+    problems = [_metrics_problem(step, history)]
     wanted = set(probed_steps_expected or []) | ({last_probe_step} if last_probe_step is not None else set())
     if wanted - probed_steps:
         problems.append(f"{record.PROBES_FILE} lacks the probe evaluations of steps {_some(sorted(wanted - probed_steps))}")
+    problems.append(_probe_bands_problem(probe_bands or {}, probe_bands_expected))
     lacking_tau = set(tau_steps_expected or []) - set(tau_steps or ())
     if lacking_tau:
         problems.append(f"{record.TAU_FILE} lacks the tau measurements of steps {_some(sorted(lacking_tau))}")
-    if presentations_problem:
-        problems.append(presentations_problem)
+    problems = [problem for problem in [*problems, presentations_problem] if problem]
     if problems:
         raise RunRecordsAtRisk(
             f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are incomplete: "
             f"restore them (e.g. from a backup of the run directory), or start a fresh run directory "
             f"(hydra.run.dir=<new dir>)")
+
+
+def _metrics_problem(step: int, history: list[dict[str, Any]]) -> str | None:
+    """What is wrong with ``metrics.jsonl`` up to ``step`` (a step missing, or a step written twice), or None.
+
+    Example:
+        >>> _metrics_problem(3, [{"step": 1}, {"step": 2}, {"step": 2}, {"step": 3}])
+        'metrics.jsonl holds step [2] twice (4 rows for the 3 steps up to it)'
+    """
+    steps = [int(row["step"]) for row in history]
+    if steps == list(range(1, step + 1)):
+        return None
+    missing = sorted(set(range(1, step + 1)) - set(steps))
+    if missing:
+        return (f"{record.METRICS_FILE} holds {len(set(steps) & set(range(1, step + 1)))} of the {step} steps up "
+                f"to it (missing {_some(missing)})")
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    if repeated:
+        return (f"{record.METRICS_FILE} holds step {_some(repeated)} twice ({len(steps)} rows for the {step} steps "
+                f"up to it)")
+    return f"{record.METRICS_FILE} holds its {step} steps out of order"
+
+
+def _probe_bands_problem(probe_bands: Mapping[int, set[int]], expected: list[int] | None) -> str | None:
+    """Probe evaluations that lack some of their band rows (a row deleted or torn), or None."""
+    bands = set(expected) if expected is not None else set().union(*probe_bands.values()) if probe_bands else set()
+    short = {s: held for s, held in sorted(probe_bands.items()) if bands - held}
+    if not short:
+        return None
+    described = [f"step {s} holds bands {sorted(held)} of {sorted(bands)} (missing {sorted(bands - held)})"
+                 for s, held in list(short.items())[:5]]
+    more = f" and {len(short) - 5} more steps" if len(short) > 5 else ""
+    return f"{record.PROBES_FILE} lacks band rows of probe evaluations: {'; '.join(described)}{more}"
 
 
 def _some(steps: list[int], shown: int = 10) -> str:

@@ -205,6 +205,7 @@ class RunLogger:
     Attributes:
         history: metrics rows of the whole run so far (all segments), for the summary.
         probed_steps: steps at which probe rows exist (a step is never probed twice).
+        probe_bands: step -> the bands its probe rows hold (one row per band of an evaluation).
         tau_steps: steps at which tau.jsonl rows exist.
     """
 
@@ -216,6 +217,7 @@ class RunLogger:
         self.log = log or logging.getLogger(LOGGER_NAME)
         self.history: list[dict[str, Any]] = []
         self.probed_steps: set[int] = set()
+        self.probe_bands: dict[int, set[int]] = {}
         self.tau_steps: set[int] = set()
         self.tokens_seen = 0
         self.wandb: WandbSink | None = None
@@ -225,7 +227,9 @@ class RunLogger:
         self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
         probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
         taus, removed_taus, bad_taus = trim_jsonl(self.tau_path, resume_step)
-        self.probed_steps = {int(row["step"]) for row in probes}
+        for row in probes:
+            self.probe_bands.setdefault(int(row["step"]), set()).add(row.get("band"))
+        self.probed_steps = set(self.probe_bands)
         self.tau_steps = {int(row["step"]) for row in taus}
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
         if removed + removed_probes + removed_taus:
@@ -286,6 +290,7 @@ class RunLogger:
         clean = [{name: json_safe(row[name]) for name in PROBE_FIELDS} for row in rows]
         self._append(self.probes_path, clean)
         self.probed_steps.add(int(clean[0]["step"]))
+        self.probe_bands.setdefault(int(clean[0]["step"]), set()).update(row["band"] for row in clean)
         if self.wandb is not None:
             flat: dict[str, Any] = {"step": clean[0]["step"], "tokens_seen": self.tokens_seen}
             for row in clean:

@@ -84,17 +84,23 @@ class Evaluation:
             writes a tau.jsonl row (``RunLogger.log_tau``) for each measurement of the trained draft.
         ledger: the run's time ledger; is_main: rank 0 evaluates, other ranks skip.
         last_probe_step: the step last probed (from the checkpoint on resume).
-        warmup_steps: the LR schedule's warmup W (``probes.warmup_evals`` evaluations are spread over it).
+        warmup_steps: the LR schedule's warmup W (``probes.warmup_evals`` evaluations are spread over it, at most
+            one per step: fewer asked for than W steps is said in a warning).
+        measure_tau: ``trainer.measure_tau`` (with ``tau_every`` 0 and this off, no tau warning is given).
     """
 
     def __init__(self, *, model, heldout_ds, pad_id: int, device: torch.device, autocast, probes: ProbeSettings,
                  tau_every: int, model_cfg: Mapping[str, Any], log_probes: Callable[[list[dict]], None],
                  log_tau: Callable[[dict], None], ledger: record.TimeLedger, is_main: bool, log: logging.Logger,
-                 warmup_steps: int, last_probe_step: int | None = None):
+                 warmup_steps: int, last_probe_step: int | None = None, measure_tau: bool = True):
         self.model, self.settings, self.tau_every = model, probes, tau_every
         self.log_probes, self.log_tau, self.ledger, self.is_main, self.log = log_probes, log_tau, ledger, is_main, log
         self.last_probe_step = last_probe_step
         self.warmup_probe_steps = frozenset(warmup_probe_steps(warmup_steps, probes.warmup_evals))
+        if probes.every > 0 and probes.warmup_evals > len(self.warmup_probe_steps) and is_main:
+            log.warning(f"probes.warmup_evals={probes.warmup_evals}: the LR warmup lasts {warmup_steps} step(s), so "
+                        f"it gets {len(self.warmup_probe_steps)} evaluation(s), at most one per step (steps "
+                        f"{sorted(self.warmup_probe_steps)[:8]}{' ...' if len(self.warmup_probe_steps) > 8 else ''})")
         self.probe_sets = None
         if probes.every > 0:
             self.probe_sets = ProbeSets(heldout_ds.lengths, probes.bands, probes.per_band, probes.seed,
@@ -111,8 +117,9 @@ class Evaluation:
         self.num_bands = len(probes.bands) - 1
         self.new_tokens = int(model_cfg["decode_max_new_tokens"])
         self.continuations: TargetContinuations | None = None   # replay: built at the first measurement
+        measured = measure_tau or tau_every > 0   # no tau measured: how many prompts it would have is moot
         short = tau_prompt_warning(len(self.prompts), wanted, len(heldout_ds)) if wanted is not None else None
-        if short and is_main:
+        if short and measured and is_main:
             log.warning(short)
 
     def after_step(self, step: int, end_step: int) -> None:
@@ -139,6 +146,11 @@ class Evaluation:
                 "tau_se": tau_bootstrap_se(measured["accepted_per_prompt"]), "tau_prompts": int(measured["prompts"]),
                 "tau_band_min": min(bands, default=math.nan),
                 "tau_band_mean": float(np.mean(bands)) if bands else math.nan, "tau_by_band": by_band}
+
+    def probe_bands(self) -> list[int] | None:
+        """The bands every probe evaluation writes a row for (bands without held-out samples are left out); None
+        when probes are off."""
+        return None if self.probe_sets is None else [probe.band for probe in self.probe_sets.sets]
 
     def probe(self, step: int) -> None:
         """Evaluate every probe band once for this step number (rank 0)."""

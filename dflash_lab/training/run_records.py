@@ -83,7 +83,9 @@ class RunRecords:
                 check_records_cover(position.loaded_step, logger.history, logger.probed_steps,
                                     expected.get("last_probe_step"), problem,
                                     probed_steps_expected=expected.get("probed_steps"),
-                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"))
+                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"),
+                                    probe_bands=logger.probe_bands,
+                                    probe_bands_expected=expected.get("probe_bands"))
             if recording:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
@@ -204,6 +206,7 @@ class Checkpointer:
                           "last_probe_step": self.evaluation.last_probe_step,
                           # what the records hold now: a resume from this checkpoint checks them against it
                           "probed_steps": sorted(self.records.logger.probed_steps),
+                          "probe_bands": self.evaluation.probe_bands(),
                           "tau_steps": sorted(self.records.logger.tau_steps),
                           "presentation_rows": len(presentations) if presentations is not None else None},
             }, step=position.step)
@@ -221,14 +224,19 @@ class Checkpointer:
 
 class StepClock:
     """A step's time (data wait, compute and bookkeeping; not the evaluation and saves after it), the ETA from its
-    moving average, and what the user sees: a tqdm bar on a terminal, else a log line every ``log_every`` steps."""
+    moving average, and what the user sees: a tqdm bar on a terminal, else a log line every ``log_every`` steps and
+    at least every ``log_every_s`` seconds (the first step's line too: a Slurm log shows life within a minute, however
+    slow the steps)."""
 
     def __init__(self, end_step: int, start_step: int, *, show_bar: bool, log_every: int, name: str,
-                 log: logging.Logger):
+                 log: logging.Logger, log_every_s: float = 0.0, clock: Callable[[], float] = time.perf_counter):
         self.end_step, self.show_bar, self.log_every, self.log = end_step, show_bar, log_every, log
+        self.log_every_s, self.clock = log_every_s, clock
         self.bar = tqdm(total=end_step, initial=start_step, disable=not show_bar, desc=name, dynamic_ncols=True,
                         mininterval=1.0)
         self.ema_step_time = self.ema_ktok = None
+        self.last_line: float | None = None   # when the last progress line was logged (None: none yet)
+        self.started = clock()                 # the seconds to the first line count from here
         self.restart()
 
     def restart(self) -> None:
@@ -250,9 +258,18 @@ class StepClock:
         self.bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", ktok_s=f"{self.ema_ktok:.1f}",
                              pad_eff=f"{row['pad_eff']:.2f}", eta=eta, refresh=False)
         step = row["step"]
-        if not self.show_bar and (step % self.log_every == 0 or step == self.end_step):
+        if not self.show_bar and self.line_due(step):
+            self.last_line = self.clock()
             self.log.info(f"step {step}/{self.end_step} epoch {row['epoch']} loss {stats.loss:.4f} acc "
                           f"{stats.acc:.3f} {self.ema_ktok:.1f} Ktok/s pad_eff {row['pad_eff']:.2f} ETA {eta}")
+
+    def line_due(self, step: int) -> bool:
+        """A progress line after ``step``: every ``log_every`` steps, the last step, and when ``log_every_s``
+        seconds passed since the last line (or since the clock started, for the first one)."""
+        if step % self.log_every == 0 or step == self.end_step:
+            return True
+        since = self.clock() - (self.last_line if self.last_line is not None else self.started)
+        return self.log_every_s > 0 and since >= self.log_every_s
 
     def close(self) -> None:
         self.bar.close()
@@ -292,7 +309,7 @@ class Bookkeeping:
         path = self.checkpointer.save(position)
         self.log.warning(f"checkpoint requested ({ckpt.request_reason() or 'another rank'}): saved step "
                          f"{position.step} to {path}; exiting with code {ckpt.PREEMPTED_EXIT_CODE} for a requeue")
-        self.records.summary("running", steps=position.step)
+        self.records.summary("preempted", steps=position.step)   # a requeue (or a relaunch) continues it
         self.records.logger.close(exit_code=ckpt.PREEMPTED_EXIT_CODE)
         self.clock.close()
         ckpt.run_previous_handler()  # e.g. submitit's requeue (it may exit here on rank 0)

@@ -78,6 +78,7 @@ class TrainerSettings:
     cpu_step_warn_s: float   # model=hf on a CPU: a predicted step above this is announced
     num_workers: int
     log_every: int
+    log_every_s: float   # a progress line at least this often without a terminal (0: every log_every steps only)
     ckpt_every: int
     keep_checkpoints: int
     progress: bool
@@ -100,7 +101,7 @@ class TrainerSettings:
         "activation_checkpointing": lambda k, v: v if v == "auto" else as_bool(k, v),
         "gpu_mem_gb": lambda k, v: as_float(k, v, minimum=1.0, allow_none=True),
         "num_threads": _int(1, allow_none=True), "cpu_step_warn_s": _float(minimum=0.0), "num_workers": _int(0),
-        "log_every": _int(1),
+        "log_every": _int(1), "log_every_s": _float(minimum=0.0),
         "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
         "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
         "dist_backend": lambda k, v: None if v is None else as_choice(k, v, ["gloo", "nccl"]),
