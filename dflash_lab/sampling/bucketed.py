@@ -147,6 +147,14 @@ class Bucketed(Policy):
         self.run_length = as_int("sampler.run_length", run_length, minimum=1, example=8)
         self.make_buckets(boundaries, num_buckets, fit_method, bucket_by)
 
+    def _config(self, overlong: str, own: Mapping[str, Any]) -> dict[str, Any]:
+        config = super()._config(overlong, own)
+        if config.get("real_tokens_per_step", 0) is None:
+            # The padded budget is what every state written before this key existed used: leaving it out keeps
+            # their fingerprints; a state of equal real tokens is refused by a padded-budget policy (and the reverse).
+            del config["real_tokens_per_step"]
+        return config
+
     def make_buckets(self, boundaries: Sequence[int] | str | None, num_buckets: int | None, fit_method: str,
                      bucket_by: str) -> None:
         """The buckets: boundaries resolved against the admitted lengths (:func:`resolve_boundaries`), and each

@@ -109,7 +109,7 @@ class Policy:
         and ``max_samples`` still caps rows; the quadratic row cost does not apply (refused), and the target must
         hold the longest admitted sample."""
         key = "sampler.real_tokens_per_step"
-        if isinstance(real_tokens_per_step, str):   # bucketed / full_random: the other policy's plan decides T
+        if real_tokens_per_step in ("bucketed", "full_random"):   # the other policy's plan decides T
             raise ValueError(f"{key}={real_tokens_per_step} is resolved where the data is known (the trainer and the planner: "
                              f"sampling.stats.resolve_matched_real_tokens); give a number to build a policy directly")
         self.real_tokens = as_int(key, real_tokens_per_step, minimum=1, maximum=MAX_BUDGET, allow_none=True)
