@@ -149,7 +149,7 @@ class Bucketed(Policy):
 
     def _config(self, overlong: str, own: Mapping[str, Any]) -> dict[str, Any]:
         config = super()._config(overlong, own)
-        if config.get("real_tokens_per_step", 0) is None:
+        if "real_tokens_per_step" in config and config["real_tokens_per_step"] is None:
             # The padded budget is what every state written before this key existed used: leaving it out keeps
             # their fingerprints; a state of equal real tokens is refused by a padded-budget policy (and the reverse).
             del config["real_tokens_per_step"]
