@@ -36,7 +36,7 @@ def sweep(tmp_path):
 def test_runs_with_one_target_and_data_compare_without_digest_notes(sweep, tmp_path):
     assert compare.main([str(sweep), "--out", str(tmp_path / "out"), "--no-plots", "--baseline", "full_random"]) == 0
     runs = pd.read_csv(tmp_path / "out" / "comparison.csv")
-    assert not runs["notes"].fillna("").str.contains("digest").any()
+    assert not runs["notes"].astype("string").fillna("").str.contains("digest").any()
 
 
 def test_a_run_trained_against_another_target_is_refused_then_allowed_with_a_note(sweep, tmp_path, capsys):
