@@ -57,7 +57,7 @@ from .sampling.stats import resolve_matched_real_tokens
 # callers import (``from dflash_lab.plan import CostModel, predict_throughput``).
 from .planning.config import (  # noqa: F401
     BUCKET_KEYS, CONF_DIR, MAX_SWEEP_K, PLAN_CONF_DIR, SHARED_KEYS, conf_keys, data_keys,
-    data_counts, describe_data_counts, load_plan_data, load_plan_inputs, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
+    check_data_keys, data_counts, describe_data_counts, load_plan_data, load_plan_inputs, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
 )
 from .planning.cost import (  # noqa: F401
     TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, check_plan_belongs, cost_calibration_warning,
@@ -119,6 +119,7 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
                 for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
+    check_data_keys(cfg["data"])   # a misspelt key is named before anything is read from it
     check_plan_belongs(dict(cfg["cost"]), cfg.get("model"), dict(cfg["data"]))   # one model, before any work
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, plan.seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan

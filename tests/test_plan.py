@@ -152,7 +152,7 @@ def test_plan_cli_writes_table(tmp_path):
                                                              "med Ktok/s", "ETA"]
     diversity_rows = [line for line in diversity_part.splitlines() if line.startswith("|")]
     assert [c.strip() for c in diversity_rows[0].split("|")[2:-1]] == ["repeat", "spread CV", "order r", "peak GiB",
-                                                                       "fits"]
+                                                                       "GPU %", "fits"]
     assert len(rows) == len(diversity_rows) == 2 + len(POLICIES) and max(map(len, rows + diversity_rows)) <= 128
     assert "budget_fill" not in printed and "- spread CV: within-batch length spread" in printed
     assert "Ktok/s relative to bucketed, over time (median step): sorted_static " in printed

@@ -119,6 +119,13 @@ def load_plan_data(data_cfg: Mapping[str, Any],
     return lengths, valid
 
 
+def check_data_keys(data_cfg: Mapping[str, Any]) -> Any:
+    """Refuse a ``data`` key its kind does not use (valid keys listed); return the kind."""
+    kind = data_cfg.get("kind")
+    refuse_unknown_keys(f"data (kind={kind})", dict(data_cfg), data_keys(kind))
+    return kind
+
+
 def load_plan_inputs(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] | None = None
                      ) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
     """Sample lengths and valid anchor positions for planning: a reference workload (``kind: lengths``: every
@@ -131,8 +138,7 @@ def load_plan_inputs(data_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any] |
             a bad value, or lengths that fail ``sampling.validate_lengths``.
     """
     data_cfg = dict(data_cfg)
-    kind = data_cfg.get("kind")
-    refuse_unknown_keys(f"data (kind={kind})", data_cfg, data_keys(kind))
+    kind = check_data_keys(data_cfg)
     del data_cfg["kind"]
     if kind == "lengths":
         from ..data.lengths import WORKLOADS, reference_lengths
