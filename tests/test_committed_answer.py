@@ -51,3 +51,38 @@ def test_the_verdict_states_the_units_and_the_numbers_of_its_paired_table():
     # mean tau's minimum detectable difference at the protocol's units exceeds 0.05: the README claims no tau bound
     tau = paired.query("policy == @QUESTION and endpoint == 'tau'").iloc[0]
     assert tau["mdd"] > 0.05 and "tau" in verdict["failed_positive_control"]
+
+
+V6 = FOLDER.parent / "v6"
+V6_QUESTION = "bucketed real_tokens_per_step=null bucket_by=length lr_scaling=null"
+V6_BASELINE = "full_random real_tokens_per_step=null lr_scaling=null"
+V6_EQUAL_UPDATES = "bucketed real_tokens_per_step=full_random bucket_by=length lr_scaling=null"
+
+
+@pytest.mark.parametrize("endpoint", ["residual_amplitude", "tau", "probe_loss_at_steps"])
+def test_the_v6_question_rows_re_derive_with_five_targets_as_units(endpoint):
+    runs = pd.read_csv(V6 / "comparison.csv")
+    units = _by_target(runs, V6_QUESTION, V6_BASELINE, endpoint)
+    half = stats.t.ppf(0.975, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units))
+    row = pd.read_csv(V6 / "paired.csv").query("policy == @V6_QUESTION and endpoint == @endpoint").iloc[0]
+    assert (row["unit"], row["n_pairs"], row["n_targets"], row["n_seeds"]) == ("target", 5, 5, 5)
+    assert (row["diff"], row["ci_low"], row["ci_high"]) == pytest.approx(
+        (units.mean(), units.mean() - half, units.mean() + half), abs=1e-12)
+
+
+def test_the_v6_answer_rests_on_five_targets_with_the_equal_updates_arm_and_a_recommendation():
+    verdict = json.loads((V6 / "verdict.json").read_text())
+    runs = pd.read_csv(V6 / "comparison.csv")
+    assert verdict["protocol"]["rules_version"] == 6 and verdict["valid"]
+    assert verdict["units"] == {"unit": "target", "units": 5, "targets": 5, "seeds": 5}
+    assert sorted(runs["target_seed"].unique()) == [0, 1, 2, 3, 4]
+    assert (runs["arm"] == V6_EQUAL_UPDATES).sum() == 5 and (runs["status"] == "finished").all()
+    recommendation = verdict["recommendation"]
+    # the break-even throughput is the real-tokens-to-target ratio it is computed from, interval and all
+    even, tokens = recommendation["break_even_throughput"], recommendation["tokens_to_target_ratio"]
+    assert (even["value"], even["ci_low"], even["ci_high"]) == (tokens["value"], tokens["ci_low"], tokens["ci_high"])
+    assert recommendation["time_ratio"]["value"] == pytest.approx(
+        even["value"] / recommendation["throughput_ratio"]["value"])
+    assert recommendation["throughput_ratio"]["source"] == "modelled_cost"
+    assert recommendation["text"].startswith(f"Use {recommendation['policy']} (sampler={recommendation['policy']}")
+    assert verdict["composition"]["equal_updates"]["arm"] == V6_EQUAL_UPDATES
