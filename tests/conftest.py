@@ -37,7 +37,7 @@ def _one_core_per_worker() -> None:
     """Under pytest-xdist with as many cores as workers, pin each worker (and the training processes it starts, which
     inherit the affinity and size their torch threads from it: ``training.dist.setup``) to a core of its own. Left
     alone, each worker's runs take every core, so two workers run 4 spinning torch threads on 2 cores; measured on
-    the 2-core machine, the full tier took 18 min 46 s that way."""
+    the 2-core machine, the full tier took a quarter longer that way (its time: README.md)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
         return
