@@ -24,15 +24,24 @@ def _by_target(runs: pd.DataFrame, arm: str, baseline: str, endpoint: str) -> np
     return diffs.groupby(level="target_seed").mean().to_numpy()
 
 
+ANSWERS = {   # folder: question arm, baseline arm, (targets, seeds)
+    "v5": ("bucketed bucket_by=length", "full_random real_tokens_per_step=null", (3, 5)),
+    "v6": ("bucketed real_tokens_per_step=null bucket_by=length lr_scaling=null",
+           "full_random real_tokens_per_step=null lr_scaling=null", (5, 5)),
+}
+
+
+@pytest.mark.parametrize("version", sorted(ANSWERS))
 @pytest.mark.parametrize("endpoint", ["residual_amplitude", "tau", "tau_band_min", "probe_loss_at_steps"])
-def test_the_question_rows_re_derive_from_the_per_run_table_with_the_target_as_unit(endpoint):
-    runs = pd.read_csv(FOLDER / "comparison.csv")
-    units = _by_target(runs, QUESTION, BASELINE, endpoint)
+def test_the_question_rows_re_derive_from_the_per_run_table_with_the_target_as_unit(version, endpoint):
+    question, baseline, (targets, seeds) = ANSWERS[version]
+    folder = FOLDER.parent / version
+    units = _by_target(pd.read_csv(folder / "comparison.csv"), question, baseline, endpoint)
     half = stats.t.ppf(0.975, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units))
-    row = pd.read_csv(FOLDER / "paired.csv").query("policy == @QUESTION and endpoint == @endpoint").iloc[0]
-    assert (row["unit"], row["n_pairs"], row["n_targets"], row["n_seeds"]) == ("target", 3, 3, 5)
-    assert row["diff"] == pytest.approx(units.mean(), abs=1e-12)
-    assert (row["ci_low"], row["ci_high"]) == pytest.approx((units.mean() - half, units.mean() + half), abs=1e-12)
+    row = pd.read_csv(folder / "paired.csv").query("policy == @question and endpoint == @endpoint").iloc[0]
+    assert (row["unit"], row["n_pairs"], row["n_targets"], row["n_seeds"]) == ("target", targets, targets, seeds)
+    assert (row["diff"], row["ci_low"], row["ci_high"]) == pytest.approx(
+        (units.mean(), units.mean() - half, units.mean() + half), abs=1e-12)
 
 
 def test_the_verdict_states_the_units_and_the_numbers_of_its_paired_table():
@@ -54,20 +63,7 @@ def test_the_verdict_states_the_units_and_the_numbers_of_its_paired_table():
 
 
 V6 = FOLDER.parent / "v6"
-V6_QUESTION = "bucketed real_tokens_per_step=null bucket_by=length lr_scaling=null"
-V6_BASELINE = "full_random real_tokens_per_step=null lr_scaling=null"
 V6_EQUAL_UPDATES = "bucketed real_tokens_per_step=full_random bucket_by=length lr_scaling=null"
-
-
-@pytest.mark.parametrize("endpoint", ["residual_amplitude", "tau", "probe_loss_at_steps"])
-def test_the_v6_question_rows_re_derive_with_five_targets_as_units(endpoint):
-    runs = pd.read_csv(V6 / "comparison.csv")
-    units = _by_target(runs, V6_QUESTION, V6_BASELINE, endpoint)
-    half = stats.t.ppf(0.975, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units))
-    row = pd.read_csv(V6 / "paired.csv").query("policy == @V6_QUESTION and endpoint == @endpoint").iloc[0]
-    assert (row["unit"], row["n_pairs"], row["n_targets"], row["n_seeds"]) == ("target", 5, 5, 5)
-    assert (row["diff"], row["ci_low"], row["ci_high"]) == pytest.approx(
-        (units.mean(), units.mean() - half, units.mean() + half), abs=1e-12)
 
 
 def test_the_v6_answer_rests_on_five_targets_with_the_equal_updates_arm_and_a_recommendation():
