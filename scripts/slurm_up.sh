@@ -126,8 +126,9 @@ ClusterName=local
 SlurmctldHost=$host($addr)
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may only restart once its old credentials expire (default 120 s); 30 s keeps requeue tests short.
-AuthInfo=cred_expire=30
+# A requeued job may only restart once its old credentials expire (default 120 s); 15 s keeps requeue tests short
+# and still leaves a step's launch (srun right after the job starts) ample time on one machine.
+AuthInfo=cred_expire=15
 # No cgroups: works inside containers; processes are tracked by parent pid.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -157,6 +158,9 @@ KillWait=30
 # Keep finished jobs visible to scontrol/squeue for a while (tests read their state).
 MinJobAge=600
 SchedulerType=sched/backfill
+# A requeued job becomes eligible when its credentials expire, an event the main scheduler does not wake for: the
+# backfill pass starts it, every bf_interval seconds (default 30, measured: a requeued job waited 57 s, not 30).
+SchedulerParameters=bf_interval=1
 NodeName=$host NodeAddr=$addr CPUs=$cpus Boards=${boards:-1} SocketsPerBoard=${sockets:-1} CoresPerSocket=${cores:-$cpus} ThreadsPerCore=${threads:-1} RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF

@@ -19,6 +19,7 @@ What is checked:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -36,8 +37,11 @@ from dflash_lab.cluster.launch import slurm_nodes, slurm_partitions
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _slurm_unreachable() -> str | None:
-    """Why the Slurm tests cannot run here (None when `sinfo` answers)."""
+    """Why the Slurm tests cannot run here (None when `sinfo` answers). Asked once, by the first test that runs, not
+    at import: with no controller, sinfo retries for ~10 s, which every pytest worker would pay collecting this file
+    even when the tier runs none of its tests."""
     if shutil.which("sinfo") is None:
         return "sinfo is not installed"
     try:
@@ -49,16 +53,16 @@ def _slurm_unreachable() -> str | None:
     return None
 
 
-_REASON = _slurm_unreachable()
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(autouse=True)
 def _need_slurm():
     """Skip without a reachable Slurm, or fail when CI says Slurm must be there (DFLASH_LAB_REQUIRE_SLURM=1)."""
-    if _REASON is None:
+    reason = _slurm_unreachable()
+    if reason is None:
         return
-    message = f"no reachable Slurm controller ({_REASON}); start one with `sudo scripts/slurm_up.sh`"
+    message = f"no reachable Slurm controller ({reason}); start one with `sudo scripts/slurm_up.sh`"
     if os.environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
         pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
     pytest.skip(message)

@@ -57,7 +57,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from dflash_lab.analysis.schema import BETTER
 
@@ -66,6 +65,14 @@ PAIRED_COLUMNS = ("policy", "endpoint", "diff", "ci_low", "ci_high", "p_value", 
                   "p_min", "arm_mean", "baseline_mean", "seeds", "p_t", "p_bca", "test", "mdd", "seeds_needed",
                   "unit", "n_targets", "n_seeds")
 UNITS = ("seed", "target")
+def _stats():
+    """scipy.stats, imported on first use: it costs a process ~1 s, and the training CLI, which imports this
+    package for the protocol's names, never calls a test."""
+    from scipy import stats
+
+    return stats
+
+
 TESTS = ("t", "sign_flip")
 POWER = 0.8
 EXACT_UP_TO = 16
@@ -88,7 +95,7 @@ def t_interval(diffs, alpha: float = 0.05) -> tuple[float, float]:
     d = _clean(diffs)
     if d.size < 2:
         return float("nan"), float("nan")
-    half = stats.t.ppf(1 - alpha / 2, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size)
+    half = _stats().t.ppf(1 - alpha / 2, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size)
     return float(d.mean() - half), float(d.mean() + half)
 
 
@@ -150,7 +157,7 @@ def paired_t_p_value(diffs) -> float:
     se = d.std(ddof=1) / np.sqrt(d.size)
     if se <= 1e-12 * abs(d.mean()) or se == 0:   # no spread (up to rounding): a non-zero mean is certain
         return 0.0 if d.mean() != 0 else 1.0
-    return float(2.0 * stats.t.sf(abs(d.mean()) / se, d.size - 1))
+    return float(2.0 * _stats().t.sf(abs(d.mean()) / se, d.size - 1))
 
 
 def bca_p_value(diffs, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
@@ -172,14 +179,14 @@ def bca_p_value(diffs, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> f
     means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
     observed = d.mean()
     share_below = np.clip(np.mean(means < observed), 1.0 / resamples, 1.0 - 1.0 / resamples)
-    z0 = stats.norm.ppf(share_below)
+    z0 = _stats().norm.ppf(share_below)
     jackknife = np.array([np.delete(d, i).mean() for i in range(d.size)])
     spread = jackknife.mean() - jackknife
     denominator = 6.0 * np.sum(spread**2) ** 1.5
     a = float(np.sum(spread**3) / denominator) if denominator > 0 else 0.0
     g0 = np.clip(np.mean(means < 0.0), 0.5 / resamples, 1.0 - 0.5 / resamples)   # 0 beyond every mean: p < 1/B
-    w = stats.norm.ppf(g0) - z0
-    beta = stats.norm.cdf(w / (1.0 + a * w) - z0)
+    w = _stats().norm.ppf(g0) - z0
+    beta = _stats().norm.cdf(w / (1.0 + a * w) - z0)
     return float(min(1.0, 2.0 * min(beta, 1.0 - beta)))
 
 
@@ -195,7 +202,7 @@ def minimum_detectable_difference(diffs, alpha: float = 0.05, power: float = POW
     if d.size < 2:
         return float("nan")
     df = d.size - 1
-    return float((stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)) * d.std(ddof=1) / np.sqrt(d.size))
+    return float((_stats().t.ppf(1 - alpha / 2, df) + _stats().t.ppf(power, df)) * d.std(ddof=1) / np.sqrt(d.size))
 
 
 def seeds_needed(diffs, effect: float, alpha: float = 0.05, power: float = POWER, most: int = 1000) -> float:
@@ -211,7 +218,7 @@ def seeds_needed(diffs, effect: float, alpha: float = 0.05, power: float = POWER
         return float("nan")
     sd = d.std(ddof=1)
     for n in range(2, most + 1):
-        if (stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / np.sqrt(n) <= effect:
+        if (_stats().t.ppf(1 - alpha / 2, n - 1) + _stats().t.ppf(power, n - 1)) * sd / np.sqrt(n) <= effect:
             return float(n)
     return float(most + 1)
 
@@ -265,8 +272,8 @@ def tost_p_value(diffs, margin: float) -> float:
     se = d.std(ddof=1) / np.sqrt(d.size)
     mean = d.mean()
     df = d.size - 1
-    p_lower = stats.t.sf((mean + margin) / se, df)  # H0: diff <= -margin
-    p_upper = stats.t.cdf((mean - margin) / se, df)  # H0: diff >= +margin
+    p_lower = _stats().t.sf((mean + margin) / se, df)  # H0: diff <= -margin
+    p_upper = _stats().t.cdf((mean - margin) / se, df)  # H0: diff >= +margin
     return float(max(p_lower, p_upper))
 
 

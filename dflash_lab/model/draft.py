@@ -150,10 +150,14 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-_RECOMPILE_LIMIT_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit",
-                                                                           "FailOnCacheLimitHit")
-                                if hasattr(torch._dynamo.exc, name))   # (the name differs across torch versions)
 _EAGER_AFTER_LIMIT: set[str] = set()   # roles that hit dynamo's recompile limit: eager from then on (warned once)
+
+
+def _is_recompile_limit(error: BaseException) -> bool:
+    """dynamo's refusal to compile a function again (the class name differs across torch versions). torch._dynamo is
+    looked up here, not at import: importing it costs a process ~1.5 s that an eager run never needs."""
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return isinstance(error, tuple(getattr(torch._dynamo.exc, n) for n in names if hasattr(torch._dynamo.exc, n)))
 
 
 def _run(role, *args):
@@ -162,7 +166,9 @@ def _run(role, *args):
     if role.__name__ not in _EAGER_AFTER_LIMIT:
         try:
             return _compiled(role)(*args)
-        except _RECOMPILE_LIMIT_ERRORS as error:
+        except Exception as error:
+            if not _is_recompile_limit(error):
+                raise
             _EAGER_AFTER_LIMIT.add(role.__name__)
             warnings.warn(f"compiled draft piece {role.__name__} hit torch._dynamo's recompile limit ({error}); "
                           f"it runs eager from now on (model.compile_layers)", RuntimeWarning, stacklevel=3)
