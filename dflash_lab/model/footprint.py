@@ -347,12 +347,13 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
         >>> int(s["rows"][0]), int(s["row_len"][0]), int(s["slots"][0]), int(s["anchors"][0])
         (2, 10, 2, 4)
     """
-    from dflash_lab.metrics.throughput import batch_token_counts
+    from dflash_lab.metrics.throughput import batch_sizes, flat_token_counts
     from dflash_lab.model.objective import anchor_quota
 
-    counts = batch_token_counts(batches, lengths, packed=packed)
-    sizes = np.array([len(b) for b in batches], dtype=np.int64)
-    flat = lengths[np.concatenate(batches)].astype(np.int64) if len(batches) else np.zeros(0, np.int64)
+    sizes = batch_sizes(batches)
+    order = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)   # once: the plan's bulk cost
+    flat = np.asarray(lengths)[order].astype(np.int64)
+    counts = flat_token_counts(flat, sizes, packed=packed)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     bs = model.block_size
     valid = np.maximum(flat - 1, 0)
@@ -360,7 +361,7 @@ def batch_shapes(batches: Sequence[np.ndarray], lengths: np.ndarray, *, packed: 
         quota = anchor_quota(torch.from_numpy(valid), model.anchors_per_doc, model.anchor_density).numpy()
         quota = quota.astype(np.int64)
     else:
-        quota = np.asarray(anchors, dtype=np.int64)[np.concatenate(batches)] if len(batches) else valid
+        quota = np.asarray(anchors, dtype=np.int64)[order]
     targets = _mean_targets_per_anchor(flat, bs)
     context = quota * np.maximum(flat - 2, 0) / 2.0
     fixed = np.minimum(valid, model.fixed_anchors)
