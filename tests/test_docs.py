@@ -141,3 +141,12 @@ def test_the_time_statement_finder_finds_them():
     for name, text in examples.items():
         (folder / name).write_text(text)
     assert [bool(readme_time_statements(folder / name)) for name in sorted(examples)] == [True, True, True, False]
+
+
+def test_the_slowest_first_order_names_test_modules_that_exist():
+    """tests/conftest.py's SLOWEST_FIRST: a renamed module would silently lose its place at the front."""
+    from conftest import SLOWEST_FIRST
+
+    missing = [name for name in SLOWEST_FIRST if not (ROOT / "tests" / name).is_file()]
+    assert not missing, f"tests/conftest.py SLOWEST_FIRST names no such module: {missing}"
+    assert list(SLOWEST_FIRST.values()) == sorted(SLOWEST_FIRST.values(), reverse=True)

@@ -8,6 +8,7 @@ tests/test_slurm*.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -50,8 +51,10 @@ def _hydra_context():
     return initialize_config_module("dflash_lab.conf", version_base="1.3")
 
 
+@functools.cache
 def _with_sweep_checks(config_name, overrides=()):
-    """Compose and run the sweep checks inside the same Hydra context (they compose every job again)."""
+    """Compose and run the sweep checks inside the same Hydra context (they compose every job again). Cached: a
+    sweep's jobs are composed once for the tests that read them (read-only; composing costs ~0.1 s a job)."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
@@ -259,7 +262,7 @@ def test_bucket_count_settings():
 
 def test_a_bad_value_in_a_command_line_sweep_names_its_job():
     cfg, jobs, problems = _with_sweep_checks(
-        "train", ["sampler=bucketed", "sampler.boundaries=[0,96,1024],[0,300,200,1024]", "seed=0,1"]
+        "train", ("sampler=bucketed", "sampler.boundaries=[0,96,1024],[0,300,200,1024]", "seed=0,1")
     )
     assert len(jobs) == 4
     assert len(problems) == 2  # the bad list, once per seed
