@@ -1,11 +1,15 @@
 """Pretrain the reference tiny targets once and write them into the package (dflash_lab/model/targets/).
 
     python scripts/make_reference_targets.py                 # the default target and the protocol's five
+    python scripts/make_reference_targets.py --presets '' --sweeps forgetting_ablation   # that sweep's six
     python scripts/make_reference_targets.py --check         # verify the shipped files against the manifest only
 
 The reference targets are the tiny target of every pretrain seed the shipped sweeps use: conf/model/tiny.yaml with
 ``pretrain_seed`` 0 (the default run's target, ``target_seeds: 1``) to 4 (the forgetting protocol's
-``target_seeds: 5``). Each is pretrained here by the code every run uses (``load_or_build_tiny_target`` with
+``target_seeds: 5``), and the targets of a sweep whose data carries band skills (``--sweeps``: the tiny target is
+then pretrained on the run's own corpus, ``training.components.pretrain_corpus_follows_data``; every job of the
+sweep is composed as Hydra will launch it and its distinct targets are made, named
+``tiny_<band_skills>_n<num_samples>_s<pretrain seed>``). Each is pretrained here by the code every run uses (``load_or_build_tiny_target`` with
 ``shipped=False``, in a fresh cache), saved as ``tiny_s<seed>.safetensors`` and entered in ``manifest.json`` with
 its settings (shape, pretraining, corpus config, tokenizer fingerprint), the digest of its pretraining corpus, its
 weights digest, the file's sha256, its pretraining loss and time, and the torch version and CPU capability it was
@@ -15,7 +19,8 @@ of pretraining: the same weights, and ``target_digest``, on every machine.
 Re-run it only to change the reference targets (a new shape, recipe or corpus): every committed result that names
 their digests (docs/results.md, the sweeps' comparison.csv) then belongs to the old ones.
 
-Cost: one tiny-target pretraining per seed (~1-2 min each on one thread of a 2-core machine).
+Cost: one tiny-target pretraining per target (~1-2 min each on one thread of a 2-core machine); composing a
+sweep's jobs ~0.1 s each.
 """
 
 from __future__ import annotations
@@ -46,20 +51,52 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def make_target(name: str, seed: int, out: Path, cache: Path) -> dict:
-    """Pretrain preset ``name`` at pretrain seed ``seed`` in ``cache``; copy its weights into ``out``; return its
-    manifest entry."""
-    section = preset("model", name, pretrain_seed=seed)
+def preset_section(name: str, seed: int) -> tuple[str, dict]:
+    """(entry name, model section) of model preset ``name`` at pretrain seed ``seed``."""
+    return f"{name}_s{seed}", preset("model", name, pretrain_seed=seed)
+
+
+def sweep_sections(sweep: str) -> list[tuple[str, dict]]:
+    """(entry name, model section) of every distinct tiny target the jobs of shipped sweep ``sweep`` load: each
+    job composed as Hydra launches it (``cluster.launch.expand_sweep``), its target seed resolved and its
+    pretraining corpus the run's own where the data carries band skills (``pretrain_corpus_follows_data``)."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from dflash_lab.cluster.launch import expand_sweep
+    from dflash_lab.training.components import pretrain_corpus_follows_data
+
+    sections: dict[str, dict] = {}
+    with initialize_config_module("dflash_lab.conf", version_base="1.3"):
+        master = GlobalHydra.instance().hydra.compose_config(sweep, [], run_mode=RunMode.MULTIRUN)
+        loader = GlobalHydra.instance().config_loader()
+        for overrides in expand_sweep(master):
+            job = loader.load_sweep_config(master, list(overrides))
+            model = OmegaConf.to_container(job.model, resolve=True)
+            if model["kind"] != "tiny":
+                continue
+            section = pretrain_corpus_follows_data(model, OmegaConf.to_container(job.data, resolve=True))
+            data = section["pretrain_data"]
+            name = f"tiny_{data.get('band_skills', 'none')}_n{data['num_samples']}_s{section['pretrain_seed']}"
+            sections[name] = section
+    return sorted(sections.items())
+
+
+def make_target(name: str, section: dict, out: Path, cache: Path, preset_name: str = "tiny") -> dict:
+    """Pretrain the tiny target of model section ``section`` in ``cache``; copy its weights into ``out`` as
+    ``<name>.safetensors``; return its manifest entry."""
     arch, pretrain = tiny_target_spec(**{key: section[key] for key in SPEC_KEYS})
     corpus = dict(section["pretrain_data"])
     tokenizer = ByteTokenizer()
     started = time.perf_counter()
     model, meta = target_module.load_or_build_tiny_target(tokenizer=tokenizer, arch=arch, pretrain=pretrain,
                                                           corpus=corpus, cache_dir=str(cache), shipped=False)
-    file = f"{name}_s{seed}.safetensors"
+    file = f"{name}.safetensors"
     shutil.copyfile(Path(meta["path"]) / "model.safetensors", out / file)
     built = json.loads((Path(meta["path"]) / "meta.json").read_text())
-    return {"name": f"{name}_s{seed}", "preset": name, "file": file,
+    return {"name": name, "preset": preset_name, "file": file,
             "settings": target_module.target_settings(tokenizer, arch, pretrain, corpus),
             "target_digest": meta["target_digest"], "corpus_digest": built["corpus_digest"],
             "file_sha256": file_sha256(out / file), "pretrain_stats": built["pretrain_stats"],
@@ -84,21 +121,31 @@ def check(out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny", help="model presets, comma-separated (default: tiny)")
+    parser.add_argument("--presets", default="tiny", help="model presets, comma-separated (default: tiny; '' none)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="pretrain seeds (default: 0,1,2,3,4)")
+    parser.add_argument("--sweeps", default="", help="shipped sweeps whose jobs' tiny targets to make as well, "
+                                                     "comma-separated (e.g. forgetting_ablation)")
+    parser.add_argument("--only", default="", help="make only these entry names, comma-separated (to split the "
+                                                   "work over processes; the manifest keeps the other entries)")
     parser.add_argument("--out", type=Path, default=target_module.SHIPPED_DIR, help="where the files go")
     parser.add_argument("--check", action="store_true", help="only verify the shipped files")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.check:
         made = {entry["name"]: entry for entry in target_module.shipped_targets(args.out)}
+        wanted = [preset_section(name, int(seed)) + (name,) for name in filter(None, args.presets.split(","))
+                  for seed in args.seeds.split(",")]
+        wanted += [entry + ("tiny",) for sweep in filter(None, args.sweeps.split(",")) for entry in sweep_sections(sweep)]
+        only = set(filter(None, args.only.split(",")))
         with tempfile.TemporaryDirectory(prefix="reference-targets-") as cache:
-            for name in args.presets.split(","):
-                for seed in (int(s) for s in args.seeds.split(",")):
-                    entry = make_target(name, seed, args.out, Path(cache))
-                    made[entry["name"]] = entry
-                    print(f"{entry['name']}: weights digest {entry['target_digest']}, loss "
-                          f"{entry['pretrain_stats']['loss']:.3f}, {entry['made_in_s']} s", flush=True)
+            for name, section, preset_name in wanted:
+                if only and name not in only:
+                    continue
+                entry = make_target(name, section, args.out, Path(cache), preset_name)
+                made[entry["name"]] = entry
+                print(f"{entry['name']}: weights digest {entry['target_digest']}, loss "
+                      f"{entry['pretrain_stats']['loss']:.3f}, {entry['made_in_s']} s", flush=True)
+            made = {**{entry["name"]: entry for entry in target_module.shipped_targets(args.out)}, **made}
         manifest = {"about": "reference tiny targets: scripts/make_reference_targets.py (dflash_lab/model/target.py "
                              "loads a run's target from here when its settings equal an entry's)",
                     "targets": sorted(made.values(), key=lambda entry: entry["name"])}

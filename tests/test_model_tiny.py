@@ -218,6 +218,26 @@ def test_the_default_target_and_the_protocols_five_are_shipped_and_found_by_thei
     assert target_module.shipped_target(*other) is None   # another recipe: pretrained locally
 
 
+def test_every_tiny_target_of_the_forgetting_ablation_is_shipped_and_found_by_its_jobs_settings():
+    """The six targets the forgetting ablation's 45 jobs load (aligned and independent skills corpora x target
+    seeds 0-2: its data carries band skills, so each is pretrained on the run's own corpus) are shipped: each job's
+    settings, composed as Hydra launches it, find a manifest entry (scripts/make_reference_targets.py --sweeps)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_reference_targets",
+                                                  Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "make_reference_targets.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    sections = script.sweep_sections("forgetting_ablation")
+    assert [name for name, _ in sections] == [f"tiny_{skills}_n1000_s{seed}" for skills in ("aligned", "independent")
+                                              for seed in range(3)]
+    for name, section in sections:
+        entry = target_module.shipped_target(*_spec(section))
+        assert entry is not None and entry["name"] == name, name
+        assert entry["settings"]["corpus"]["band_skills"] == section["pretrain_data"]["band_skills"]
+
+
 def test_a_shipped_target_loads_with_the_manifests_digest_without_pretraining(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("pretrained although a shipped target matches")
