@@ -9,8 +9,9 @@ The reference targets are the tiny target of every pretrain seed the shipped swe
 ``target_seeds: 5``), and the targets of a sweep whose data carries band skills (``--sweeps``: the tiny target is
 then pretrained on the run's own corpus, ``training.components.pretrain_corpus_follows_data``; every job of the
 sweep is composed as Hydra will launch it and its distinct targets are made, named
-``tiny_<band_skills>_n<num_samples>_s<pretrain seed>``). Each is pretrained here by the code every run uses (``load_or_build_tiny_target`` with
-``shipped=False``, in a fresh cache), saved as ``tiny_s<seed>.safetensors`` and entered in ``manifest.json`` with
+``tiny_<band_skills>_n<num_samples>_s<pretrain seed>``). Each is pretrained here by the code every run uses
+(``load_or_build_tiny_target`` with ``shipped=False``, in a fresh cache), saved as ``<name>.safetensors``
+(``tiny_s<seed>`` for a preset) and entered in ``manifest.json`` with
 its settings (shape, pretraining, corpus config, tokenizer fingerprint), the digest of its pretraining corpus, its
 weights digest, the file's sha256, its pretraining loss and time, and the torch version and CPU capability it was
 made with. A run whose tiny-target settings equal an entry's then loads that file (checking both digests) instead
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.check:
-        made = {entry["name"]: entry for entry in target_module.shipped_targets(args.out)}
+        made: dict[str, dict] = {}
         wanted = [preset_section(name, int(seed)) + (name,) for name in filter(None, args.presets.split(","))
                   for seed in args.seeds.split(",")]
         wanted += [entry + ("tiny",) for sweep in filter(None, args.sweeps.split(",")) for entry in sweep_sections(sweep)]
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 made[entry["name"]] = entry
                 print(f"{entry['name']}: weights digest {entry['target_digest']}, loss "
                       f"{entry['pretrain_stats']['loss']:.3f}, {entry['made_in_s']} s", flush=True)
-            made = {**{entry["name"]: entry for entry in target_module.shipped_targets(args.out)}, **made}
+        # the manifest as it is now (another process may have added entries meanwhile), with this run's entries
+        made = {**{entry["name"]: entry for entry in target_module.shipped_targets(args.out)}, **made}
         manifest = {"about": "reference tiny targets: scripts/make_reference_targets.py (dflash_lab/model/target.py "
                              "loads a run's target from here when its settings equal an entry's)",
                     "targets": sorted(made.values(), key=lambda entry: entry["name"])}
