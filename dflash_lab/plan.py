@@ -60,7 +60,7 @@ from .planning.config import (  # noqa: F401
     check_data_keys, data_counts, describe_data_counts, load_plan_data, load_plan_inputs, plan_block_tokens, plan_keys, policy_names, sampler_configs, sweep_range,
 )
 from .planning.cost import (  # noqa: F401
-    TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, check_plan_belongs, cost_calibration_warning,
+    GRADIENT_BYTES, gradient_allreduce_seconds, TARGET_MODES, TRIM_ROUNDS, TRIM_SIGMAS, CostModel, calibrate_cost, check_plan_belongs, cost_calibration_warning,
     cost_from_config,
     model_fingerprint, model_preset_config, predict_throughput,
 )
@@ -84,6 +84,8 @@ class PlanSettings:
 
     seed: int
     world_size: int
+    nodes: int               # nodes the world_size ranks span (world_size / nodes ranks each)
+    inter_node_busbw_gbs: float   # all-reduce bus bandwidth across nodes, GB/s (cost.gradient_allreduce_seconds)
     epochs: float
     bands: list[int] | None
     sweep_k: tuple[int, int] | None
@@ -96,10 +98,18 @@ class PlanSettings:
         refuse_unknown_keys("plan", cfg, plan_keys())
         seed = as_int("seed", cfg["seed"], minimum=0)
         world_size = as_int("world_size", cfg["world_size"], minimum=1, example=8)
+        nodes = as_int("nodes", cfg["nodes"], minimum=1, example=2)
+        if world_size % nodes:
+            raise ValueError(f"nodes={nodes} does not divide world_size={world_size}: world_size counts every rank "
+                             f"(GPUs) of the run, e.g. nodes=2 world_size=16 for two 8-GPU nodes")
+        busbw = as_float("inter_node_busbw_gbs", cfg["inter_node_busbw_gbs"], example=40)
+        if busbw <= 0:
+            raise ValueError(f"inter_node_busbw_gbs={busbw:g}: give the all-reduce bus bandwidth across nodes in GB/s "
+                             f"(nccl-tests all_reduce_perf's busbw), e.g. inter_node_busbw_gbs=40")
         epochs = as_float("epochs", cfg["epochs"], example=6)
         if epochs <= 0:
             raise ValueError(f"epochs={epochs:g}: the configured run needs a positive number of epochs (e.g. epochs=6)")
-        return cls(seed=seed, world_size=world_size, epochs=epochs,
+        return cls(seed=seed, world_size=world_size, nodes=nodes, inter_node_busbw_gbs=busbw, epochs=epochs,
                    bands=None if cfg.get("bands") is None else validate_boundaries(cfg["bands"], key="bands"),
                    sweep_k=None if cfg.get("sweep_k") is None else sweep_range(cfg["sweep_k"]),
                    sweep_method=as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS),
@@ -132,13 +142,15 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     memory = memory_inputs(cfg)
+    comm_s = plan_comm_seconds(plan, memory)
     table = plan_table(lengths, samplers, seed=plan.seed, world_size=plan.world_size, epochs=plan.epochs, cost=cost,
-                       bands=plan.bands, memory=memory, block_tokens=block_tokens)
+                       bands=plan.bands, memory=memory, block_tokens=block_tokens, comm_s=comm_s)
     table.to_csv(out_dir / "plan.csv")
     advice = recommendation(table, plan.floors, activation_checkpointing=bool(
         memory and memory["settings"].activation_checkpointing))
     meta = {"num_samples": int(lengths.size), "mean_length": float(lengths.mean()), "cost_model": asdict(cost),
-            "epochs": plan.epochs, "world_size": plan.world_size,
+            "epochs": plan.epochs, "world_size": plan.world_size, "nodes": plan.nodes,
+            "inter_node_busbw_gbs": plan.inter_node_busbw_gbs, "comm_s": comm_s,
             "memory": {"gpu_mem_gb": memory["gpu_mem_gb"], **asdict(memory["settings"])} if memory else None,
             "recommend": plan.floors, "recommendation": {"policy": advice["policy"], "line": advice["line"]},
             "cost_warning": cost_warning, "data": counts,
@@ -171,6 +183,33 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     return table
 
 
+def plan_comm_seconds(plan: PlanSettings, memory: Mapping[str, Any] | None) -> float:
+    """Seconds each step of an N-node plan waits for the gradient all-reduce across nodes
+    (``cost.gradient_allreduce_seconds``: the draft's trainable parameters from the model's shape); 0 on one node.
+
+    Raises:
+        ValueError: several nodes but no model shape to count the gradients of.
+    """
+    if plan.nodes == 1:
+        return 0.0
+    if not memory:
+        raise ValueError(f"nodes={plan.nodes}: the gradient all-reduce across nodes is priced from the draft's size, "
+                         f"which needs the model's shape: model=qwen3_8b, or model.target_config=/path/config.json")
+    return gradient_allreduce_seconds(memory["model"].draft.params, world_size=plan.world_size, nodes=plan.nodes,
+                                      busbw_gbs=plan.inter_node_busbw_gbs)
+
+
+def describe_nodes(plan: PlanSettings, memory: Mapping[str, Any] | None, comm_s: float) -> str:
+    """The plan's layout line: ranks over nodes and, across nodes, what the gradient all-reduce adds to a step."""
+    if plan.nodes == 1:
+        return f"layout: 1 node x {plan.world_size} ranks (no gradient all-reduce across nodes)\n"
+    params = memory["model"].draft.params
+    return (f"layout: {plan.nodes} nodes x {plan.world_size // plan.nodes} ranks; every step adds {comm_s * 1e3:.3g} ms "
+            f"of gradient all-reduce across nodes ({params:,} draft parameters, {GRADIENT_BYTES} bytes "
+            f"each, at {plan.inter_node_busbw_gbs:g} GB/s bus bandwidth: inter_node_busbw_gbs; not overlapped with "
+            f"the backward, an upper bound)\n")
+
+
 def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: CostModel, cost_warning: str | None,
                   counts: dict[str, Any] | None, model_cfg: Mapping[str, Any] | None, block_tokens: Any,
                   memory: dict[str, Any] | None, advice: str) -> str:
@@ -180,7 +219,8 @@ def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: C
     return (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {plan.world_size}, "
         f"{plan.epochs:g} epochs; {describe_cost(cost)}\n"
-        f"model: {(model_cfg or {}).get('kind')} ({model_fingerprint(model_cfg) or 'shape unknown'})\n"
+        + describe_nodes(plan, memory, float(table["pred_comm_s"].iloc[0]) if len(table) else 0.0)
+        + f"model: {(model_cfg or {}).get('kind')} ({model_fingerprint(model_cfg) or 'shape unknown'})\n"
         + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(model_cfg, block_tokens) + "\n"

@@ -51,6 +51,7 @@ from dflash_lab.training import dist
 from dflash_lab.records import record
 from dflash_lab.training.components import Components, build_components
 from dflash_lab.training.evaluation import Evaluation
+from dflash_lab.training.peers import PeerFailure
 from dflash_lab.refusal import Refused, describe_failure, full_disk, unwritable_file
 from dflash_lab.records.run_dir import RunDirectory
 from dflash_lab.records.run_lock import RunDirBusy
@@ -93,19 +94,32 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
         ValueError: a bad config value (the message names the key and the fix).
         run_lock.RunDirBusy: another live run holds the run directory.
     """
-    directory = None
+    directory, settings, env = None, None, None
     try:
         started = time.perf_counter()
         settings = RunSettings.from_config(cfg)
-        env = dist.setup(settings.trainer.device, settings.trainer.num_threads, settings.trainer.dist_backend)
+        trainer = settings.trainer
+        env = dist.setup(trainer.device, trainer.num_threads, trainer.dist_backend, master_addr=trainer.master_addr,
+                         rendezvous_timeout_s=trainer.rendezvous_timeout_s, peer_timeout_s=trainer.peer_timeout_s)
         directory = RunDirectory(settings.run_dir, env.is_main)
+        dist.on_peer_stop(lambda line: _stopped_by_peer(directory, line))
         return _train(settings, env, directory, hooks or TrainHooks(), started)
-    except RunDirBusy:
+    except RunDirBusy as exc:
+        dist.explain_failure(exc)   # the other ranks stop too, naming this rank's refusal
         raise   # another run owns the directory: nothing of it was touched
     except Exception as exc:
+        reported = dist.explain_failure(exc)   # the other ranks stop too; a peer's loss is named as the cause
+        if directory is None and isinstance(exc, PeerFailure) and settings is not None:
+            directory = _directory_for_record(settings)   # the ranks never met: rank 0 still records why
         if directory is not None:
             directory.restore_if_refused()   # refused before its loop: the directory keeps the run's own config
-            directory.record_failure(exc)
+            directory.record_failure(reported)
+            if isinstance(reported, PeerFailure) and reported.lost and reported.rank == 0 and env.rank == 1:
+                directory.record_writer_lost(reported)   # rank 0, the writer, is gone: rank 1 says why
+        if isinstance(reported, PeerFailure) and logging.getLogger("dflash_lab").handlers:
+            logging.getLogger("dflash_lab").error(str(reported))   # the rank's text log (main() prints the line)
+        if reported is not exc:
+            raise reported from exc
         raise
     finally:
         ckpt.uninstall_preemption_handler()
@@ -113,6 +127,29 @@ def train(cfg: DictConfig | Mapping, hooks: TrainHooks | None = None) -> dict[st
         if directory is not None:
             directory.release()
         dist.cleanup()
+
+
+def _directory_for_record(settings: RunSettings) -> RunDirectory | None:
+    """Rank 0's run directory, claimed, to record a failure of the rendezvous (None: another rank, or another live
+    run holds the directory)."""
+    if not dist.detect_env(settings.trainer.master_addr).is_main:
+        return None
+    directory = RunDirectory(settings.run_dir, is_main=True)
+    try:
+        directory.claim()
+    except RunDirBusy:
+        return None
+    return directory
+
+
+def _stopped_by_peer(directory: RunDirectory, line: str) -> None:
+    """Another rank stopped the run while this rank's main thread waits in a collective (the heartbeat thread calls
+    this just before the process exits with code 1): the one line goes to the log, ``summary.json`` (rank 0) and
+    stderr, and the run directory's lock is released."""
+    logging.getLogger("dflash_lab").error(line)
+    directory.record_failure(PeerFailure(line))
+    directory.release()
+    print(f"dflash_lab.train: error: {line}", file=sys.stderr, flush=True)
 
 
 def _train(settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, hooks: TrainHooks,
@@ -153,7 +190,12 @@ def open_run(settings: RunSettings, env: dist.DistEnv,
     log = setup_text_log(directory.path, env.rank)
     if stale:
         log.warning(f"run lock: took over a stale lock of {stale} (that process is gone)")
-    log.info(f"run dir {directory.path}; rank {env.rank}/{env.world_size} ({env.source}); device {env.device}")
+    log.info(f"run dir {directory.path}; rank {env.rank}/{env.world_size} ({env.source}); device {env.device}; "
+             f"node {env.node}")
+    if env.distributed:
+        topology = env.topology()
+        log.info(f"topology {topology['topology']} (nodes x ranks per node): {', '.join(topology['rank_nodes'])} "
+                 f"(rank order); rendezvous {topology['rendezvous']}")
     ckpt.clear_checkpoint_request()
     if settings.trainer.preempt_signals:
         ckpt.install_preemption_handler(settings.trainer.preempt_signals)
@@ -263,7 +305,7 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
              f"per epoch {list(plan.steps_per_epoch)}; running steps {position.step}..{plan.end_step} of "
              f"{plan.total_steps}")
     ledger.add("setup", time.perf_counter() - started)
-    directory.running(settings.config)   # the run's config record (run_config.json): this launch trains it
+    directory.running(settings.config, env.topology())   # the run's config record (run_config.json)
     records.summary("running", steps=position.step)
     parts.model.train()
     if position.step == 0:
@@ -376,6 +418,11 @@ def main(cfg: DictConfig) -> float | None:
     except RunDirBusy as exc:  # a refusal, not a crash: the one-line reason, no traceback
         print(f"dflash_lab.train: {exc}", file=sys.stderr)
         raise SystemExit(LOCKED_EXIT_CODE) from None
+    except PeerFailure as exc:  # a rank that cannot join, or the run lost one: the line names the rank and the fix
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash_lab.train: error: {exc}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(FAILED_EXIT_CODE) from None
     except (Refused, ValueError, FileNotFoundError) as exc:  # refused config, resume, data, cache: names the fix
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# scripts/slurm_down.sh  -- stop the single-node Slurm cluster started by scripts/slurm_up.sh.
+# scripts/slurm_down.sh  -- stop the local Slurm cluster started by scripts/slurm_up.sh (one node or N nodes).
 #
 # Usage (as root):   scripts/slurm_down.sh
 #
 # Cancels every job still queued or running (the cluster is this machine's test cluster), waits for them to
-# end, stops slurmctld + slurmd with `scontrol shutdown`, then stops munged through its pid file.
+# end, stops slurmctld and every slurmd with `scontrol shutdown` (then any slurmd its pid file still names:
+# /run/slurmd.pid for one node, /run/slurmd-<node>.pid for each of N), then stops munged through its pid file.
 # Safe to run when nothing is running (exits 0), and when the controller is already gone (falls back to the
 # pid files). Logs to /var/log/slurm/slurm_down.log. Exits non-zero only if a daemon refuses to stop.
 set -uo pipefail
 
 readonly LOG_DIR=/var/log/slurm
 readonly CTLD_PID=/run/slurmctld.pid
-readonly SLURMD_PID=/run/slurmd.pid
 readonly MUNGE_PID=/run/munge/munged.pid
 
 log() { echo "slurm_down: $*"; }
@@ -70,12 +70,16 @@ if command -v scontrol >/dev/null && scontrol ping 2>/dev/null | grep -q "is UP"
   log "scontrol shutdown"
   scontrol shutdown >/dev/null 2>&1 || true
   wait_gone "$CTLD_PID" 30 || true
-  wait_gone "$SLURMD_PID" 30 || true
+  for pidfile in /run/slurmd.pid /run/slurmd-*.pid; do [[ -f $pidfile ]] && { wait_gone "$pidfile" 30 || true; }; done
 else
   log "slurmctld not answering; stopping whatever the pid files name"
 fi
 stop_pid slurmctld "$CTLD_PID" || rc=1
-stop_pid slurmd "$SLURMD_PID" || rc=1
+for pidfile in /run/slurmd.pid /run/slurmd-*.pid; do
+  [[ -f $pidfile ]] || continue
+  name=${pidfile#/run/}
+  stop_pid "${name%.pid}" "$pidfile" || rc=1
+done
 stop_pid munged "$MUNGE_PID" || rc=1
 rm -f /run/munge/munged.socket.2.lock
 

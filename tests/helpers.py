@@ -8,16 +8,23 @@
   markers, <think> tags and Qwen3's tool tags are single tokens (nothing is downloaded), a local random Qwen3 saved
   with it (a ``model=hf`` target), and a JSONL writer.
 - Models: a tiny DFlash model over a random target, random documents.
+- Slurm (the local cluster of scripts/slurm_up.sh): whether it answers (``slurm_unreachable``, ``need_slurm``), the
+  launcher settings of a CPU job (``SLURM_CPU``), the smallest real training (``TINY``), a job name to find a test's
+  jobs by (``new_job_name``), the trainer's command line that cancels its jobs on a timeout (``slurm_cli``), and the
+  run's records (``metric_steps``, ``metric_losses``, ``submitit_logs``, ``wait_for``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -325,3 +332,104 @@ def random_samples(lengths, seed=0):
         mask[: n // 3] = False
         out.append({"input_ids": torch.randint(8, 200, (n,), generator=g), "loss_mask": mask})
     return out
+
+
+# ------------------------------------------------------------------------------------------------------- Slurm
+@functools.cache
+def slurm_unreachable() -> str | None:
+    """Why the Slurm tests cannot run here (None when `sinfo` answers). Asked once, by the first test that runs, not
+    at import: with no controller, sinfo retries for ~10 s, which every pytest worker would pay collecting a module
+    even when the tier runs none of its tests."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if out.returncode != 0 or not out.stdout.strip():
+        return f"sinfo failed: {(out.stderr.strip().splitlines() or ['no partition'])[-1]}"
+    return None
+
+
+def need_slurm() -> None:
+    """Skip without a reachable Slurm, or fail when CI says Slurm must be there (DFLASH_LAB_REQUIRE_SLURM=1)."""
+    import pytest
+
+    reason = slurm_unreachable()
+    if reason is None:
+        return
+    message = f"no reachable Slurm controller ({reason}); start one with `sudo scripts/slurm_up.sh`"
+    if os.environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
+        pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
+    pytest.skip(message)
+
+
+# Two CPU ranks per job, sized for a 2-core machine.
+SLURM_CPU = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.tasks_per_node=2",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=4",
+    "hydra.launcher.timeout_min=20",
+]
+# The smallest real training: a few steps, no probes/tau, one thread per rank.
+TINY = [
+    "trainer.progress=false",
+    "trainer.measure_tau=false",
+    "trainer.num_threads=1",
+    "probes.every=0",
+    "probes.presentations=false",
+    "sampler.max_tokens=1024",
+]
+
+
+def new_job_name() -> str:
+    """A unique Slurm job name suffix (hydra.launcher.name=dflash_<it>), to find a test's jobs in squeue."""
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def slurm_jobs(name: str) -> list[str]:
+    """The ids of the queued or running jobs named ``dflash_<name>``."""
+    out = subprocess.run(["squeue", "-h", "-n", f"dflash_{name}", "-o", "%A"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def cancel_jobs(name: str) -> None:
+    for job in slurm_jobs(name):
+        subprocess.run(["scancel", job], check=False)
+
+
+def slurm_cli(args, timeout, name, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real entry point; on a timeout cancel the test's jobs (the submitter would wait forever)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "dflash_lab.train", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
+    except subprocess.TimeoutExpired as exc:
+        cancel_jobs(name)
+        raise AssertionError(f"timed out after {timeout}s:\n{(exc.stderr or b'')[-3000:]}") from exc
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def metric_losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def submitit_logs(sweep_dir: Path) -> str:
+    texts = [p.read_text(errors="replace")[-4000:] for p in sorted((sweep_dir / ".submitit").rglob("*.*"))
+             if p.suffix in (".out", ".err")]
+    return "\n".join(texts)
+
+
+def wait_for(predicate, timeout, what, proc=None, poll_s=1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"submitter exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -221,6 +221,9 @@ def with_override(cfg, dotted, value):
         ("epochs", 0, r"epochs=0: the configured run needs a positive number of epochs"),
         ("epochs", "six", r"epochs='six': must be a number"),
         ("world_size", 0, r"world_size=0: must be >= 1"),
+        ("nodes", 3, r"nodes=3 does not divide world_size=8: world_size counts every rank"),
+        ("nodes", 0, r"nodes=0: must be >= 1"),
+        ("inter_node_busbw_gbs", 0, r"inter_node_busbw_gbs=0: give the all-reduce bus bandwidth across nodes"),
         ("seed", 1.5, r"seed=1\.5: must be a whole number"),
         ("bands", [0, 50, 20], r"bands=\[0, 50, 20\]: unsorted entries 50 and 20"),
         ("target_pad_eff", 2, r"target_pad_eff=2: must be <= 1"),
@@ -245,6 +248,27 @@ def test_plan_refuses_bad_input_from_the_command_line(tmp_path):
     )
     assert out.returncode != 0 and "unknown data (kind=lengths) key(s) ['path']" in out.stderr
     assert not (tmp_path / "plan.csv").exists()
+
+
+def test_a_plan_across_nodes_adds_the_gradient_all_reduce_to_every_step(plan_cfg, tmp_path):
+    from dflash_lab.model.footprint import StepModel
+    from dflash_lab.plan import run_plan
+    from dflash_lab.planning.cost import gradient_allreduce_seconds
+
+    one = run_plan({**with_override(plan_cfg, "world_size", 16), "policies": ["bucketed"],
+                    "out_dir": str(tmp_path / "one")})
+    two = run_plan({**with_override(with_override(plan_cfg, "world_size", 16), "nodes", 2), "policies": ["bucketed"],
+                    "inter_node_busbw_gbs": 0.001, "out_dir": str(tmp_path / "two")})   # a slow link: a visible cost
+    params = StepModel.from_model_config(plan_cfg["model"]).draft.params
+    comm = gradient_allreduce_seconds(params, world_size=16, nodes=2, busbw_gbs=0.001)
+    assert comm == pytest.approx(2 * 15 / 16 * 4 * params / 1e6)
+    assert one.loc["bucketed", "pred_comm_s"] == 0 and two.loc["bucketed", "pred_comm_s"] == pytest.approx(comm)
+    steps = one.loc["bucketed", "steps_per_epoch"] * plan_cfg["epochs"]
+    assert two.loc["bucketed", "pred_eta_s"] - one.loc["bucketed", "pred_eta_s"] == pytest.approx(steps * comm)
+    assert two.loc["bucketed", "pred_ktok_s"] < one.loc["bucketed", "pred_ktok_s"]
+    text = (tmp_path / "two" / "plan.md").read_text()
+    assert f"layout: 2 nodes x 8 ranks; every step adds {comm * 1e3:.3g} ms of gradient all-reduce" in text
+    assert json.loads((tmp_path / "two" / "plan.json").read_text())["meta"]["nodes"] == 2
 
 
 def test_policies_accepts_one_name_and_equal_real_tokens_flow(plan_cfg):

@@ -19,103 +19,30 @@ What is checked:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from dflash_lab.cluster.launch import slurm_nodes, slurm_partitions
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@functools.cache
-def _slurm_unreachable() -> str | None:
-    """Why the Slurm tests cannot run here (None when `sinfo` answers). Asked once, by the first test that runs, not
-    at import: with no controller, sinfo retries for ~10 s, which every pytest worker would pay collecting this file
-    even when the tier runs none of its tests."""
-    if shutil.which("sinfo") is None:
-        return "sinfo is not installed"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "sinfo timed out"
-    if out.returncode != 0 or not out.stdout.strip():
-        return f"sinfo failed: {(out.stderr.strip().splitlines() or ['no partition'])[-1]}"
-    return None
-
+from helpers import ROOT, SLURM_CPU, TINY, need_slurm, submitit_logs, wait_for
+from helpers import cancel_jobs as _cancel
+from helpers import metric_steps as _metric_steps
+from helpers import new_job_name as _experiment
+from helpers import slurm_cli as _run_cli
+from helpers import slurm_jobs as _jobs
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(autouse=True)
 def _need_slurm():
-    """Skip without a reachable Slurm, or fail when CI says Slurm must be there (DFLASH_LAB_REQUIRE_SLURM=1)."""
-    reason = _slurm_unreachable()
-    if reason is None:
-        return
-    message = f"no reachable Slurm controller ({reason}); start one with `sudo scripts/slurm_up.sh`"
-    if os.environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
-        pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
-    pytest.skip(message)
-
-# Two CPU ranks per job, sized for a 2-core machine.
-SLURM_CPU = [
-    "hydra/launcher=slurm",
-    "hydra.launcher.gpus_per_node=0",
-    "hydra.launcher.tasks_per_node=2",
-    "hydra.launcher.cpus_per_task=1",
-    "hydra.launcher.mem_gb=4",
-    "hydra.launcher.timeout_min=20",
-]
-# The smallest real training: a few steps, no probes/tau, one thread per rank.
-TINY = [
-    "trainer.progress=false",
-    "trainer.measure_tau=false",
-    "trainer.num_threads=1",
-    "probes.every=0",
-    "probes.presentations=false",
-    "sampler.max_tokens=1024",
-]
-
-
-def _experiment() -> str:
-    """A unique Slurm job name suffix (hydra.launcher.name=dflash_<it>), to find this test's jobs in squeue."""
-    return f"t{uuid.uuid4().hex[:8]}"
-
-
-def _run_cli(args, timeout, name):
-    """Run the real entry point; on a timeout cancel the test's jobs (the submitter would wait forever)."""
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "dflash_lab.train", *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        _cancel(name)
-        raise AssertionError(f"timed out after {timeout}s:\n{(exc.stderr or b'')[-3000:]}") from exc
-
-
-def _jobs(name: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-n", f"dflash_{name}", "-o", "%A"], capture_output=True, text=True)
-    return out.stdout.split()
-
-
-def _cancel(name: str) -> None:
-    for job in _jobs(name):
-        subprocess.run(["scancel", job], check=False)
-
-
-def _metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    need_slurm()
 
 
 def _finished(run_dir: Path, steps: int, world_size: int) -> dict:
@@ -126,21 +53,21 @@ def _finished(run_dir: Path, steps: int, world_size: int) -> dict:
     return summary
 
 
-def _submitit_logs(sweep_dir: Path) -> str:
-    texts = [p.read_text(errors="replace")[-4000:] for p in sorted((sweep_dir / ".submitit").rglob("*.*"))
-             if p.suffix in (".out", ".err")]
-    return "\n".join(texts)
-
-
 def test_slurm_up_is_idempotent_on_a_running_cluster():
-    # Running it again must not restart anything (CI may call it twice; jobs would be lost).
+    # Running it again with the running cluster's node count must not restart anything (CI may call it twice; jobs
+    # would be lost).
     if os.geteuid() != 0:
         pytest.skip("scripts/slurm_up.sh needs root")
-    pids = {p: Path(p).read_text().strip() for p in ("/run/slurmctld.pid", "/run/slurmd.pid") if Path(p).is_file()}
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_up.sh")], capture_output=True, text=True, timeout=180)
+    nodes = len({node.name for node in slurm_nodes()})
+    pid_files = [Path("/run/slurmctld.pid"), *sorted(Path("/run").glob("slurmd*.pid"))]
+    pids = {p: p.read_text().strip() for p in pid_files if p.is_file()}
+    assert len(pids) == 1 + nodes, pids   # slurmctld and one slurmd per node
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_up.sh"), "--nodes", str(nodes)], capture_output=True,
+                         text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "slurmctld already running" in out.stdout and "srun works" in out.stdout
-    assert {p: Path(p).read_text().strip() for p in pids} == pids
+    assert f"cluster is up with {nodes} node(s)" in out.stdout
+    assert {p: p.read_text().strip() for p in pids} == pids
 
 
 def test_partition_is_checked_against_the_live_cluster(tmp_path):
@@ -194,7 +121,7 @@ def test_cancelled_pending_job_ends_the_launcher_wait_with_an_error(tmp_path):
         return sorted(out.stdout.split())
 
     try:
-        _wait_for(lambda: len(elements()) == 2, 120, "the two jobs to be queued", proc)
+        wait_for(lambda: len(elements()) == 2, 120, "the two jobs to be queued", proc)
         first, second = elements()
         subprocess.run(["scancel", first], check=True)
         cancelled_at = time.time()
@@ -222,7 +149,7 @@ def test_two_rank_cpu_ddp_training_job(tmp_path):
          f"trainer.max_steps={steps}", *TINY],
         timeout=600, name=name,
     )
-    assert out.returncode == 0, out.stderr[-3000:] + _submitit_logs(sweep_dir)
+    assert out.returncode == 0, out.stderr[-3000:] + submitit_logs(sweep_dir)
     (run_dir,) = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
     _finished(run_dir, steps, world_size=2)
     # both ranks ran inside the Slurm job, as the job's two tasks
@@ -245,7 +172,7 @@ def test_two_point_boundary_sweep(tmp_path):
          "sampler.boundaries=" + ",".join(grid), f"trainer.max_steps={steps}", *TINY],
         timeout=600, name=name,
     )
-    assert out.returncode == 0, out.stderr[-3000:] + _submitit_logs(sweep_dir)
+    assert out.returncode == 0, out.stderr[-3000:] + submitit_logs(sweep_dir)
     run_dirs = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [p.name.split("_")[0] for p in run_dirs] == ["0", "1"]
     seen = []
@@ -253,17 +180,6 @@ def test_two_point_boundary_sweep(tmp_path):
         _finished(run_dir, steps, world_size=1)
         seen.append(list(OmegaConf.load(run_dir / ".hydra" / "config.yaml").sampler.boundaries))
     assert seen == list(grid.values())
-
-
-def _wait_for(predicate, timeout, what, proc=None, poll_s=1.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"submitter exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 # about 2-3 minutes each: two starts of the job and Slurm's requeue delay in between
@@ -279,7 +195,7 @@ def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "dflash_lab.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: _jobs(name), 60, "the job to be queued", proc)
+        wait_for(lambda: _jobs(name), 60, "the job to be queued", proc)
         (job,) = _jobs(name)
 
         def run_dirs() -> list[Path]:
@@ -288,7 +204,7 @@ def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path):
             return [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
         # a periodic checkpoint proves training is under way (and flushed metrics.jsonl)
-        _wait_for(lambda: run_dirs() and list((run_dirs()[0] / "checkpoints").glob("step_*.pt")), 300,
+        wait_for(lambda: run_dirs() and list((run_dirs()[0] / "checkpoints").glob("step_*.pt")), 300,
                   "the first checkpoint", proc, poll_s=0.2)
         (run_dir,) = run_dirs()
         run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
@@ -299,7 +215,7 @@ def test_preempted_job_requeues_and_resumes_without_lost_steps(tmp_path):
         _cancel(name)
         proc.kill()
         raise
-    assert proc.returncode == 0, output[-3000:] + _submitit_logs(sweep_dir)
+    assert proc.returncode == 0, output[-3000:] + submitit_logs(sweep_dir)
     info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     assert "Restarts=1" in info, info
 

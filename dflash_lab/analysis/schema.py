@@ -45,6 +45,9 @@ RUN_COLUMN_DOCS: dict[str, str] = {
     "status": "summary.status (finished | failed | running | preempted), else no_summary or summary_unreadable",
     "partial": "True unless status == finished",
     "steps": "summary.steps, else last logged step",
+    "topology": "summary.topology: nodes x ranks per node (2x8: 16 ranks on 2 nodes; 1+2 when nodes differ); "
+                "empty for runs recorded before it was",
+    "nodes": "summary.rank_nodes: the nodes the ranks ran on, in first-rank order",
     "ktok_s": "summary.ktok_s, else throughput.steady_state_ktok_s(steps.ktok_s)",
     "pad_eff": "summary.pad_eff, else throughput.padding_efficiency(steps.real_tokens, steps.padded_tokens)",
     "eta_s": "summary.eta_s, else the last logged eta_s",
@@ -122,7 +125,7 @@ COMPARISON_COLUMNS: tuple[str, ...] = (
 )
 TEXT_RUN_COLUMNS = frozenset(
     {"run_id", "name", "source", "location", "group", "sampler", "arm", "stratum", "status", "partial", "notes",
-     "target_digest"}
+     "target_digest", "topology", "nodes"}
 )
 NUMERIC_RUN_COLUMNS: tuple[str, ...] = tuple(c for c in RUN_COLUMNS if c not in TEXT_RUN_COLUMNS)
 

@@ -246,6 +246,9 @@ def _recorded_columns(record: RunRecord) -> dict:
     _throughput_and_final(row, record.steps)
     row["target_seed"] = _finite_or_nan(summary.get("target_seed"))
     row["target_digest"] = arms_module.recorded_digest(record, "target_digest")
+    row["topology"] = str(summary.get("topology") or "")
+    rank_nodes = summary.get("rank_nodes")
+    row["nodes"] = ",".join(dict.fromkeys(map(str, rank_nodes))) if isinstance(rank_nodes, list) else ""
     return row
 
 
@@ -1053,9 +1056,11 @@ def _per_run_section(comparison: Comparison, columns: tuple[str, ...]) -> list[s
     for _, run in comparison.runs.iterrows():
         seed = "n/a" if pd.isna(run["seed"]) else str(int(run["seed"]))
         status = str(run["status"]) + (" (partial)" if run["partial"] else "")
-        run_rows.append([str(run["run_id"]), str(run["arm"]), seed, status]
+        topology = str(run.get("topology") or "") if not pd.isna(run.get("topology")) else ""
+        run_rows.append([str(run["run_id"]), str(run["arm"]), seed, status, topology or "n/a"]
                         + [_format_number(run[c], c) for c in columns])
-    return ["## Per run", "", _markdown(["run", "arm", "seed", "status", *columns], run_rows)]
+    return ["## Per run", "", "topology: nodes x ranks per node.", "",
+            _markdown(["run", "arm", "seed", "status", "topology", *columns], run_rows)]
 
 
 def _notes_section(comparison: Comparison) -> list[str]:

@@ -555,9 +555,13 @@ class QueueWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-queue-watch", daemon=True)
         self._previous_handler = None
+        self._earlier: set[str] = set()   # jobs of an earlier launch into the same sweep directory (a relaunch)
 
     def start(self) -> QueueWatch:
-        """Install the main thread's handler (call from the main thread) and start polling."""
+        """Install the main thread's handler (call from the main thread) and start polling. Jobs already in the
+        submitit folder belong to an earlier launch into the same sweep directory (a relaunch that resumes its
+        runs): they are not this launch's to wait for."""
+        self._earlier = set(self._job_folders())
         self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main_thread)
         self._thread.start()
         return self
@@ -590,6 +594,8 @@ class QueueWatch:
         last_seen: dict[str, tuple[str, str]] = {}  # the last live state, for jobs Slurm forgets at once
         while not self._stop.wait(self.poll_s):
             for job_id, folder in sorted(self._job_folders().items()):
+                if job_id in self._earlier:
+                    continue
                 if strikes.get(job_id) == -1 or self._has_results(job_id, folder):
                     strikes[job_id] = -1  # finished with its results: the launcher will collect them
                     continue
@@ -601,7 +607,8 @@ class QueueWatch:
                     continue
                 strikes[job_id] = strikes.get(job_id, 0) + 1
                 if strikes[job_id] >= 2 and not self._has_results(job_id, folder):
-                    others = [j for j in self._job_folders() if j != job_id and strikes.get(j) != -1]
+                    others = [j for j in self._job_folders()
+                              if j != job_id and strikes.get(j) != -1 and j not in self._earlier]
                     self.message = self._describe(job_id, folder, state, last_seen.get(job_id), others)
                     _thread.interrupt_main(signal.SIGUSR1)
                     return
@@ -609,6 +616,15 @@ class QueueWatch:
     def _describe(self, job_id: str, folder: Path, state: tuple[str, str], last_seen: tuple[str, str] | None,
                   others: list[str]) -> str:
         logs = sorted(folder.glob(f"{job_id}_*_log.err"))
+        errors = _run_errors(logs)
+        if errors:   # the run said why it stopped, in one line per cause (every rank names the same lost rank)
+            sweep_dir = folder.parent.parent if folder.parent.name == ".submitit" else None
+            relaunch = (f" Relaunch (after the fix it names) with hydra.sweep.dir={sweep_dir}: each run resumes from "
+                        f"its newest checkpoint." if sweep_dir is not None else "")
+            running = (f"\nOther jobs of this sweep may still be queued or running ({', '.join(sorted(others))}): "
+                       f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
+            return (f"Slurm job {job_id} failed ({state[0] if state[0] != 'GONE' else 'ended'}): "
+                    + "\n  ".join(errors) + f"\nJob files: {folder}.{relaunch}{running}")
         tail = ""
         if logs:
             lines = [line for line in logs[0].read_text(errors="replace").splitlines() if line.strip()]
@@ -622,6 +638,23 @@ class QueueWatch:
                    f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
         return (f"Slurm job {job_id} left the queue without a result ({shown}); the launcher stops waiting for it. "
                 f"Job files: {folder}{tail}{running}")
+
+
+RUN_ERROR_PREFIX = "dflash_lab.train: error: "   # how the trainer prints the one-line reason it stopped
+
+
+def _run_errors(logs: list[Path]) -> list[str]:
+    """The distinct one-line errors the trainer printed in a job's task logs (rank order), without the prefix."""
+    found: dict[str, None] = {}
+    for log_file in logs:
+        try:
+            text = log_file.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(RUN_ERROR_PREFIX):
+                found.setdefault(line[len(RUN_ERROR_PREFIX):].strip(), None)
+    return list(found)
 
 
 class RecordProtocol(Callback):

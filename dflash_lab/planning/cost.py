@@ -203,8 +203,33 @@ def calibrate_cost(
     return CostModel.fit(np.asarray(padded, float), np.asarray(attention, float), np.asarray(seconds))
 
 
+GRADIENT_BYTES = 4   # the draft's gradients DDP all-reduces: fp32 master weights (bf16 autocast computes, fp32 grads)
+
+
+def gradient_allreduce_seconds(trainable_params: int, *, world_size: int, nodes: int, busbw_gbs: float) -> float:
+    """Seconds per optimizer step of the gradient all-reduce across nodes, added to a step's time.
+
+    ``t = 2 (W - 1) / W x S / busbw`` with ``S`` the gradient bytes (``GRADIENT_BYTES`` x the draft's trainable
+    parameters), ``W`` the ranks and ``busbw`` the all-reduce bus bandwidth across the nodes in GB/s, as
+    nccl-tests' ``all_reduce_perf`` reports it (its "busbw" is defined as algbw x 2 (W - 1) / W, so this is the
+    time that benchmark measures for ``S`` bytes). On one node (``nodes=1``) it is 0: the all-reduce over
+    NVLink/PCIe is inside the measured step times the cost model is calibrated on. Not overlapped with the backward
+    (DDP overlaps its gradient buckets with it): an upper bound on what the nodes add.
+
+    Example:
+        >>> round(gradient_allreduce_seconds(1_000_000_000, world_size=16, nodes=2, busbw_gbs=40), 4)
+        0.1875
+        >>> gradient_allreduce_seconds(1_000_000_000, world_size=8, nodes=1, busbw_gbs=40)
+        0.0
+    """
+    if nodes <= 1 or world_size <= 1:
+        return 0.0
+    size = GRADIENT_BYTES * float(trainable_params)
+    return 2.0 * (world_size - 1) / world_size * size / (float(busbw_gbs) * 1e9)
+
+
 def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: int = 0,
-                       step_model: Any = None, recompute: bool = False) -> dict[str, float]:
+                       step_model: Any = None, recompute: bool = False, comm_s: float = 0.0) -> dict[str, float]:
     """Predicted step time, Ktok/s and full-run ETA of a policy's plan under a cost model (all ranks).
 
     ``ktok_s`` is Ktok/s over time (``throughput.ktok_s_over_time``: the epoch's real tokens over the sum of its
@@ -218,6 +243,8 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     target forward's share of the executed FLOPs when it runs online) and ``ktok_s_target_online`` /
     ``ktok_s_target_off`` (Ktok/s with the target on the trainer GPUs, and off them: ``cost.target``);
     ``recompute`` (draft activation checkpointing) adds the draft forward that checkpointing runs again in backward.
+    ``comm_s`` (:func:`gradient_allreduce_seconds`: the gradient all-reduce across nodes) is added to every step
+    and reported as ``comm_s``.
     """
     plan = policy.global_plan(epoch)
     padding = plan_padding(plan.batches, policy.lengths, packed=policy.packed)
@@ -225,7 +252,8 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
     step_real = padding["per_batch_real"].reshape(plan.steps, policy.world_size).sum(axis=1)
 
     def step_times_of(per_batch: np.ndarray) -> np.ndarray:
-        return per_batch.reshape(plan.steps, policy.world_size).max(axis=1)  # the slowest rank sets the pace
+        # the slowest rank sets the pace; then every rank waits for the gradient all-reduce across nodes
+        return per_batch.reshape(plan.steps, policy.world_size).max(axis=1) + comm_s
 
     flop_extras: dict[str, float] = {}
     flops = None
@@ -268,6 +296,7 @@ def predict_throughput(policy: Policy, cost: CostModel, epochs: float, epoch: in
         "epoch_hours": float(step_times.sum()) / 3600.0,
         "eta_s": eta,
         "eta_days": eta / 86400.0,
+        "comm_s": float(comm_s),
         **flop_extras,
     }
     if flops is not None:  # model FLOPs of every rank over the epoch's time at world_size x peak

@@ -72,6 +72,7 @@ FULL_COLUMNS = (
     "mean_samples_per_batch", "max_samples_per_batch",
     "composition_repeat", "adjacent_length_corr", "bucket_run_length", "within_batch_spread",
     "dropped_overlong", "truncated", "repeated_remainder", "pred_ktok_s", "pred_ktok_s_median", "pred_eta_s",
+    "pred_comm_s",
     "block_tokens", "block_tokens_max", "block_pad_eff", "block_per_token", "thinned", "max_block_tokens",
     "max_block_tokens_fit", "pred_mfu", "pred_target_flop_share", "pred_ktok_s_target_online",
     "pred_ktok_s_target_off",

@@ -28,8 +28,10 @@ def plan_table(
     bands: Sequence[int] | None = None,
     memory: Mapping[str, Any] | None = None,
     block_tokens: np.ndarray | None = None,
+    comm_s: float = 0.0,
 ) -> pd.DataFrame:
-    """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA, and with
+    """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA (every step
+    plus ``comm_s``, the gradient all-reduce across nodes: ``cost.gradient_allreduce_seconds``), and with
     ``memory`` (``memory_inputs``) the memory plan (``model.footprint.memory_plan``: an ``auto`` block budget and
     checkpointing resolved against the GPU), predicted peak GPU memory, TFLOPs per step and fit
     (``memory_columns``). ``block_tokens`` (per sample, ``sampling.anchors``) add the block-token columns and the
@@ -45,7 +47,8 @@ def plan_table(
             share_bands = list(policy.boundaries)
         step_model = memory["model"] if memory else None
         predicted = predict_throughput(policy, cost, epochs, step_model=step_model,
-                                       recompute=bool(chosen is not None and chosen.activation_checkpointing))
+                                       recompute=bool(chosen is not None and chosen.activation_checkpointing),
+                                       comm_s=comm_s)
         stats = plan_stats(policy, bands=bands)
         rows.append(
             {

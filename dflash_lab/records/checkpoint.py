@@ -198,7 +198,8 @@ RESUME_TOLERATED = (
     "resume", "run_dir", "experiment", "logger", "analysis", "trainer.progress", "trainer.log_every", "trainer.log_every_s",
     "trainer.ckpt_every", "trainer.keep_checkpoints", "trainer.num_workers", "trainer.num_threads",
     "trainer.preempt_signals", "trainer.tau_every", "trainer.measure_tau", "trainer.steady_warmup_steps",
-    "trainer.dist_backend", "model.decode_", "probes.every", "trainer.cpu_step_warn_s", "data.max_truncated_fraction",
+    "trainer.dist_backend", "trainer.master_addr", "trainer.rendezvous_timeout_s", "trainer.peer_timeout_s",
+    "model.decode_", "probes.every", "trainer.cpu_step_warn_s", "data.max_truncated_fraction",
 )
 # Keys added to the config after some checkpoints were written, with the value that computes what those runs
 # computed: absent in the checkpoint's config and at this value now is no change.

@@ -120,12 +120,15 @@ def launch_overrides(hydra_files: dict[str, str]) -> list[str] | None:
     return [str(item) for item in loaded] if isinstance(loaded, list) else None
 
 
-def write_run_config(run_dir: Path, config: dict[str, Any], hydra_files: dict[str, str]) -> None:
+def write_run_config(run_dir: Path, config: dict[str, Any], hydra_files: dict[str, str],
+                     topology: Mapping[str, Any] | None = None) -> None:
     """Write the run's config record (``run_config.json``): the resolved config it trains with, the task
-    overrides of this launch and this launch's ``.hydra`` files (atomic: a reader never sees half a file)."""
+    overrides of this launch, this launch's ``.hydra`` files and where its ranks ran (``topology``:
+    ``DistEnv.topology``) (atomic: a reader never sees half a file)."""
     write_json_atomic(Path(run_dir) / record.RUN_CONFIG_FILE,
                       {"config": json.loads(json.dumps(config, default=str)),
-                       "overrides": launch_overrides(hydra_files), "hydra_files": dict(hydra_files)})
+                       "overrides": launch_overrides(hydra_files), "hydra_files": dict(hydra_files),
+                       "topology": dict(topology) if topology is not None else None})
 
 
 def recorded_hydra_files(run_dir: Path) -> dict[str, str]:
@@ -168,13 +171,14 @@ class RunDirectory:
         """A checkpoint is being resumed: if this launch is refused before its loop, its ``.hydra`` files go back."""
         self._restore_on_refusal = dict(checkpoint_hydra_files or {})
 
-    def running(self, config: dict[str, Any]) -> None:
+    def running(self, config: dict[str, Any], topology: Mapping[str, Any] | None = None) -> None:
         """The loop starts: this launch trains the run, so its config (``config``: the resolved config it trains
-        with), task overrides and ``.hydra`` files become the run's record (``run_config.json``, rank 0)."""
+        with), task overrides, ``.hydra`` files and topology (nodes, ranks per node, each rank's node) become the
+        run's record (``run_config.json``, rank 0)."""
         self._restore_on_refusal = {}
         self.loop_started = True
         if self.is_main:
-            write_run_config(self.path, config, self.launch_hydra_files)
+            write_run_config(self.path, config, self.launch_hydra_files, topology)
 
     def restore_if_refused(self) -> None:
         """This launch trains nothing (refused before its loop, crashed before ``running``, or nothing to do):
@@ -208,6 +212,21 @@ class RunDirectory:
             write_json_atomic(self.path / record.SUMMARY_FILE, summary)
         except OSError:
             logging.getLogger("dflash_lab").error(f"could not record the failure in {record.SUMMARY_FILE}: {message}")
+
+    def record_writer_lost(self, error: BaseException) -> None:
+        """Rank 0, the directory's one writer, was lost mid-run (its process is gone, so nothing else writes here):
+        another rank marks the running ``summary.json`` failed with ``error``, so the record does not claim a
+        running run. Only a summary that says running is changed. Never raises."""
+        summary = self.summary()
+        if self.is_main or summary is None or summary.get("status") != "running":
+            return
+        steps = last_metrics_step(self.path / record.METRICS_FILE)
+        summary.update(status="failed", error=describe_failure(error),
+                       steps=max(int(summary.get("steps") or 0), steps or 0))
+        try:
+            write_json_atomic(self.path / record.SUMMARY_FILE, summary)
+        except OSError:
+            logging.getLogger("dflash_lab").error(f"could not record the failure in {record.SUMMARY_FILE}")
 
     def keep_hydra_files(self, log: logging.Logger) -> None:
         """Rewrite this run's ``.hydra`` files if another launch in the directory (refused by the lock, but only

@@ -90,7 +90,7 @@ class RunRecords:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
         records = cls(logger, presentations if recording else None, plan=parts.plan,
-                      identity=parts.identity(settings, env.world_size),
+                      identity={**parts.identity(settings, env.world_size), **env.topology()},
                       data_counts=parts.data_counts(), ledger=ledger,
                       steady_warmup_steps=settings.trainer.steady_warmup_steps,
                       warmup_steps=parts.schedule.warmup_steps, grad_clip=settings.trainer.grad_clip)

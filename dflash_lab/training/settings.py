@@ -53,6 +53,15 @@ def _signals(key: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _address(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() or c in ":/" for c in value.strip()):
+        raise ValueError(f"{key}={value!r}: give a host name or IP address every node can reach, e.g. {key}=10.0.0.1 "
+                         f"(no port: the port is MASTER_PORT), or null to take it from the job")
+    return value.strip()
+
+
 @dataclass
 class TrainerSettings:
     """The ``trainer`` section (conf/trainer/cpu.yaml gives and explains every key; gpu.yaml changes some)."""
@@ -87,6 +96,9 @@ class TrainerSettings:
     measure_tau: bool
     preempt_signals: list[str]
     dist_backend: str | None
+    master_addr: str | None      # where the ranks meet (null: MASTER_ADDR, loopback on one node, the first NodeAddr)
+    rendezvous_timeout_s: float  # every rank joins within this, or the run stops naming the rank (training.peers)
+    peer_timeout_s: float        # a rank silent this long is lost: every rank stops, naming it
 
     SPEC = {
         "device": lambda k, v: v if isinstance(v, str) and (v == "cpu" or v.startswith("cuda"))
@@ -105,6 +117,8 @@ class TrainerSettings:
         "ckpt_every": _int(0), "keep_checkpoints": _int(1), "progress": as_bool, "steady_warmup_steps": _int(0),
         "tau_every": _int(0), "measure_tau": as_bool, "preempt_signals": _signals,
         "dist_backend": lambda k, v: None if v is None else as_choice(k, v, ["gloo", "nccl"]),
+        "master_addr": lambda k, v: _address(k, v),
+        "rendezvous_timeout_s": _float(minimum=1.0), "peer_timeout_s": _float(minimum=2.0),
     }
     SECTION = Section(SPEC, missing=_preset_gives("trainer", "conf/trainer/cpu.yaml"))
 
