@@ -24,8 +24,8 @@ target's shape from its config.json or the tiny keys: no target weights).
 
 The command prints what it wrote and from what: the checkpoint's file and step, and the run's status from its
 ``summary.json`` (an unfinished run's weights are not its final ones). A missing directory, a run without
-checkpoints or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2; ``HYDRA_FULL_ERROR=1``
-shows the traceback). ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
+checkpoints, an ``OUT_DIR`` where a file stands or a bad option is one line (``dflash_lab.export: error: ...``,
+exit code 2; ``HYDRA_FULL_ERROR=1`` shows the traceback), checked before anything is written. ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
 
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import torch
 
 from dflash_lab.model.draft import DFlashDraft, DraftConfig
-from dflash_lab.refusal import Refused
+from dflash_lab.refusal import Refused, output_directory_problem
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 REFUSED_EXIT_CODE = 2   # a missing directory, no checkpoint, a bad option: one line naming it (as train and plan)
@@ -148,6 +148,19 @@ class ExportRefused(ValueError):
     """The export cannot run (no such directory, no checkpoint, a bad option): one line naming what is wrong."""
 
 
+def check_out_dir(out_dir: str | Path) -> None:
+    """Refuse an ``OUT_DIR`` that cannot be a directory (a file stands there, or in place of one of its parents),
+    before anything is loaded or written.
+
+    Raises:
+        ExportRefused: naming the path and the fix.
+    """
+    blocked = output_directory_problem(out_dir)
+    if blocked:
+        raise ExportRefused(f"OUT_DIR {blocked}: model.safetensors and config.json go into a directory; pass a new "
+                            f"or existing directory as OUT_DIR")
+
+
 def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None) -> dict[str, Any]:
     """The checkpoint to export: ``checkpoint``, else the newest intact one of ``RUN_DIR/checkpoints``
     (``state["_path"]`` names its file).
@@ -219,8 +232,8 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
         ``out_dir``.
 
     Raises:
-        ExportRefused: no such directory, no checkpoint; ValueError: no config, or a draft the reference layout
-            cannot hold.
+        ExportRefused: no such directory, no checkpoint, an ``out_dir`` a file stands in; ValueError: no config,
+            or a draft the reference layout cannot hold.
     """
     from safetensors.torch import save_file
 
@@ -229,6 +242,7 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise ExportRefused(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    check_out_dir(out_dir)
     state = state if state is not None else load_export_state(run_dir, checkpoint)
     model_cfg = run_model_config(run_dir, state)
     target_config = target_config_only(**model_cfg)
@@ -265,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="override the run's MASK id")
     args = parser.parse_args(argv)
     try:
+        check_out_dir(args.out_dir)
         state = load_export_state(args.run_dir, args.checkpoint)
         out = export_draft(args.run_dir, args.out_dir, dtype=args.dtype, mask_token_id=args.mask_token_id,
                            state=state)

@@ -51,6 +51,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from .config_check import as_choice, as_float, as_int, refuse_unknown_keys
+from .refusal import output_directory_problem
 from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_efficiency, validate_boundaries
 from .sampling.stats import resolve_matched_real_tokens
 # The planner's parts live in dflash_lab.planning; every name is re-exported here, the module the CLI runs and
@@ -115,6 +116,10 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     ``sampler``, ``data`` (by data kind) and ``cost``; values are typed (``config_check``).
     """
     plan = PlanSettings.from_config(cfg)
+    blocked = output_directory_problem(cfg["out_dir"])
+    if blocked:   # said before any work: a long plan must not end in mkdir's traceback
+        raise ValueError(f"out_dir: {blocked}: the plan's files (plan.csv, plan.json, plan.md) go into a directory; "
+                         f"choose a new or existing directory (out_dir=<dir>)")
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
                 for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}

@@ -204,3 +204,28 @@ def test_mask_token_id_is_added_past_the_vocabulary():
         resolve_mask_token_id(tokenizer, None, embedding_rows=4)                  # no row for an added id
     tokenizer.add_special_tokens({"mask_token": "<mask>"})
     assert resolve_mask_token_id(tokenizer, None, embedding_rows=5) == 4          # the tokenizer's own mask token
+
+
+# ---- issue 43: an OUT_DIR a file stands in (defect 3), a --checkpoint that is not one (defect 4): one line each ----
+def _refusal(capsys, argv) -> str:
+    """The one line ``main(argv)`` refuses with (exit code 2, no traceback)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dflash_lab.export: error: "), lines
+    assert lines[1] == "(HYDRA_FULL_ERROR=1 shows the traceback)"
+    return lines[0]
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_naming_it_and_left_as_it_was(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, _ = run_dir
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep me\n")
+    line = _refusal(capsys, [str(run), str(taken)])
+    assert f"OUT_DIR {taken} is an existing file, not a directory: model.safetensors and config.json go into a " \
+           f"directory" in line
+    line = _refusal(capsys, [str(run), str(taken / "export")])
+    assert f"OUT_DIR {taken / 'export'}: its parent {taken} is an existing file, not a directory" in line
+    assert taken.read_text() == "keep me\n"

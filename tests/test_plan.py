@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -519,3 +520,35 @@ def test_every_readme_plan_command_plans_the_model_it_claims(tmp_path, capsys):
         assert f"({meta['model']['shape']})" in printed.splitlines()[1]
         if "cost=seed" in arguments:
             assert meta["cost_warning"] is None and "warning" not in printed.lower(), arguments
+
+
+# ---- issue 43 ----------------------------------------------------------------------------------------------------
+def test_an_out_dir_that_is_a_file_is_refused_before_any_work_naming_it(plan_cfg, tmp_path):
+    """Defect 3: the plan ran, then ``mkdir`` ended it in a FileExistsError traceback."""
+    from dflash_lab.plan import run_plan
+
+    taken = tmp_path / "plan.txt"
+    taken.write_text("keep me\n")
+    with pytest.raises(ValueError, match=rf"^out_dir: {taken} is an existing file, not a directory: the plan's files "
+                                         rf"\(plan\.csv, plan\.json, plan\.md\) go into a directory; choose a new or "
+                                         rf"existing directory \(out_dir=<dir>\)$"):
+        run_plan(with_override(plan_cfg, "out_dir", str(taken)))
+    with pytest.raises(ValueError, match=rf"^out_dir: {taken / 'plan'}: its parent {taken} is an existing file"):
+        run_plan(with_override(plan_cfg, "out_dir", str(taken / "plan")))
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.txt"] and taken.read_text() == "keep me\n"
+
+
+@pytest.mark.integration
+def test_an_out_dir_that_is_a_file_is_one_line_from_the_command_line(tmp_path):
+    taken = tmp_path / "plan.txt"
+    taken.write_text("keep me\n")
+    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
+    out = subprocess.run([sys.executable, "-m", "dflash_lab.plan", "data=lengths", "data.workload=cpu",
+                          "data.num_samples=3000", f"out_dir={taken}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [f"dflash_lab.plan: error: out_dir: {taken} is an existing file, not a "
+                                       f"directory: the plan's files (plan.csv, plan.json, plan.md) go into a "
+                                       f"directory; choose a new or existing directory (out_dir=<dir>)",
+                                       "(HYDRA_FULL_ERROR=1 shows the traceback)"]
+    assert taken.read_text() == "keep me\n"
