@@ -24,8 +24,9 @@ target's shape from its config.json or the tiny keys: no target weights).
 
 The command prints what it wrote and from what: the checkpoint's file and step, and the run's status from its
 ``summary.json`` (an unfinished run's weights are not its final ones). A missing directory, a run without
-checkpoints, an ``OUT_DIR`` where a file stands or a bad option is one line (``dflash_lab.export: error: ...``,
-exit code 2; ``HYDRA_FULL_ERROR=1`` shows the traceback), checked before anything is written. ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
+checkpoints, an ``OUT_DIR`` where a file stands, a ``--checkpoint`` that is not a readable checkpoint (the message
+names the run's newest intact one) or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2;
+``HYDRA_FULL_ERROR=1`` shows the traceback), checked before anything is written. ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
 
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
@@ -166,15 +167,24 @@ def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None)
     (``state["_path"]`` names its file).
 
     Raises:
-        ExportRefused: ``run_dir`` (or ``checkpoint``) does not exist, or the run holds no checkpoint.
+        ExportRefused: ``run_dir`` (or ``checkpoint``) does not exist, ``checkpoint`` is not a readable checkpoint
+            (the message names the run's newest intact one), or the run holds no checkpoint.
     """
-    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint
+    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint, unreadable_reason
 
     run_dir = Path(run_dir)
     if checkpoint is not None:
         if not Path(checkpoint).is_file():
             raise ExportRefused(f"--checkpoint {checkpoint}: no such file (the run's are in {run_dir / 'checkpoints'})")
-        return {**load_checkpoint(checkpoint), "_path": str(checkpoint)}
+        try:
+            state = load_checkpoint(checkpoint)
+            why = None if isinstance(state, dict) and "model" in state else "it holds no draft weights"
+        except Exception as exc:  # noqa: BLE001 - torn, truncated, not torch's format: each fails its own way
+            why = unreadable_reason(exc)
+        if why is not None:
+            raise ExportRefused(f"--checkpoint {checkpoint} is not a readable checkpoint ({why}): "
+                                f"{newest_intact_checkpoint(run_dir, but=checkpoint)}")
+        return {**state, "_path": str(checkpoint)}
     if not run_dir.is_dir():
         raise ExportRefused(f"{run_dir}: no such directory: pass a training run directory (runs/<experiment>/<time>_"
                             f"<sampler>_s<seed>/, or a job folder of a multirun)")
@@ -187,6 +197,20 @@ def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None)
                             f"run (it saves one every trainer.ckpt_every steps and at its end), or pass --checkpoint "
                             f"PATH")
     return state
+
+
+def newest_intact_checkpoint(run_dir: Path, but: str | Path | None = None) -> str:
+    """Which checkpoint to export instead of a damaged one, in words: the newest intact file of
+    ``RUN_DIR/checkpoints`` other than ``but``, with the command line that exports it."""
+    from dflash_lab.records.checkpoint import CheckpointManager
+
+    directory = Path(run_dir) / "checkpoints"
+    found = CheckpointManager(directory).newest_intact(skip=but)
+    if found is None:
+        return f"{directory} holds no intact checkpoint either; restore the file, or train the run again"
+    step, path, _ = found
+    return (f"the newest intact one is {path} (step {step}): pass --checkpoint {path}, or leave out --checkpoint "
+            f"to export it")
 
 
 def describe_source(run_dir: str | Path, state: Mapping[str, Any]) -> str:

@@ -229,3 +229,27 @@ def test_an_out_dir_that_is_a_file_is_one_line_naming_it_and_left_as_it_was(run_
     line = _refusal(capsys, [str(run), str(taken / "export")])
     assert f"OUT_DIR {taken / 'export'}: its parent {taken} is an existing file, not a directory" in line
     assert taken.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not torch's format", "empty", "zeros", "no draft weights"])
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_the_newest_intact_one(run_dir, tmp_path, capsys,
+                                                                                  monkeypatch, damage):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, _ = run_dir
+    good = run / "checkpoints" / "step_7.pt"
+    bad = run / "checkpoints" / "step_9.pt"   # the run's newest file, torn: step 7 is its newest intact one
+    bad.write_bytes({"truncated": good.read_bytes()[: good.stat().st_size // 2], "not torch's format": b"garbage\n",
+                     "empty": b"", "zeros": bytes(5000)}.get(damage, b""))
+    if damage == "no draft weights":
+        torch.save({"step": 9}, bad)
+    line = _refusal(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(bad)])
+    assert line.startswith(f"dflash_lab.export: error: --checkpoint {bad} is not a readable checkpoint (")
+    assert line.endswith(f"): the newest intact one is {good} (step 7): pass --checkpoint {good}, or leave out "
+                         f"--checkpoint to export it")
+    if damage == "no draft weights":
+        assert "(it holds no draft weights)" in line
+    assert not (tmp_path / "out").exists()
+    good.write_bytes(b"")   # nothing intact left to name
+    line = _refusal(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(bad)])
+    assert line.endswith(f"{run / 'checkpoints'} holds no intact checkpoint either; restore the file, or train the "
+                         f"run again")
