@@ -23,7 +23,8 @@ the checkpoint's own config (else the run's ``run_config.json``, or ``.hydra/con
 target's shape from its config.json or the tiny keys: no target weights).
 
 The command prints what it wrote and from what: the checkpoint's file and step, and the run's status from its
-``summary.json`` (an unfinished run's weights are not its final ones). A missing directory, a run without
+``summary.json`` (an unfinished run's weights are not its final ones; the draft of step 0, which a run with
+``trainer.max_steps=0`` saves, is said to be untrained). A missing directory, a run without
 checkpoints, an ``OUT_DIR`` where a file stands, a ``--checkpoint`` that is not a readable checkpoint (the message
 names the run's newest intact one) or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2;
 ``HYDRA_FULL_ERROR=1`` shows the traceback), checked before anything is written. ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
@@ -215,14 +216,20 @@ def newest_intact_checkpoint(run_dir: Path, but: str | Path | None = None) -> st
 
 def describe_source(run_dir: str | Path, state: Mapping[str, Any]) -> str:
     """Which weights were exported: the checkpoint's file and step, and the run's status from its ``summary.json``
-    (an unfinished or failed run, and a checkpoint older than the run's last step, said in words).
+    (an unfinished or failed run, a checkpoint older than the run's last step, and an untrained draft, said in
+    words).
 
     Example:
         >>> describe_source("/nowhere", {"step": 7, "_path": "/nowhere/checkpoints/step_7.pt"})
         'the draft of step 7 (step_7.pt); the run has no readable summary.json (status unknown)'
+        >>> describe_source("/nowhere", {"step": 0, "_path": "/nowhere/checkpoints/step_0.pt"})  # doctest: +ELLIPSIS
+        'the draft of step 0 (step_0.pt), UNTRAINED: its initial weights, no optimizer step ran (...); ...'
     """
     step = state.get("step")
     text = f"the draft of step {step} ({Path(state.get('_path') or '?').name})"
+    if step is not None and int(step) == 0:   # a launch with trainer.max_steps=0 saves the initial draft
+        text += (", UNTRAINED: its initial weights, no optimizer step ran (trainer.max_steps=0 trains none); train "
+                 "the run (trainer.max_steps=N or null, same hydra.run.dir) and export it again")
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):

@@ -253,3 +253,20 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_the_newest_intact_o
     line = _refusal(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(bad)])
     assert line.endswith(f"{run / 'checkpoints'} holds no intact checkpoint either; restore the file, or train the "
                          f"run again")
+
+
+def test_the_export_of_an_untrained_draft_says_it_is_untrained(run_dir, tmp_path, capsys):
+    """A run with trainer.max_steps=0 saves its initial draft as the checkpoint of step 0 and a finished summary of
+    step 0: its export says the draft is untrained and how to train it."""
+    run, draft = run_dir
+    manager = CheckpointManager(run / "checkpoints")
+    for _, path in manager.step_files():
+        path.unlink()
+    manager.save({"model": draft.state_dict(), "step": 0}, step=0)
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 0}))
+    main([str(run), str(tmp_path / "out")])
+    assert capsys.readouterr().out == (
+        f"wrote {tmp_path / 'out' / 'model.safetensors'} and {tmp_path / 'out' / 'config.json'}: the draft of step 0 "
+        f"(step_0.pt), UNTRAINED: its initial weights, no optimizer step ran (trainer.max_steps=0 trains none); train "
+        f"the run (trainer.max_steps=N or null, same hydra.run.dir) and export it again; the run's status: finished "
+        f"at step 0\n")
