@@ -23,9 +23,11 @@ the checkpoint's own config (else the run's ``run_config.json``, or ``.hydra/con
 target's shape from its config.json or the tiny keys: no target weights).
 
 The command prints what it wrote and from what: the checkpoint's file and step, and the run's status from its
-``summary.json`` (an unfinished run's weights are not its final ones). A missing directory, a run without
-checkpoints or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2; ``HYDRA_FULL_ERROR=1``
-shows the traceback). ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
+``summary.json`` (an unfinished run's weights are not its final ones; the draft of step 0, which a run with
+``trainer.max_steps=0`` saves, is said to be untrained). A missing directory, a run without
+checkpoints, an ``OUT_DIR`` where a file stands, a ``--checkpoint`` that is not a readable checkpoint (the message
+names the run's newest intact one) or a bad option is one line (``dflash_lab.export: error: ...``, exit code 2;
+``HYDRA_FULL_ERROR=1`` shows the traceback), checked before anything is written. ``model.safetensors`` gets the mode the umask gives new files, like ``config.json``.
 
 Cost: one checkpoint load and one safetensors write (the draft's size).
 """
@@ -42,7 +44,7 @@ from typing import Any, Mapping
 import torch
 
 from dflash_lab.model.draft import DFlashDraft, DraftConfig
-from dflash_lab.refusal import Refused
+from dflash_lab.refusal import Refused, output_directory_problem
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 REFUSED_EXIT_CODE = 2   # a missing directory, no checkpoint, a bad option: one line naming it (as train and plan)
@@ -148,20 +150,42 @@ class ExportRefused(ValueError):
     """The export cannot run (no such directory, no checkpoint, a bad option): one line naming what is wrong."""
 
 
+def check_out_dir(out_dir: str | Path) -> None:
+    """Refuse an ``OUT_DIR`` that cannot be a directory (a file stands there, or in place of one of its parents),
+    before anything is loaded or written.
+
+    Raises:
+        ExportRefused: naming the path and the fix.
+    """
+    blocked = output_directory_problem(out_dir)
+    if blocked:
+        raise ExportRefused(f"OUT_DIR {blocked}: model.safetensors and config.json go into a directory; pass a new "
+                            f"or existing directory as OUT_DIR")
+
+
 def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None) -> dict[str, Any]:
     """The checkpoint to export: ``checkpoint``, else the newest intact one of ``RUN_DIR/checkpoints``
     (``state["_path"]`` names its file).
 
     Raises:
-        ExportRefused: ``run_dir`` (or ``checkpoint``) does not exist, or the run holds no checkpoint.
+        ExportRefused: ``run_dir`` (or ``checkpoint``) does not exist, ``checkpoint`` is not a readable checkpoint
+            (the message names the run's newest intact one), or the run holds no checkpoint.
     """
-    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint
+    from dflash_lab.records.checkpoint import CheckpointManager, load_checkpoint, unreadable_reason
 
     run_dir = Path(run_dir)
     if checkpoint is not None:
         if not Path(checkpoint).is_file():
             raise ExportRefused(f"--checkpoint {checkpoint}: no such file (the run's are in {run_dir / 'checkpoints'})")
-        return {**load_checkpoint(checkpoint), "_path": str(checkpoint)}
+        try:
+            state = load_checkpoint(checkpoint)
+            why = None if isinstance(state, dict) and "model" in state else "it holds no draft weights"
+        except Exception as exc:  # noqa: BLE001 - torn, truncated, not torch's format: each fails its own way
+            why = unreadable_reason(exc)
+        if why is not None:
+            raise ExportRefused(f"--checkpoint {checkpoint} is not a readable checkpoint ({why}): "
+                                f"{newest_intact_checkpoint(run_dir, but=checkpoint)}")
+        return {**state, "_path": str(checkpoint)}
     if not run_dir.is_dir():
         raise ExportRefused(f"{run_dir}: no such directory: pass a training run directory (runs/<experiment>/<time>_"
                             f"<sampler>_s<seed>/, or a job folder of a multirun)")
@@ -176,16 +200,36 @@ def load_export_state(run_dir: str | Path, checkpoint: str | Path | None = None)
     return state
 
 
+def newest_intact_checkpoint(run_dir: Path, but: str | Path | None = None) -> str:
+    """Which checkpoint to export instead of a damaged one, in words: the newest intact file of
+    ``RUN_DIR/checkpoints`` other than ``but``, with the command line that exports it."""
+    from dflash_lab.records.checkpoint import CheckpointManager
+
+    directory = Path(run_dir) / "checkpoints"
+    found = CheckpointManager(directory).newest_intact(skip=but)
+    if found is None:
+        return f"{directory} holds no intact checkpoint either; restore the file, or train the run again"
+    step, path, _ = found
+    return (f"the newest intact one is {path} (step {step}): pass --checkpoint {path}, or leave out --checkpoint "
+            f"to export it")
+
+
 def describe_source(run_dir: str | Path, state: Mapping[str, Any]) -> str:
     """Which weights were exported: the checkpoint's file and step, and the run's status from its ``summary.json``
-    (an unfinished or failed run, and a checkpoint older than the run's last step, said in words).
+    (an unfinished or failed run, a checkpoint older than the run's last step, and an untrained draft, said in
+    words).
 
     Example:
         >>> describe_source("/nowhere", {"step": 7, "_path": "/nowhere/checkpoints/step_7.pt"})
         'the draft of step 7 (step_7.pt); the run has no readable summary.json (status unknown)'
+        >>> describe_source("/nowhere", {"step": 0, "_path": "/nowhere/checkpoints/step_0.pt"})  # doctest: +ELLIPSIS
+        'the draft of step 0 (step_0.pt), UNTRAINED: its initial weights, no optimizer step ran (...); ...'
     """
     step = state.get("step")
     text = f"the draft of step {step} ({Path(state.get('_path') or '?').name})"
+    if step is not None and int(step) == 0:   # a launch with trainer.max_steps=0 saves the initial draft
+        text += (", UNTRAINED: its initial weights, no optimizer step ran (trainer.max_steps=0 trains none); train "
+                 "the run (trainer.max_steps=N or null, same hydra.run.dir) and export it again")
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):
@@ -219,8 +263,8 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
         ``out_dir``.
 
     Raises:
-        ExportRefused: no such directory, no checkpoint; ValueError: no config, or a draft the reference layout
-            cannot hold.
+        ExportRefused: no such directory, no checkpoint, an ``out_dir`` a file stands in; ValueError: no config,
+            or a draft the reference layout cannot hold.
     """
     from safetensors.torch import save_file
 
@@ -229,6 +273,7 @@ def export_draft(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise ExportRefused(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    check_out_dir(out_dir)
     state = state if state is not None else load_export_state(run_dir, checkpoint)
     model_cfg = run_model_config(run_dir, state)
     target_config = target_config_only(**model_cfg)
@@ -265,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="override the run's MASK id")
     args = parser.parse_args(argv)
     try:
+        check_out_dir(args.out_dir)
         state = load_export_state(args.run_dir, args.checkpoint)
         out = export_draft(args.run_dir, args.out_dir, dtype=args.dtype, mask_token_id=args.mask_token_id,
                            state=state)

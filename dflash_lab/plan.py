@@ -51,6 +51,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from .config_check import as_choice, as_float, as_int, refuse_unknown_keys
+from .refusal import output_directory_problem
 from .sampling import FIT_METHODS, resolve_auto_boundaries, smallest_k_for_efficiency, validate_boundaries
 from .sampling.stats import resolve_matched_real_tokens
 # The planner's parts live in dflash_lab.planning; every name is re-exported here, the module the CLI runs and
@@ -69,6 +70,7 @@ from .planning.report import (  # noqa: F401
     describe_block_budgets, describe_bucket_keying, describe_cost, describe_relative_speed, describe_target_mode,
     _number, full_columns, legend, recommend_floors, recommendation, to_markdown,
 )
+from .planning.progress import Progress
 from .planning.table import (  # noqa: F401
     largest_block_budget, memory_columns, memory_inputs, plan_table, plot_k_sweep, quantile_bands,
     resolve_block_budget, sweep_bucket_counts,
@@ -92,6 +94,7 @@ class PlanSettings:
     sweep_method: str
     target_pad_eff: float | None
     floors: dict[str, float | None]
+    progress_every_s: float
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> PlanSettings:
@@ -115,26 +118,45 @@ class PlanSettings:
                    sweep_method=as_choice("sweep_method", cfg["sweep_method"], FIT_METHODS),
                    target_pad_eff=as_float("target_pad_eff", cfg.get("target_pad_eff"), maximum=1.0,
                                            allow_none=True, example=0.9),
-                   floors=recommend_floors(cfg.get("recommend")))
+                   floors=recommend_floors(cfg.get("recommend")),
+                   progress_every_s=as_float("progress_every_s", cfg["progress_every_s"], minimum=0.0, example=5))
 
 
 def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     """Plan every configured policy, write plan.csv/json/md (+ the K sweep) to ``out_dir``; return the table.
 
     Every key is checked before any work: unknown keys are refused (valid ones listed) at the top level and in
-    ``sampler``, ``data`` (by data kind) and ``cost``; values are typed (``config_check``).
+    ``sampler``, ``data`` (by data kind) and ``cost``; values are typed (``config_check``). A plan that runs longer
+    than ``progress_every_s`` seconds says on stderr what it is doing, every ``progress_every_s`` seconds
+    (``planning.progress``; the printed plan and its files do not depend on it).
     """
     plan = PlanSettings.from_config(cfg)
+    blocked = output_directory_problem(cfg["out_dir"])
+    if blocked:   # said before any work: a long plan must not end in mkdir's traceback
+        raise ValueError(f"out_dir: {blocked}: the plan's files (plan.csv, plan.json, plan.md) go into a directory; "
+                         f"choose a new or existing directory (out_dir=<dir>)")
+    with Progress("plan", plan.progress_every_s) as progress:
+        return _plan(cfg, plan, progress)
+
+
+def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: Progress) -> pd.DataFrame:
+    """:func:`run_plan`'s work after its own settings, each stage named to ``progress``."""
+    progress.stage("checking the sampler, data and cost settings")
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"
     samplers = {name: resolve_auto_boundaries(sampler_cfg, builtin_corpus=builtin_corpus)
                 for name, sampler_cfg in sampler_configs(cfg["sampler"], cfg["policies"]).items()}
     max_tokens = as_int("sampler.max_tokens", cfg["sampler"].get("max_tokens"), minimum=1, example=4096)
     check_data_keys(cfg["data"])   # a misspelt key is named before anything is read from it
     check_plan_belongs(dict(cfg["cost"]), cfg.get("model"), dict(cfg["data"]))   # one model, before any work
+    progress.stage("the cost model" + (" (calibrating it: cost.calibrate=true)" if cfg["cost"].get("calibrate")
+                                       else ""))
     cost = cost_from_config(dict(cfg["cost"]), cfg.get("model"), max_tokens, plan.seed, cfg.get("gpu"))
     cost_warning = cost_calibration_warning(dict(cfg["cost"]), cfg.get("model"))   # printed with the plan
+    progress.stage(f"reading the data's lengths (data.kind={cfg['data'].get('kind')})")
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
+    progress.stage(f"block tokens of {lengths.size:,} samples")
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
+    progress.stage("resolving the real tokens per step a policy matches")
     samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus,
                                                   seed=plan.seed, world_size=plan.world_size)
                 for name, sampler_cfg in samplers.items()}
@@ -144,7 +166,9 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     memory = memory_inputs(cfg)
     comm_s = plan_comm_seconds(plan, memory)
     table = plan_table(lengths, samplers, seed=plan.seed, world_size=plan.world_size, epochs=plan.epochs, cost=cost,
-                       bands=plan.bands, memory=memory, block_tokens=block_tokens, comm_s=comm_s)
+                       bands=plan.bands, memory=memory, block_tokens=block_tokens, comm_s=comm_s,
+                       on_policy=progress.stage)
+    progress.stage("writing plan.csv, plan.json and plan.md")
     table.to_csv(out_dir / "plan.csv")
     advice = recommendation(table, plan.floors, activation_checkpointing=bool(
         memory and memory["settings"].activation_checkpointing))
@@ -165,12 +189,14 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     print(readable)
     if plan.sweep_k is not None:
         sweep = sweep_bucket_counts(
-            lengths, plan.sweep_k, cfg["sampler"], method=plan.sweep_method, seed=plan.seed, world_size=plan.world_size
+            lengths, plan.sweep_k, cfg["sampler"], method=plan.sweep_method, seed=plan.seed, world_size=plan.world_size,
+            on_count=progress.stage,
         )
         sweep.to_csv(out_dir / "k_sweep.csv", index=False)
         plot_k_sweep(sweep, out_dir / "k_sweep.png")
         print(f"\nK sweep written to {out_dir / 'k_sweep.csv'} and k_sweep.png")
     if plan.target_pad_eff is not None:
+        progress.stage(f"the fewest buckets reaching target_pad_eff={plan.target_pad_eff}")
         shared = {k: v for k, v in cfg["sampler"].items()
                   if k in SHARED_KEYS and k not in ("max_tokens", "max_block_tokens")}
         found = smallest_k_for_efficiency(

@@ -7,6 +7,8 @@
   (``RuntimeError``, ``PermissionError``), so callers that caught those still do.
 - :func:`unwritable_file`: a file the run must write that refuses it (permissions, ``chattr +i``, a read-only
   file system, a directory in its place), named with its path, in one line and in ``summary.json``'s ``error``.
+- :func:`output_directory_problem`: an output directory a command would create where a file stands (the path, or
+  one of its parents), named before the command does any work (``mkdir``'s ``FileExistsError`` is a traceback).
 - :func:`full_disk`: the "no space left" or "file too large" error behind a failure, however deep in the chain
   (torch's checkpoint writer reports ``unexpected pos`` and keeps the ``OSError`` only as its context; safetensors
   keeps only its text, ``(os error 27)``), so the run and its ``summary.json`` name the real cause.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR)   # a file the run cannot write
@@ -43,6 +46,30 @@ class DamagedCache(Refused, RuntimeError):
 
 class RunDirUnwritable(Refused, PermissionError):
     """The run directory (or its ``run.lock``) cannot be written; the message names the path and the fix."""
+
+
+def output_directory_problem(path: os.PathLike | str) -> str | None:
+    """Why ``path`` cannot be an output directory (made with ``mkdir(parents=True, exist_ok=True)``): it, or the
+    nearest of its parents that is there, is a file (or anything but a directory); None when it can. Nothing is
+    created.
+
+    Example:
+        >>> output_directory_problem(__file__) == f"{__file__} is an existing file, not a directory"
+        True
+        >>> output_directory_problem(os.path.join(__file__, "out")) == (
+        ...     f"{os.path.join(__file__, 'out')}: its parent {__file__} is an existing file, not a directory")
+        True
+        >>> output_directory_problem(os.path.dirname(__file__)) is None
+        True
+    """
+    path = Path(path)
+    for place in (path, *path.parents):
+        if place.is_dir():
+            return None
+        if place.exists() or place.is_symlink():   # a file, a link to nothing, a socket...
+            what = "an existing file, not a directory" if place.is_file() else "there and not a directory"
+            return f"{path} is {what}" if place == path else f"{path}: its parent {place} is {what}"
+    return None
 
 
 def full_disk(error: BaseException) -> OSError | None:

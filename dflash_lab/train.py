@@ -190,6 +190,7 @@ def open_run(settings: RunSettings, env: dist.DistEnv,
     log = setup_text_log(directory.path, env.rank)
     if stale:
         log.warning(f"run lock: took over a stale lock of {stale} (that process is gone)")
+    directory.remove_unfinished_writes(log)   # a kill between writing a file's temporary copy and its rename
     log.info(f"run dir {directory.path}; rank {env.rank}/{env.world_size} ({env.source}); device {env.device}; "
              f"node {env.node}")
     if env.distributed:
@@ -385,7 +386,9 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
             run.books.checkpointer.save(position)
     taus = {"tau": math.nan, "tau_baseline": math.nan}
     if status != "failed" and trainer.measure_tau and run.env.is_main:
-        taus = run.books.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested)
+        # a relaunch of a run that finished (its summary.json lost) finds the trained draft measured: never twice
+        taus = run.books.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested,
+                                              recorded=run.books.records.logger.tau_rows.get(position.step))
         taus.pop("complete")
         if ckpt.checkpoint_requested():
             status = "preempted"

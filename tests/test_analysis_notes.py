@@ -68,3 +68,20 @@ def test_every_nan_comparison_column_of_a_bare_run_is_named_in_its_notes():
     silent = [c for c in COMPARISON_COLUMNS
               if c not in endpoints and np.isnan(row[c]) and not explains(row["notes"], c)]
     assert silent == ["loop_score"]  # a shuffled order (no sampler known): no period, NaN by definition
+
+
+def test_nan_losses_are_counted_and_named_in_the_comparison_notes():
+    """Issue 43: steps logged with a null loss (a skipped non-finite update) change jumpiness, spike_score, the
+    steady state and final_loss; the comparison says how many and which."""
+    from dflash_lab.analysis.summarize import compare_records
+
+    clean, poisoned = _record(probe_every=10), _record(probe_every=10)
+    poisoned.steps.loc[poisoned.steps["step"].isin([3, 57, 100]), "loss"] = np.nan
+    clean_row = analyse_run(clean).row
+    assert "finite loss" not in clean_row["notes"]
+    runs = compare_records([poisoned]).runs
+    note = ("loss: 3 of 100 steps logged no finite loss (steps [3, 57, 100], updates skipped by "
+            "trainer.skip_nonfinite): jumpiness, spike_score, the steady-state start and final_loss are computed "
+            "without them")
+    assert note in runs.loc[0, "notes"].split("; ")
+    assert runs.loc[0, "jumpiness"] != clean_row["jumpiness"]   # the numbers the note is about did change

@@ -59,6 +59,27 @@ def test_missing_path_names_the_key(tmp_path):
         build_dataset("jsonl", path=str(tmp_path / "absent.jsonl"), cache_dir=tmp_path)
 
 
+def test_a_directory_as_data_path_is_named_as_one_with_what_is_expected(tmp_path):
+    """Issue 43: it said "does not exist"."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    said = (f"data.path='{folder}' is a directory: data=jsonl reads one JSONL file, one conversation per line "
+            f"({{\"messages\": [...]}} or ShareGPT's {{\"conversations\": [...]}}); point data.path at that file; ")
+
+    def refusal() -> str:
+        with pytest.raises(ValueError) as refused:
+            build_dataset("jsonl", path=str(folder), cache_dir=tmp_path / "cache")
+        return str(refused.value)
+
+    assert refusal() == said + "it holds no *.jsonl file"
+    _write(folder / "train.jsonl", 4)
+    assert refusal() == said + f"it holds one: data.path={folder / 'train.jsonl'}"
+    _write(folder / "extra.jsonl", 4)
+    assert refusal() == said + (f"it holds 2 (extra.jsonl, train.jsonl): pick one, or concatenate them (cat "
+                                f"{folder}/*.jsonl > all.jsonl) and point data.path at the result")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_byte_order_mark_and_an_absurdly_nested_line_are_handled(tmp_path):
     """A UTF-8 BOM before line 1 (editors write one) keeps line 1; a line nested 200,000 levels deep is one
     malformed line, skipped and counted, not a RecursionError that ends the run."""

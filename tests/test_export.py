@@ -204,3 +204,69 @@ def test_mask_token_id_is_added_past_the_vocabulary():
         resolve_mask_token_id(tokenizer, None, embedding_rows=4)                  # no row for an added id
     tokenizer.add_special_tokens({"mask_token": "<mask>"})
     assert resolve_mask_token_id(tokenizer, None, embedding_rows=5) == 4          # the tokenizer's own mask token
+
+
+# ---- issue 43: an OUT_DIR a file stands in (defect 3), a --checkpoint that is not one (defect 4): one line each ----
+def _refusal(capsys, argv) -> str:
+    """The one line ``main(argv)`` refuses with (exit code 2, no traceback)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dflash_lab.export: error: "), lines
+    assert lines[1] == "(HYDRA_FULL_ERROR=1 shows the traceback)"
+    return lines[0]
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_naming_it_and_left_as_it_was(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, _ = run_dir
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep me\n")
+    line = _refusal(capsys, [str(run), str(taken)])
+    assert f"OUT_DIR {taken} is an existing file, not a directory: model.safetensors and config.json go into a " \
+           f"directory" in line
+    line = _refusal(capsys, [str(run), str(taken / "export")])
+    assert f"OUT_DIR {taken / 'export'}: its parent {taken} is an existing file, not a directory" in line
+    assert taken.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not torch's format", "empty", "zeros", "no draft weights"])
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_the_newest_intact_one(run_dir, tmp_path, capsys,
+                                                                                  monkeypatch, damage):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, _ = run_dir
+    good = run / "checkpoints" / "step_7.pt"
+    bad = run / "checkpoints" / "step_9.pt"   # the run's newest file, torn: step 7 is its newest intact one
+    bad.write_bytes({"truncated": good.read_bytes()[: good.stat().st_size // 2], "not torch's format": b"garbage\n",
+                     "empty": b"", "zeros": bytes(5000)}.get(damage, b""))
+    if damage == "no draft weights":
+        torch.save({"step": 9}, bad)
+    line = _refusal(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(bad)])
+    assert line.startswith(f"dflash_lab.export: error: --checkpoint {bad} is not a readable checkpoint (")
+    assert line.endswith(f"): the newest intact one is {good} (step 7): pass --checkpoint {good}, or leave out "
+                         f"--checkpoint to export it")
+    if damage == "no draft weights":
+        assert "(it holds no draft weights)" in line
+    assert not (tmp_path / "out").exists()
+    good.write_bytes(b"")   # nothing intact left to name
+    line = _refusal(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(bad)])
+    assert line.endswith(f"{run / 'checkpoints'} holds no intact checkpoint either; restore the file, or train the "
+                         f"run again")
+
+
+def test_the_export_of_an_untrained_draft_says_it_is_untrained(run_dir, tmp_path, capsys):
+    """A run with trainer.max_steps=0 saves its initial draft as the checkpoint of step 0 and a finished summary of
+    step 0: its export says the draft is untrained and how to train it."""
+    run, draft = run_dir
+    manager = CheckpointManager(run / "checkpoints")
+    for _, path in manager.step_files():
+        path.unlink()
+    manager.save({"model": draft.state_dict(), "step": 0}, step=0)
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 0}))
+    main([str(run), str(tmp_path / "out")])
+    assert capsys.readouterr().out == (
+        f"wrote {tmp_path / 'out' / 'model.safetensors'} and {tmp_path / 'out' / 'config.json'}: the draft of step 0 "
+        f"(step_0.pt), UNTRAINED: its initial weights, no optimizer step ran (trainer.max_steps=0 trains none); train "
+        f"the run (trainer.max_steps=N or null, same hydra.run.dir) and export it again; the run's status: finished "
+        f"at step 0\n")

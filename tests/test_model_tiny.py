@@ -300,3 +300,31 @@ def test_the_default_target_has_one_digest_in_fresh_caches_whatever_the_cpu_kern
     assert {tuple(row[:2]) for row in seen} == {(_reference(0)["target_digest"], "shipped")}
     results = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
     assert _reference(0)["target_digest"] in results
+
+
+# ---- issue 43: the shipped targets' manifest torn or missing is named, with what happens ------------------------
+def test_a_torn_or_missing_manifest_of_the_shipped_targets_is_named_with_what_happens(tmp_path, caplog):
+    import logging
+    import shutil
+
+    from dflash_lab.refusal import Refused
+
+    shipped = tmp_path / "targets"
+    shutil.copytree(target_module.SHIPPED_DIR, shipped)
+    manifest = shipped / target_module.MANIFEST
+    spec = _spec(preset("model", "tiny"))
+    assert target_module.shipped_target(*spec, directory=shipped)["name"] == "tiny_s0"
+    text = manifest.read_text()
+    manifest.write_text(text[: len(text) // 2])   # torn: was an anonymous JSONDecodeError
+    with pytest.raises(Refused, match=rf"^the shipped targets' manifest {manifest} cannot be read \(JSONDecodeError: "
+                                      r".*\): no tiny target can be matched to its shipped file until it is restored; "
+                                      r"reinstall dflash_lab \(pip install --force-reinstall\), or restore the file"):
+        target_module.shipped_target(*spec, directory=shipped)
+    manifest.unlink()   # missing: was quietly [] (every target pretrained here, another digest)
+    with caplog.at_level(logging.WARNING, logger=target_module.log.name):
+        assert target_module.shipped_target(*spec, directory=shipped) is None
+    n_files = len(list(shipped.glob("*.safetensors")))
+    assert (f"the shipped targets' manifest {manifest} is missing: the {n_files} shipped tiny target files beside it "
+            f"cannot be matched to a run's settings, so this tiny target is pretrained on this machine instead") \
+        in caplog.text and "reinstall dflash_lab" in caplog.text
+    assert target_module.shipped_targets(tmp_path) == []   # a folder without shipped files: nothing to say

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -543,3 +545,78 @@ def test_every_readme_plan_command_plans_the_model_it_claims(tmp_path, capsys):
         assert f"({meta['model']['shape']})" in printed.splitlines()[1]
         if "cost=seed" in arguments:
             assert meta["cost_warning"] is None and "warning" not in printed.lower(), arguments
+
+
+# ---- issue 43 ----------------------------------------------------------------------------------------------------
+def test_an_out_dir_that_is_a_file_is_refused_before_any_work_naming_it(plan_cfg, tmp_path):
+    """Defect 3: the plan ran, then ``mkdir`` ended it in a FileExistsError traceback."""
+    from dflash_lab.plan import run_plan
+
+    taken = tmp_path / "plan.txt"
+    taken.write_text("keep me\n")
+    with pytest.raises(ValueError, match=rf"^out_dir: {taken} is an existing file, not a directory: the plan's files "
+                                         rf"\(plan\.csv, plan\.json, plan\.md\) go into a directory; choose a new or "
+                                         rf"existing directory \(out_dir=<dir>\)$"):
+        run_plan(with_override(plan_cfg, "out_dir", str(taken)))
+    with pytest.raises(ValueError, match=rf"^out_dir: {taken / 'plan'}: its parent {taken} is an existing file"):
+        run_plan(with_override(plan_cfg, "out_dir", str(taken / "plan")))
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.txt"] and taken.read_text() == "keep me\n"
+
+
+@pytest.mark.integration
+def test_an_out_dir_that_is_a_file_is_one_line_from_the_command_line(tmp_path):
+    taken = tmp_path / "plan.txt"
+    taken.write_text("keep me\n")
+    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
+    out = subprocess.run([sys.executable, "-m", "dflash_lab.plan", "data=lengths", "data.workload=cpu",
+                          "data.num_samples=3000", f"out_dir={taken}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [f"dflash_lab.plan: error: out_dir: {taken} is an existing file, not a "
+                                       f"directory: the plan's files (plan.csv, plan.json, plan.md) go into a "
+                                       f"directory; choose a new or existing directory (out_dir=<dir>)",
+                                       "(HYDRA_FULL_ERROR=1 shows the traceback)"]
+    assert taken.read_text() == "keep me\n"
+
+
+def test_a_plan_says_what_it_does_on_stderr_when_it_runs_long_and_its_output_stays_the_same(plan_cfg, tmp_path,
+                                                                                           capsys):
+    """Issue 43: a plan over 10 million samples ran 160 s with no output. Progress lines come every
+    progress_every_s seconds whatever the plan's size (here 0.01 s, so this small plan prints some); the printed plan
+    and its files are the same as without them."""
+    from dflash_lab.plan import run_plan
+
+    cfg = with_override(plan_cfg, "out_dir", str(tmp_path / "plan"))
+    run_plan({**cfg, "progress_every_s": 0})
+    quiet = capsys.readouterr()
+    files = {path.name: path.read_bytes() for path in (tmp_path / "plan").iterdir()}
+    assert quiet.err == "" and set(files) == {"plan.csv", "plan.json", "plan.md"}
+    run_plan({**cfg, "progress_every_s": 0.01})
+    told = capsys.readouterr()
+    assert told.out == quiet.out and {path.name: path.read_bytes() for path in (tmp_path / "plan").iterdir()} == files
+    lines = told.err.splitlines()
+    assert lines and all(re.fullmatch(r"plan: \d+ s, .+", line) for line in lines[:-1]), lines
+    assert re.fullmatch(r"plan: done in \d+ s", lines[-1]), lines
+    assert any(re.fullmatch(r"plan: \d+ s, policy (\w+) \([1-6] of 6\): its epoch plans, diversity and predicted "
+                            r"speed, memory", line) for line in lines), lines
+    with pytest.raises(ValueError, match=r"progress_every_s=-1: must be >= 0"):
+        run_plan(with_override(plan_cfg, "progress_every_s", -1))
+
+
+def test_progress_lines_name_the_stage_at_their_time():
+    import io
+    import time
+
+    from dflash_lab.planning.progress import Progress
+
+    out = io.StringIO()
+    with Progress("plan", every_s=0.05, stream=out) as progress:
+        progress.stage("reading the data")
+        time.sleep(0.3)
+        progress.stage("policy bucketed (1 of 1)")
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    stages = [line.split(" s, ", 1)[1] for line in lines[:-1]]
+    assert "reading the data" in stages and stages[-1] == "policy bucketed (1 of 1)"
+    assert stages == sorted(stages, key=["reading the data", "policy bucketed (1 of 1)"].index)   # in order
+    assert re.fullmatch(r"plan: done in [01] s", lines[-1]), lines

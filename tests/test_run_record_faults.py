@@ -5,6 +5,7 @@ W&B run, refusals and a full disk are one line, and nothing is left or written t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -21,6 +22,7 @@ from dflash_lab.data.datasets import build_dataset
 from dflash_lab.data.jsonl import encode_line
 from dflash_lab.data.tokenizer import ByteTokenizer
 from dflash_lab.refusal import Refused
+from dflash_lab.records.run_dir import RunDirectory
 from dflash_lab.records.run_lock import RunDirLock
 from dflash_lab.train import train
 
@@ -337,3 +339,74 @@ def test_a_record_file_that_cannot_be_written_is_one_line_naming_it(tmp_path):
     assert f"cannot write {metrics}" in line and "chattr -i" in line, line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and f"cannot write {metrics}" in summary["error"]
+
+
+# ------------------------------ issue 43: a row without its columns, a finished run relaunched, a stray temporary copy
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory but its text log, by path."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != "train_rank0.log"}
+
+
+@pytest.mark.integration
+def test_a_metrics_row_without_its_columns_is_refused_naming_the_file_and_step_and_changes_no_file(tmp_path):
+    """Defect 1: ``{"step": 6}`` in place of the last row passed the resume check, then the summary builder died
+    with a KeyError after run_config.json had been rewritten for a launch that trained nothing."""
+    run_dir = tmp_path / "stripped"
+    common = ["trainer.measure_tau=false", "probes.every=0", "trainer.ckpt_every=3"]
+    train(compose_small(run_dir, "trainer.max_steps=6", *common))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps({"step": 6})]) + "\n")
+    before = _files(run_dir)
+    with pytest.raises(Refused, match=r"^resume from the checkpoint of step 6: metrics\.jsonl's row of step 6 lacks "
+                                      r"the columns epoch, loss, acc, .* and 12 more \(every row holds the 21 of "
+                                      r"record\.STEP_FIELDS\)\. The run's records are incomplete: restore them"):
+        train(compose_small(run_dir, "trainer.max_steps=8", "resume=true", *common))   # a new config: not recorded
+    assert _files(run_dir) == before
+
+
+@pytest.mark.integration
+def test_a_finished_run_with_a_torn_summary_relaunched_measures_no_tau_it_has_and_cleans_a_stray_copy(tmp_path):
+    """Defect 2: the relaunch measured the trained draft's tau again and appended it (tau.jsonl held step 6
+    twice). Now it takes the row it has and measures only the untrained draft, whose tau lived in the lost summary.
+    Also: the temporary copy a kill leaves between writing metrics.jsonl's new content and its rename is removed."""
+    run_dir = tmp_path / "torn_summary"
+    common = ["trainer.max_steps=6", "trainer.ckpt_every=3", "probes.every=3"]
+    first = train(compose_small(run_dir, *common))
+    text = (run_dir / "summary.json").read_text()
+    (run_dir / "summary.json").write_text(text[: len(text) // 2])
+    (run_dir / "metrics.jsonl.tmp").write_text((run_dir / "metrics.jsonl").read_text()[:100])
+    before, log_before = _files(run_dir), (run_dir / "train_rank0.log").read_text()
+    again = train(compose_small(run_dir, *common))
+    after = _files(run_dir)
+    assert [row["step"] for row in read_rows(run_dir / "tau.jsonl")] == [6]
+    assert {name for name in before if after.get(name) != before[name]} == {"summary.json", "metrics.jsonl.tmp"}
+    assert "metrics.jsonl.tmp" not in after
+    assert again["status"] == "finished" and again["steps"] == 6 and again["segments"] == 2
+    for key in ("tau", "tau_se", "tau_by_band", "tau_band_min", "tau_baseline", "tau_baseline_by_band", "final_loss",
+                "ktok_s", "pad_eff"):
+        assert again[key] == first[key], key
+    added = (run_dir / "train_rank0.log").read_text()[len(log_before):]
+    assert "tau (trained draft): step 6 was measured already (tau.jsonl" in added
+    assert "removed metrics.jsonl.tmp: left by a run killed while it rewrote metrics.jsonl" in added
+
+
+def test_the_temporary_copies_of_killed_rewrites_are_removed_under_the_lock_and_named(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "metrics.jsonl.tmp").write_text('{"step": 1}\n{"st')   # killed before its rename
+    (run_dir / "summary.json.tmp").write_text("{")
+    (run_dir / "notes.tmp").write_text("not the run's")                 # a file the run does not write: kept
+    directory = RunDirectory(run_dir, is_main=True)
+    assert directory.remove_unfinished_writes(logging.getLogger("dflash_lab")) == []   # not claimed: not its files
+    directory.claim()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash_lab"):
+            removed = directory.remove_unfinished_writes(logging.getLogger("dflash_lab"))
+    finally:
+        directory.release()
+    assert removed == ["metrics.jsonl.tmp", "summary.json.tmp"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "notes.tmp", "run.lock"]
+    assert "removed metrics.jsonl.tmp, summary.json.tmp: left by a run killed while it rewrote metrics.jsonl, " \
+           "summary.json, whose last complete version is kept" in caplog.text

@@ -169,3 +169,22 @@ def test_vectorised_greedy_equals_one_pass_greedy(seed, cap):
     assert [b.size for b in batches] == reference_greedy(costs[order].tolist(), 1024.0, cap or lengths.size + 1)
     assert np.concatenate(batches).tolist() == order.tolist()
     assert np.allclose(widest, [costs[b].max() for b in batches])
+
+
+# ---- issue 43: empty buckets are said, with the list that says what the run does ---------------------------------
+def test_empty_buckets_are_named_with_the_boundaries_that_drop_them():
+    from dflash_lab.sampling import build_policy
+    from dflash_lab.sampling.boundaries import empty_bucket_warning
+
+    lengths = np.array([10, 20, 50, 60, 300, 310])
+    assert empty_bucket_warning([0, 20, 60, 310], lengths) is None
+    text = empty_bucket_warning([0, 20, 40, 60, 310, 500, 900], lengths)   # a gap (20, 40] and two past the end
+    assert text == ("sampler.boundaries=[0, 20, 40, 60, 310, 500, 900]: buckets 1 (20, 40], 4 (310, 500], 5 (500, 900] "
+                    "hold no sample (the longest is 310 tokens), so they make no batch: this run has 3 buckets, not 6. "
+                    "Drop the empty buckets' upper boundaries to say so: sampler.boundaries=[0,20,60,310]")
+    suggested = [0, 20, 60, 310]
+    assert empty_bucket_warning(suggested, lengths) is None   # the fix it names leaves no empty bucket
+    for bucket_by in ("length", "random"):   # each bucket makes batches exactly when it holds a sample
+        policy = build_policy("bucketed", lengths, max_tokens=1024, boundaries=[0, 20, 40, 60, 310, 500, 900],
+                              bucket_by=bucket_by)
+        assert sorted({policy.bucket_of(batch) for batch in policy.batches(0)}) == [0, 2, 3]

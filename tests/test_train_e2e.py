@@ -660,3 +660,21 @@ def test_a_checkpoint_from_before_bucket_by_and_auto_bands_resumes(tmp_path):
     refused = r"probes.bands resolves to \[0, 96, .*checkpoint's run probed \[0, 200, 1024\]"
     with pytest.raises(ValueError, match=refused):
         train(compose_cfg(run_dir, "trainer.max_steps=8", "trainer.measure_tau=false"))
+
+
+# ---- issue 43: what a launch caps or leaves empty is said before step 1 ------------------------------------------
+def test_a_bucket_past_the_longest_document_and_a_capped_max_steps_are_said_at_launch(tmp_path):
+    run_dir = tmp_path / "said"
+    summary = train(compose_cfg(run_dir, "trainer.epochs=1", "sampler.max_tokens=16384", "trainer.max_steps=1000000000",
+                                "trainer.measure_tau=false", "probes.every=0",
+                                "sampler.boundaries=[0,96,152,216,304,412,1024,2048]"))
+    log = (run_dir / "train_rank0.log").read_text()
+    before_step_one = log[:log.index("running steps 0..")]
+    steps = summary["steps"]
+    assert summary["status"] == "finished" and steps == summary["total_steps"] == summary["end_step"] < 100
+    assert ("sampler.boundaries=[0, 96, 152, 216, 304, 412, 1024, 2048]: bucket 6 (1024, 2048] holds no sample (the "
+            "longest is 1024 tokens), so it makes no batch: this run has 6 buckets, not 7. Drop the empty buckets' "
+            "upper boundaries to say so: sampler.boundaries=[0,96,152,216,304,412,1024]") in before_step_one
+    assert (f"trainer.max_steps=1000000000 is more than the {steps} steps of trainer.epochs=1 ([{steps}] per epoch): "
+            f"the run ends at step {steps}, the end of its last epoch (a run never trains past its epochs); raise "
+            f"trainer.epochs for more steps, or set trainer.max_steps=null") in before_step_one

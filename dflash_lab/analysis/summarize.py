@@ -257,6 +257,9 @@ def _jumpiness_columns(row: dict, notes: list[str], record: RunRecord, window: f
     (the steady-state start with ``window: steady``), where the probe dynamics start too."""
     steps = record.steps
     loss, step = _column(steps, "loss"), _column(steps, "step")
+    nan_note = _nonfinite_loss_note(loss, step)
+    if nan_note:
+        notes.append(nan_note)
     fixed_start = _window_start_index(window, step, record.summary)
     steady_start_step = float(step[fixed_start]) if fixed_start is not None else 0.0
     if loss is None or np.isfinite(loss).sum() < 3:
@@ -275,6 +278,26 @@ def _jumpiness_columns(row: dict, notes: list[str], record: RunRecord, window: f
         notes.append(f"spike_score: {len(loss)} logged losses, a step is scored once {jumpiness.SPIKE_MIN_HISTORY} "
                      f"losses precede it (minimum {jumpiness.SPIKE_MIN_HISTORY + 1})")
     return steady_start_step
+
+
+def _nonfinite_loss_note(loss: np.ndarray | None, step: np.ndarray | None, shown: int = 10) -> str | None:
+    """The steps whose logged loss is not a number (null in metrics.jsonl: a non-finite loss whose update was
+    skipped, ``trainer.skip_nonfinite``), counted and named: the loss columns are computed without them.
+
+    Example:
+        >>> _nonfinite_loss_note(np.array([2.0, np.nan, 1.9, np.inf]), np.array([1.0, 2.0, 3.0, 4.0]))
+        'loss: 2 of 4 steps logged no finite loss (steps [2, 4], updates skipped by trainer.skip_nonfinite): jumpiness, spike_score, the steady-state start and final_loss are computed without them'
+    """
+    if loss is None or np.isfinite(loss).all():
+        return None
+    bad = np.flatnonzero(~np.isfinite(loss))
+    named = [int(s) for s in step[bad]] if step is not None and np.isfinite(step[bad]).all() else None
+    where = (f"steps {named[:shown]}{f' and {len(named) - shown} more' if len(named) > shown else ''}, "
+             if named is not None else "")
+    # no "; " inside: a run's notes are joined with it
+    return (f"loss: {bad.size} of {loss.size} steps logged no finite loss ({where}updates skipped by "
+            f"trainer.skip_nonfinite): jumpiness, spike_score, the steady-state start and final_loss are computed "
+            f"without them")
 
 
 def _probe_columns(row: dict, notes: list[str], record: RunRecord, steady_start_step: float,

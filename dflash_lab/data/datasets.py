@@ -375,9 +375,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
     elif kind == "jsonl":
         if not path:
             raise ValueError("data.path is not set: data=jsonl needs data.path=/path/to/chat.jsonl")
-        file = Path(path).expanduser().resolve()
-        if not file.is_file():
-            raise FileNotFoundError(f"data.path={path!r} does not exist: point it at a ShareGPT/messages JSONL file")
+        file = jsonl_module.check_data_path(path).resolve()
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"data.max_bad_fraction={max_bad_fraction}: choose a share in [0, 1]")
         template = load_chat_template(chat_template)

@@ -539,17 +539,55 @@ def encode_line(tokenizer, raw: bytes, *, max_length: int, chat_template: str | 
     return ids, mask, True
 
 
+def check_data_path(path: str) -> Path:
+    """``data.path`` as the one JSONL file data=jsonl reads (``~`` expanded), or the refusal that names what is
+    there instead and what is expected.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        ValueError: a directory (with the ``*.jsonl`` files it holds, to pick one or concatenate them), or anything
+            else that is not a regular file.
+
+    Example:
+        >>> import tempfile
+        >>> check_data_path(tempfile.gettempdir())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: data.path='...' is a directory: data=jsonl reads one JSONL file, one conversation per line ...
+    """
+    file = Path(path).expanduser()
+    expected = ('one JSONL file, one conversation per line ({"messages": [...]} or ShareGPT\'s '
+                '{"conversations": [...]})')
+    if file.is_dir():
+        inside = sorted(file.glob("*.jsonl"))
+        if len(inside) == 1:
+            hint = f"; it holds one: data.path={inside[0]}"
+        elif inside:
+            hint = (f"; it holds {len(inside)} ({', '.join(p.name for p in inside[:3])}"
+                    f"{', ...' if len(inside) > 3 else ''}): pick one, or concatenate them (cat {file}/*.jsonl > "
+                    f"all.jsonl) and point data.path at the result")
+        else:
+            hint = "; it holds no *.jsonl file"
+        raise ValueError(f"data.path={path!r} is a directory: data=jsonl reads {expected}; point data.path at that "
+                         f"file{hint}")
+    if not file.exists():
+        raise FileNotFoundError(f"data.path={path!r} does not exist: point data.path at a ShareGPT/messages JSONL "
+                                f"file")
+    if not file.is_file():
+        raise ValueError(f"data.path={path!r} is not a regular file: data=jsonl reads {expected}")
+    return file
+
+
 def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float, report: JsonlReport,
                chat_template: str | None = None) -> Iterator[tuple[list[int], list[bool]]]:
     """Yield (ids, loss_mask) per usable conversation; fill ``report``; raise when too many lines are bad.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: skipped lines exceed ``max_bad_fraction`` of the non-empty lines (checked after the pass).
+        ValueError: ``path`` is a directory or not a regular file (:func:`check_data_path`); skipped lines exceed
+            ``max_bad_fraction`` of the non-empty lines (checked after the pass).
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"data.path={path!r} does not exist: point data.path at a ShareGPT/messages JSONL file")
+    file = check_data_path(path)
     with open(file, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             if not raw.strip():

@@ -22,7 +22,9 @@ settings, the digest of the corpus it was pretrained on and its weights digest).
 (shape, pretraining, corpus config, tokenizer) equal a manifest entry's is loaded from that file, and its weights
 digest and the corpus digest are checked against the manifest: the same weights, hence the same
 ``target_digest``, on every machine, so runs from any x86-64 machine pair with the committed ones. Any other
-setting pretrains locally as before, with a warning that its digest depends on the machine's CPU kernels.
+setting pretrains locally as before, with a warning that its digest depends on the machine's CPU kernels. A
+``manifest.json`` missing beside the shipped files is a warning naming it (every tiny target is then pretrained
+here, with another digest); a torn one is refused in one line naming it; both say to reinstall.
 
 Target digests. ``kind=tiny``: ``weights_digest`` of the loaded weights (cheap at this size). ``kind=hf``:
 ``checkpoint_digest`` of the checkpoint files (names, sizes and the first and last MiB of each ``*.safetensors`` /
@@ -338,7 +340,7 @@ def load_or_build_tiny_target(*, tokenizer, arch: dict, pretrain: dict, corpus: 
         "code": source_hash(sys.modules[__name__], synthetic_module, tokenizer_module, datasets_module, cache_module),
     }
     directory = default_cache_dir(cache_dir) / "targets" / f"tiny-{config_hash(key)}"
-    if shipped and not (directory / "meta.json").is_file():
+    if shipped and (SHIPPED_DIR / MANIFEST).is_file() and not (directory / "meta.json").is_file():
         log.warning("no shipped reference target has these pretraining settings (shape, pretraining, corpus): "
                     "pretraining the tiny target on this machine; its weights digest depends on this machine's CPU "
                     "kernels and torch version, so runs against it pair only with runs against the same weights "
@@ -395,17 +397,45 @@ def target_settings(tokenizer, arch: dict, pretrain: dict, corpus: dict) -> dict
                                   "tokenizer": tokenizer.fingerprint}, sort_keys=True, default=str))
 
 
+REINSTALL = "reinstall dflash_lab (pip install --force-reinstall), or restore the file from the repository"
+
+
 def shipped_targets(directory: Path = SHIPPED_DIR) -> list[dict]:
     """The shipped reference targets: ``manifest.json``'s entries (each with ``file``, ``settings``,
-    ``target_digest``, ``corpus_digest``); [] when the package ships none."""
+    ``target_digest``, ``corpus_digest``); [] when there is no manifest (the package ships none, or a new
+    ``--out`` folder of scripts/make_reference_targets.py).
+
+    Raises:
+        refusal.DamagedCache: a manifest that cannot be read (torn, not JSON, no ``targets`` list): it names the file,
+            that no target is loaded from the package until it is restored, and how.
+    """
     path = Path(directory) / MANIFEST
     if not path.is_file():
         return []
-    return list(json.loads(path.read_text())["targets"])
+    try:
+        entries = json.loads(path.read_text())["targets"]
+        if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+            raise TypeError("'targets' is not a list of entries")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DamagedCache(f"the shipped targets' manifest {path} cannot be read ({type(error).__name__}: {error}): "
+                           f"no tiny target can be matched to its shipped file until it is restored; "
+                           f"{REINSTALL}") from error
+    return entries
 
 
 def shipped_target(tokenizer, arch: dict, pretrain: dict, corpus: dict, directory: Path = SHIPPED_DIR) -> dict | None:
-    """The manifest entry whose settings equal these (:func:`target_settings`), or None."""
+    """The manifest entry whose settings equal these (:func:`target_settings`), or None. A manifest missing beside
+    shipped target files (a damaged installation) is said in a warning naming it and what happens: the target is
+    pretrained on this machine instead, with another weights digest. A torn one is refused
+    (:func:`shipped_targets`)."""
+    path = Path(directory) / MANIFEST
+    files = sorted(Path(directory).glob("*.safetensors")) if not path.is_file() else []
+    if files:
+        log.warning("the shipped targets' manifest %s is missing: the %d shipped tiny target files beside it cannot "
+                    "be matched to a run's settings, so this tiny target is pretrained on this machine instead (about "
+                    "a minute; its weights digest depends on this machine and differs from the shipped one, so its "
+                    "runs pair with no run against the shipped target); %s", path, len(files), REINSTALL)
+        return None
     wanted = target_settings(tokenizer, arch, pretrain, corpus)
     return next((entry for entry in shipped_targets(directory) if entry["settings"] == wanted), None)
 
@@ -424,7 +454,7 @@ def load_shipped_target(entry: dict, tokenizer, corpus: dict, cache_dir: str | N
     from transformers import Qwen3ForCausalLM
 
     path = Path(directory) / entry["file"]
-    fix = "reinstall dflash_lab (pip install --force-reinstall), or restore the file from the repository"
+    fix = REINSTALL
     settings = entry["settings"]
     built = corpus_digest(pretraining_corpus(tokenizer, corpus, cache_dir))
     if built != entry["corpus_digest"]:

@@ -3,6 +3,7 @@ bucket-count sweep."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -29,16 +30,21 @@ def plan_table(
     memory: Mapping[str, Any] | None = None,
     block_tokens: np.ndarray | None = None,
     comm_s: float = 0.0,
+    on_policy: Callable[[str], None] | None = None,
 ) -> pd.DataFrame:
     """One row per policy: diagnostics (``sampling.stats.plan_stats``) + predicted throughput and ETA (every step
     plus ``comm_s``, the gradient all-reduce across nodes: ``cost.gradient_allreduce_seconds``), and with
     ``memory`` (``memory_inputs``) the memory plan (``model.footprint.memory_plan``: an ``auto`` block budget and
     checkpointing resolved against the GPU), predicted peak GPU memory, TFLOPs per step and fit
     (``memory_columns``). ``block_tokens`` (per sample, ``sampling.anchors``) add the block-token columns and the
-    supervision share per band (``share <lo>-<hi>``, over ``bands`` or the first bucketed policy's boundaries)."""
+    supervision share per band (``share <lo>-<hi>``, over ``bands`` or the first bucketed policy's boundaries).
+    ``on_policy(text)`` is told which policy is planned (``planning.progress.Progress.stage``)."""
     rows = []
     share_bands = list(bands) if bands is not None else None
-    for sampler_cfg in samplers.values():
+    for number, (name, sampler_cfg) in enumerate(samplers.items(), start=1):
+        if on_policy is not None:
+            on_policy(f"policy {name} ({number} of {len(samplers)}): its epoch plans, diversity and predicted speed"
+                      + (", memory" if memory else ""))
         requested = sampler_cfg.get("max_block_tokens")
         sampler_cfg, chosen = resolve_block_budget(sampler_cfg, lengths, memory, seed=seed, block_tokens=block_tokens)
         policy = policy_from_config(sampler_cfg, lengths, seed=seed, world_size=world_size, rank=0,
@@ -68,6 +74,8 @@ def plan_table(
                 requested if fits else None, sampler_cfg, lengths, memory, chosen, seed=seed, world_size=world_size,
                 block_tokens=block_tokens)
     if block_tokens is not None:
+        if on_policy is not None:
+            on_policy("supervision share per length band")
         if share_bands is None:
             share_bands = quantile_bands(lengths)
         for row in rows:
@@ -185,17 +193,21 @@ def sweep_bucket_counts(
     method: str,
     seed: int,
     world_size: int,
+    on_count: Callable[[str], None] | None = None,
 ) -> pd.DataFrame:
     """Padding efficiency and diversity of bucketed (and bucketed_megabatch) plans for K fitted buckets.
 
     Args:
         k_range: ``[k_min, k_max]`` (``sweep_range`` checks it).
+        on_count: told which bucket count is planned (``planning.progress.Progress.stage``).
     """
     k_min, k_max = sweep_range(k_range)
     as_choice("sweep_method", method, FIT_METHODS)
     base = {k: v for k, v in sampler_cfg.items() if k in SHARED_KEYS}
     rows = []
     for k in range(k_min, k_max + 1):
+        if on_count is not None:
+            on_count(f"K sweep: {k} buckets ({k - k_min + 1} of {k_max - k_min + 1})")
         boundaries = fit_boundaries(lengths, k, method)
         for name in ("bucketed", "bucketed_megabatch"):
             cfg = {"name": name, **base, "boundaries": boundaries}

@@ -93,6 +93,18 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     return torch.load(Path(path), map_location=map_location, weights_only=False)
 
 
+def unreadable_reason(error: BaseException) -> str:
+    """Why a checkpoint file did not load, in one short line (torch's messages run over several sentences).
+
+    Example:
+        >>> unreadable_reason(RuntimeError("PytorchStreamReader failed reading zip archive: failed finding "
+        ...                                "central directory. This is an internal miniz error. If you ..."))
+        'RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory'
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text.split('. ')[0][:120]}" if text else type(error).__name__
+
+
 class CheckpointManager:
     """Writes, prunes and finds the checkpoints of one run directory.
 
@@ -148,23 +160,34 @@ class CheckpointManager:
         files = self.step_files()
         return files[-1][1] if files else None
 
+    def newest_intact(self, map_location: str | torch.device = "cpu", damaged: list[str] | None = None,
+                      skip: Path | str | None = None) -> tuple[int, Path, dict[str, Any]] | None:
+        """(step, path, state) of the newest step file that loads, or None; ``damaged`` collects the newer files
+        that do not (``name (why)``); ``skip``: a file not to consider (one known to be damaged)."""
+        skipped = Path(skip).resolve() if skip is not None else None
+        for step, path in reversed(self.step_files()):
+            if path.resolve() == skipped:
+                continue
+            try:
+                return step, path, load_checkpoint(path, map_location=map_location)
+            except Exception as exc:  # noqa: BLE001 - a truncated file must not hide an older good one
+                if damaged is not None:
+                    damaged.append(f"{path.name} ({unreadable_reason(exc)})")
+        return None
+
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
         """The newest intact checkpoint (None when there is none); logs which file and why.
 
         Raises:
             NoIntactCheckpoint: files exist but none loads; the message says how to restart.
         """
-        files = list(reversed(self.step_files()))
-        if not files:
+        if not self.step_files():
             return None
         pointer = self.pointer() or {}
-        damaged = []
-        for step, path in files:
-            try:
-                state = load_checkpoint(path, map_location=map_location)
-            except Exception as exc:  # noqa: BLE001 - a truncated file must not hide an older good one
-                damaged.append(f"{path.name} ({type(exc).__name__}: {str(exc)[:120]})")
-                continue
+        damaged: list[str] = []
+        found = self.newest_intact(map_location, damaged)
+        if found is not None:
+            step, path, state = found
             version = state.get("format_version")
             if version != CHECKPOINT_FORMAT_VERSION:  # a layout this code would misread: refuse, naming both
                 raise ValueError(

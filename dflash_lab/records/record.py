@@ -66,6 +66,9 @@ WANDB_DIR = "wandb"
 DATA_SKIPPED_FILE = "data_skipped.jsonl"   # data=jsonl: every skipped line {line, reason, message} (run_records.py)
 RUN_FILES = (METRICS_FILE, PROBES_FILE, PRESENTATIONS_FILE, SUMMARY_FILE, TAU_FILE)
 """The files analysis reads (and that are attached to the W&B run at the end)."""
+REWRITTEN_FILES = (*RUN_FILES, RUN_CONFIG_FILE, DATA_SKIPPED_FILE)
+"""The run files rewritten whole through a temporary copy ``<name>.tmp`` renamed into place (a reader never sees half
+a file; a kill between the two leaves the copy, which the next start removes: ``RunDirectory.remove_unfinished_writes``)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,24 @@ def read_jsonl(path: Path | str, *, key: str = "step") -> tuple[list[dict[str, A
                 continue
             rows.append(row)
     return rows, bad
+
+
+def rows_lacking(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> dict[int, list[str]]:
+    """The steps whose rows lack some of ``columns`` (a file's columns: ``STEP_FIELDS``, ``PROBE_FIELDS``,
+    ``TAU_FIELDS``), each with the columns missing, in column order; rows that hold every column are left out.
+    Such a row is JSON with a valid step, so it is kept, not repaired: the resume check refuses it by name.
+
+    Example:
+        >>> rows_lacking([{"step": 1, "loss": 2.0}, {"step": 2}, {"step": 3, "loss": None}], ("step", "loss"))
+        {2: ['loss']}
+    """
+    lacking: dict[int, list[str]] = {}
+    for row in rows:
+        missing = [name for name in columns if name not in row]
+        if missing:
+            step = int(row["step"])
+            lacking[step] = [name for name in columns if name in missing or name in lacking.get(step, ())]
+    return lacking
 
 
 def rows_through(rows: Iterable[Mapping[str, Any]], last_step: int | None) -> list[Mapping[str, Any]]:

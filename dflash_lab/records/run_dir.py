@@ -1,7 +1,8 @@
 """A run's directory, as the run that owns it sees it: who may write it, which records it holds, and what a launch
 that trains nothing leaves behind (nothing changed).
 
-- One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.records.run_lock`) before anything in it is opened.
+- One writer: rank 0 takes the directory's lock (:mod:`dflash_lab.records.run_lock`) before anything in it is opened,
+  then removes the temporary copies a kill left mid-rewrite (:meth:`RunDirectory.remove_unfinished_writes`).
 - The run owns its config record, ``run_config.json`` (:data:`record.RUN_CONFIG_FILE`: the resolved config, the
   launch's task overrides and Hydra's files of that launch), written under the lock when a launch starts training
   (:meth:`RunDirectory.running`) and by nothing else: a launch refused by the lock, refused before its loop (a
@@ -166,6 +167,21 @@ class RunDirectory:
             return None
         self._lock = RunDirLock(self.path).acquire()
         return describe_holder(self._lock.replaced) if self._lock.replaced else None
+
+    def remove_unfinished_writes(self, log: logging.Logger) -> list[str]:
+        """Remove the temporary copies (``<file>.tmp`` of ``record.REWRITTEN_FILES``) that a kill left between
+        writing a record file's new content and renaming it into place, with a log line; the file itself holds its
+        last complete version (rank 0, under the lock). Returns the names removed."""
+        if not self.is_main or self._lock is None:
+            return []
+        stale = [self.path / f"{name}.tmp" for name in record.REWRITTEN_FILES]
+        stale = [path for path in stale if path.is_file() or path.is_symlink()]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.warning(f"removed {', '.join(path.name for path in stale)}: left by a run killed while it rewrote "
+                        f"{', '.join(path.stem for path in stale)}, whose last complete version is kept")
+        return [path.name for path in stale]
 
     def resuming(self, checkpoint_hydra_files: dict[str, str] | None) -> None:
         """A checkpoint is being resumed: if this launch is refused before its loop, its ``.hydra`` files go back."""
@@ -337,9 +353,11 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
                         probed_steps_expected: list[int] | None = None, tau_steps: set[int] | None = None,
                         tau_steps_expected: list[int] | None = None,
                         probe_bands: Mapping[int, set[int]] | None = None,
-                        probe_bands_expected: list[int] | None = None) -> None:
+                        probe_bands_expected: list[int] | None = None,
+                        incomplete_rows: Mapping[str, Mapping[int, list[str]]] | None = None) -> None:
     """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
-    1..step, once each; every probe evaluation and tau measurement the checkpoint's run had written, or, for
+    1..step, once each, and every row of the JSON-lines files with all its file's columns (``incomplete_rows``:
+    file name -> {step: the columns its rows lack}, ``RunLogger.incomplete_rows``); every probe evaluation and tau measurement the checkpoint's run had written, or, for
     checkpoints that do not list them, the probe evaluation of its last probe step; every band of each probe
     evaluation (``probe_bands``: step -> bands held; ``probe_bands_expected``: the bands each evaluation wrote, from
     the checkpoint; else every band seen at any step); presentations as many rows as it had written); otherwise the
@@ -357,8 +375,14 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
         Traceback (most recent call last):
         ...
         dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: probes.jsonl lacks band rows of probe evaluations: step 2 holds bands [0] of [0, 1] (missing [1]). ...
+        >>> check_records_cover(2, [{"step": 1}, {"step": 2}], set(), None, None,
+        ...                     incomplete_rows={"metrics.jsonl": {2: ["loss", "acc"]}})
+        Traceback (most recent call last):
+        ...
+        dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: metrics.jsonl's row of step 2 lacks the columns loss, acc (every row holds the 21 of record.STEP_FIELDS). ...
     """
     problems = [_metrics_problem(step, history)]
+    problems += [_incomplete_rows_problem(name, lacking) for name, lacking in (incomplete_rows or {}).items()]
     wanted = set(probed_steps_expected or []) | ({last_probe_step} if last_probe_step is not None else set())
     if wanted - probed_steps:
         problems.append(f"{record.PROBES_FILE} lacks the probe evaluations of steps {_some(sorted(wanted - probed_steps))}")
@@ -393,6 +417,34 @@ def _metrics_problem(step: int, history: list[dict[str, Any]]) -> str | None:
         return (f"{record.METRICS_FILE} holds step {_some(repeated)} twice ({len(steps)} rows for the {step} steps "
                 f"up to it)")
     return f"{record.METRICS_FILE} holds its {step} steps out of order"
+
+
+COLUMNS_OF = {record.METRICS_FILE: ("STEP_FIELDS", record.STEP_FIELDS),
+              record.PROBES_FILE: ("PROBE_FIELDS", record.PROBE_FIELDS),
+              record.TAU_FILE: ("TAU_FIELDS", record.TAU_FIELDS)}
+
+
+def _incomplete_rows_problem(name: str, lacking: Mapping[int, list[str]], shown: int = 3) -> str | None:
+    """Rows of the JSON-lines file ``name`` that lack columns (``record.rows_lacking``), named by step, or None.
+
+    Example:
+        >>> _incomplete_rows_problem("tau.jsonl", {8: ["tau_se"], 4: ["tau_se", "tau_prompts"]})
+        'tau.jsonl holds rows without all their columns: step 4 lacks tau_se, tau_prompts; step 8 lacks tau_se (every row holds the 7 of record.TAU_FIELDS)'
+    """
+    if not lacking:
+        return None
+    steps = sorted(lacking)
+    constant, columns = COLUMNS_OF.get(name, ("", ()))
+    of = f" (every row holds the {len(columns)} of record.{constant})" if constant else ""
+
+    def listed(missing: list[str]) -> str:
+        return ", ".join(missing) if len(missing) <= 8 else f"{', '.join(missing[:8])} and {len(missing) - 8} more"
+
+    if len(steps) == 1:
+        return f"{name}'s row of step {steps[0]} lacks the columns {listed(lacking[steps[0]])}{of}"
+    described = "; ".join(f"step {s} lacks {listed(lacking[s])}" for s in steps[:shown])
+    more = f"; and {len(steps) - shown} more steps ({_some(steps[shown:])})" if len(steps) > shown else ""
+    return f"{name} holds rows without all their columns: {described}{more}{of}"
 
 
 def _probe_bands_problem(probe_bands: Mapping[int, set[int]], expected: list[int] | None) -> str | None:

@@ -43,7 +43,7 @@ from typing import Any
 from dflash_lab.records.record import (
     METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, TAU_FIELDS, TAU_FILE,
     WANDB_ID_FILE,
-    json_safe, rank_log_name, read_jsonl, rows_through,
+    json_safe, rank_log_name, read_jsonl, rows_lacking, rows_through,
 )
 
 LOGGER_NAME = "dflash_lab"
@@ -207,6 +207,9 @@ class RunLogger:
         probed_steps: steps at which probe rows exist (a step is never probed twice).
         probe_bands: step -> the bands its probe rows hold (one row per band of an evaluation).
         tau_steps: steps at which tau.jsonl rows exist.
+        tau_rows: step -> its tau.jsonl row (what a measurement of the draft at that step found).
+        incomplete_rows: file name -> {step: the columns its kept rows lack} (files whose rows are whole are left
+            out): the resume check refuses them (``run_dir.check_records_cover``).
     """
 
     def __init__(self, run_dir: Path | str, *, is_main: bool, resume_step: int | None,
@@ -219,6 +222,8 @@ class RunLogger:
         self.probed_steps: set[int] = set()
         self.probe_bands: dict[int, set[int]] = {}
         self.tau_steps: set[int] = set()
+        self.tau_rows: dict[int, dict[str, Any]] = {}
+        self.incomplete_rows: dict[str, dict[int, list[str]]] = {}
         self.tokens_seen = 0
         self.wandb: WandbSink | None = None
         if not is_main:
@@ -230,7 +235,11 @@ class RunLogger:
         for row in probes:
             self.probe_bands.setdefault(int(row["step"]), set()).add(row.get("band"))
         self.probed_steps = set(self.probe_bands)
-        self.tau_steps = {int(row["step"]) for row in taus}
+        self.tau_rows = {int(row["step"]): row for row in taus}
+        self.tau_steps = set(self.tau_rows)
+        lacking = {METRICS_FILE: rows_lacking(self.history, STEP_FIELDS),
+                   PROBES_FILE: rows_lacking(probes, PROBE_FIELDS), TAU_FILE: rows_lacking(taus, TAU_FIELDS)}
+        self.incomplete_rows = {name: steps for name, steps in lacking.items() if steps}
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
         if removed + removed_probes + removed_taus:
             self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
@@ -306,6 +315,7 @@ class RunLogger:
         clean = {name: json_safe(row[name]) for name in TAU_FIELDS}
         self._append(self.tau_path, [clean])
         self.tau_steps.add(int(clean["step"]))
+        self.tau_rows[int(clean["step"])] = clean
         if self.wandb is not None:
             self.wandb.log_row({"step": clean["step"], "tokens_seen": self.tokens_seen, "tau/mean": clean["tau"],
                                 "tau/band_min": clean["tau_band_min"],

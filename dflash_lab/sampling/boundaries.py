@@ -71,6 +71,31 @@ def validate_boundaries(
     return as_ints
 
 
+def empty_bucket_warning(boundaries: Sequence[int], lengths: np.ndarray,
+                         key: str = "sampler.boundaries") -> str | None:
+    """What to say when some buckets of ``boundaries`` hold none of ``lengths`` (a list that reaches past the longest
+    sample, or a gap in the lengths): such a bucket makes no batch, so the run has fewer buckets than its list
+    says. The fix drops each empty bucket's upper boundary (merging it into the next; the last one's ends the list
+    at the boundary below it, which still covers the longest sample). None when every bucket holds a sample.
+
+    Example:
+        >>> print(empty_bucket_warning([0, 96, 1024, 2048], np.array([50, 300, 987])))
+        sampler.boundaries=[0, 96, 1024, 2048]: bucket 2 (1024, 2048] holds no sample (the longest is 987 tokens), so it makes no batch: this run has 2 buckets, not 3. Drop the empty buckets' upper boundaries to say so: sampler.boundaries=[0,96,1024]
+    """
+    ids = bucket_ids(lengths, boundaries)
+    counts = np.bincount(ids[ids >= 0], minlength=len(boundaries) - 1)
+    empty = np.flatnonzero(counts == 0).tolist()
+    if not empty or len(empty) == len(counts):
+        return None
+    shown = ", ".join(f"{k} ({boundaries[k]}, {boundaries[k + 1]}]" for k in empty)
+    kept = [b for i, b in enumerate(boundaries) if i == 0 or i - 1 not in empty]
+    several = len(empty) > 1
+    return (f"{key}={list(boundaries)}: bucket{'s' if several else ''} {shown} "
+            f"{'hold' if several else 'holds'} no sample (the longest is {int(np.max(lengths))} tokens), so "
+            f"{'they make' if several else 'it makes'} no batch: this run has {len(counts) - len(empty)} buckets, not "
+            f"{len(counts)}. Drop the empty buckets' upper boundaries to say so: {key}=[{','.join(map(str, kept))}]")
+
+
 def fit_boundaries(
     lengths: np.ndarray, num_buckets: int, method: str = "optimal", *, max_candidates: int = 2048, **unknown: Any
 ) -> list[int]:

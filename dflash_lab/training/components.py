@@ -31,6 +31,7 @@ from dflash_lab.data import Collator, build_dataset
 from dflash_lab.model import build_model, footprint
 from dflash_lab.training.probes import resolve_bands
 from dflash_lab.sampling import policy_from_config, resolve_auto_boundaries
+from dflash_lab.sampling.boundaries import empty_bucket_warning
 from dflash_lab.sampling.stats import lr_scale, resolve_matched_real_tokens
 from dflash_lab.sampling.anchors import anchor_rule_name, block_tokens_per_sample
 from dflash_lab.training.settings import ProbeSettings, RunSettings
@@ -52,6 +53,25 @@ def pretrain_corpus_follows_data(model_cfg: Mapping, data_cfg: Mapping) -> dict[
         keys = ("kind", "num_samples", "seed", "min_length", "probe_fraction", "band_skills", "skill_bands")
         model_cfg["pretrain_data"] = {k: data_cfg[k] for k in keys if k in data_cfg}
     return model_cfg
+
+
+def max_steps_note(max_steps: int | None, plan: record.PlanFacts, epochs: int) -> str | None:
+    """What to say when ``trainer.max_steps`` lies beyond the configured epochs' steps, which cap it (the run ends
+    with its last epoch); None when it does not.
+
+    Example:
+        >>> facts = record.PlanFacts(steps_per_epoch=(104, 103), batches_per_epoch=(104, 103), end_step=207)
+        >>> print(max_steps_note(10**9, facts, epochs=2))
+        trainer.max_steps=1000000000 is more than the 207 steps of trainer.epochs=2 ([104, 103] per epoch): the run ends at step 207, the end of its last epoch (a run never trains past its epochs); raise trainer.epochs for more steps, or set trainer.max_steps=null
+        >>> max_steps_note(207, facts, epochs=2) is None
+        True
+    """
+    if max_steps is None or max_steps <= plan.total_steps:
+        return None
+    return (f"trainer.max_steps={max_steps} is more than the {plan.total_steps} steps of trainer.epochs={epochs} "
+            f"({list(plan.steps_per_epoch)} per epoch): the run ends at step {plan.end_step}, the end of its last "
+            f"epoch (a run never trains past its epochs); raise trainer.epochs for more steps, or set "
+            f"trainer.max_steps=null")
 
 
 def plan_facts(policy, epochs: int, grad_accum: int, max_steps: int | None) -> record.PlanFacts:
@@ -243,7 +263,8 @@ def build_batching(settings: RunSettings, sizing: StepSizing, train_ds, pad_id: 
                    env: dist.DistEnv, device: torch.device,
                    log: logging.Logger) -> tuple[Any, torch.utils.data.DataLoader, record.PlanFacts]:
     """The batching policy over the training split, its DataLoader and the plan's step counts; refuses probe bands
-    that end below the longest training sample and says what the overlong rule dropped or cut."""
+    that end below the longest training sample and says what the overlong rule dropped or cut, which buckets hold
+    no sample (``sampling.boundaries.empty_bucket_warning``) and a ``trainer.max_steps`` the epochs cap."""
     trainer = settings.trainer
     policy = policy_from_config(sizing.sampler_cfg, train_ds.lengths, seed=settings.seed, world_size=env.world_size,
                                 rank=env.rank, block_tokens=sizing.block_tokens)
@@ -256,6 +277,13 @@ def build_batching(settings: RunSettings, sizing: StepSizing, train_ds, pad_id: 
         collate_fn=Collator(pad_id=pad_id, packed=policy.packed, effective_lengths=policy.lengths),
     )
     plan = plan_facts(policy, trainer.epochs, trainer.grad_accum, trainer.max_steps)
+    empty = (empty_bucket_warning(policy.boundaries, policy.lengths[policy.admission.kept])
+             if policy.boundaries is not None else None)
+    if empty:   # e.g. boundaries past the longest document: said before step 1, not found in the bucket column later
+        log.warning(empty)
+    capped = max_steps_note(trainer.max_steps, plan, trainer.epochs)
+    if capped:
+        log.warning(capped)
     if plan.dropped_overlong or plan.truncated:
         log.warning(f"sampler.overlong={sizing.sampler_cfg.get('overlong')}: {plan.dropped_overlong} sample(s) "
                     f"dropped, {plan.truncated} truncated to fit sampler.max_tokens (summary.json 'samples')")

@@ -161,14 +161,18 @@ class Evaluation:
             with self._evaluating("probe"):
                 self.log_probes(self.probe_sets.evaluate(self.evaluate_batch, step, seed=self.settings.seed))
 
-    def final_tau(self, step: int, should_stop: Callable[[], bool]) -> dict[str, Any]:
+    def final_tau(self, step: int, should_stop: Callable[[], bool],
+                  recorded: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Tau of the trained draft and of the untrained one (rank 0): ``tau``, ``tau_se``, ``tau_prompts``,
         ``tau_baseline``, ``tau_baseline_se``, ``tau_by_band``, ``tau_baseline_by_band``, ``tau_band_min``,
         ``tau_band_mean`` and ``complete``; a ``should_stop`` request ends it early (partial tau, NaN baseline,
         complete False). Its cost per draft: ``model.decode_num_prompts`` x ``model.decode_max_new_tokens`` tokens of
         draft forwards (replay; the target's continuations once per run) or of draft and target forwards
         (generate); the log tells its start, its progress (a line per tenth of the prompts, and every 30 s) and its
-        end. A complete measurement is also a tau.jsonl row of ``step``."""
+        end. A complete measurement is also a tau.jsonl row of ``step``. ``recorded``: tau.jsonl's row of ``step``
+        when the trained draft of this step was measured already (a relaunch of a run that finished, or that a
+        preemption stopped while it measured the untrained draft): it is taken as it is, and only the untrained
+        draft is measured, so tau.jsonl never holds a step twice."""
         nothing = [None] * self.num_bands
         result = {"tau": math.nan, "tau_se": math.nan, "tau_prompts": 0, "tau_baseline": math.nan,
                   "tau_baseline_se": math.nan, "tau_by_band": nothing, "tau_baseline_by_band": nothing,
@@ -176,13 +180,22 @@ class Evaluation:
         if not self.is_main:
             return result
         with self._evaluating("tau"):
-            measured = self._measure("trained draft", self.model, should_stop)
-            row = self.tau_row(step, measured)
+            if recorded is not None:
+                self.log.info(f"tau (trained draft): step {step} was measured already ({record.TAU_FILE}: tau "
+                              f"{recorded['tau']}): not measured again; the untrained draft's is measured")
+                # JSON keeps a non-finite figure as null: back to NaN, as a measurement gives it
+                row = {key: math.nan if value is None and key != "tau_by_band" else value
+                       for key, value in recorded.items()}
+                complete = True
+            else:
+                measured = self._measure("trained draft", self.model, should_stop)
+                row, complete = self.tau_row(step, measured), bool(measured["complete"])
+                if complete:
+                    self.log_tau(row)
             result.update({key: row[key] for key in ("tau", "tau_se", "tau_prompts", "tau_by_band", "tau_band_min",
                                                      "tau_band_mean")},
-                          complete=bool(measured["complete"]))
-            if measured["complete"]:
-                self.log_tau(row)  # the untrained draft (same initial weights), rebuilt and measured here
+                          complete=complete)
+            if complete:   # the untrained draft (same initial weights), rebuilt and measured here
                 untrained = self._measure("untrained draft", self.model.baseline_model(), should_stop)
                 if untrained["complete"]:
                     result.update(tau_baseline=float(untrained["tau"]), tau_baseline_by_band=self.by_band(untrained),

@@ -85,7 +85,8 @@ class RunRecords:
                                     probed_steps_expected=expected.get("probed_steps"),
                                     tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"),
                                     probe_bands=logger.probe_bands,
-                                    probe_bands_expected=expected.get("probe_bands"))
+                                    probe_bands_expected=expected.get("probe_bands"),
+                                    incomplete_rows=logger.incomplete_rows)
             if recording:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
