@@ -64,7 +64,15 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
-KEY = "dflash/"
+def key_prefix() -> str:
+    """The namespace of this attempt's keys in the store: under torchrun the store is its agent's, which outlives
+    a restart of the workers (``TORCHELASTIC_RESTART_COUNT`` tells them apart)."""
+    return f"dflash/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _agent_store() -> bool:
+    """torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT: every rank, rank 0 too, is its client."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 SETTING_ADDR = "trainer.master_addr"
 SETTING_RENDEZVOUS = "trainer.rendezvous_timeout_s"
 SETTING_PEERS = "trainer.peer_timeout_s"
@@ -133,12 +141,13 @@ def rendezvous(master_addr: str, master_port: int, *, rank: int, world_size: int
     me = f"rank {rank} (node {node})"
     fix = (f"set {SETTING_ADDR}=<an address of the first node that every node can reach> (or the MASTER_ADDR "
            f"environment variable)")
+    key = key_prefix()
     problem = _resolve_problem(master_addr, master_port)
     if problem:
         raise PeerFailure(f"{me} cannot reach the rendezvous master {where} (from {master_source}): {problem}; {fix}")
     started = time.monotonic()
     try:
-        store = torch_dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+        store = torch_dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0 and not _agent_store(),
                                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except RuntimeError as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -149,19 +158,19 @@ def rendezvous(master_addr: str, master_port: int, *, rank: int, world_size: int
                               f"node; set the MASTER_PORT environment variable to a free port") from None
         raise PeerFailure(f"{me} cannot reach the rendezvous master {where} (from {master_source}) within "
                           f"{timeout_s:g} s ({SETTING_RENDEZVOUS}): {reason}; {fix}") from None
-    store.set(f"{KEY}joined/{rank}", node)
-    store.add(f"{KEY}beat/{rank}", 1)
-    store.add(f"{KEY}joined", 1)
+    store.set(f"{key}joined/{rank}", node)
+    store.add(f"{key}beat/{rank}", 1)
+    store.add(f"{key}joined", 1)
     if rank == 0:
-        return store, _count_joined(store, world_size, node, where, timeout_s, started)
+        return store, _count_joined(store, key, world_size, node, where, timeout_s, started)
     left = max(timeout_s - (time.monotonic() - started), 0.0) + 5.0   # rank 0's bound, and time to say it
     try:
-        store.wait([f"{KEY}verdict"], timedelta(seconds=left))
-        verdict = json.loads(store.get(f"{KEY}verdict"))
+        store.wait([f"{key}verdict"], timedelta(seconds=left))
+        verdict = json.loads(store.get(f"{key}verdict"))
     except RuntimeError:
         raise PeerFailure(f"{me} joined the rendezvous at {where} but rank 0 gave no verdict within {left:g} s "
                           f"(rank 0 stopped; its log says why)") from None
-    store.add(f"{KEY}verdict_read", 1)
+    store.add(f"{key}verdict_read", 1)
     if verdict.get("missing"):
         raise PeerFailure(f"{me}: the rendezvous at {where} failed: {_never_joined(verdict['missing'], timeout_s)}")
     return store, list(verdict["nodes"])
@@ -174,22 +183,22 @@ def _never_joined(missing: list[int], timeout_s: float) -> str:
             f"{'their' if len(missing) > 1 else 'its'} log); raise {SETTING_RENDEZVOUS} if ranks start slowly here")
 
 
-def _count_joined(store: torch_dist.TCPStore, world_size: int, node: str, where: str, timeout_s: float,
+def _count_joined(store: torch_dist.TCPStore, key: str, world_size: int, node: str, where: str, timeout_s: float,
                   started: float) -> list[str]:
     """Rank 0: wait for every rank's ``joined`` key, then publish the verdict (the topology, or who is missing)."""
-    while store.add(f"{KEY}joined", 0) < world_size and time.monotonic() - started < timeout_s:
+    while store.add(f"{key}joined", 0) < world_size and time.monotonic() - started < timeout_s:
         time.sleep(0.05)
-    joined = [r for r in range(world_size) if store.check([f"{KEY}joined/{r}"])]
+    joined = [r for r in range(world_size) if store.check([f"{key}joined/{r}"])]
     missing = sorted(set(range(world_size)) - set(joined))
     if missing:
-        store.set(f"{KEY}verdict", json.dumps({"missing": missing}))
+        store.set(f"{key}verdict", json.dumps({"missing": missing}))
         # the ranks that joined read the verdict before this rank, which hosts the store, exits
         deadline = time.monotonic() + 3.0
-        while store.add(f"{KEY}verdict_read", 0) < len(joined) - 1 and time.monotonic() < deadline:
+        while store.add(f"{key}verdict_read", 0) < len(joined) - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         raise PeerFailure(f"rank 0 (node {node}): the rendezvous at {where} failed: {_never_joined(missing, timeout_s)}")
-    nodes = [value.decode() for value in store.multi_get([f"{KEY}joined/{r}" for r in range(world_size)])]
-    store.set(f"{KEY}verdict", json.dumps({"nodes": nodes}))
+    nodes = [value.decode() for value in store.multi_get([f"{key}joined/{r}" for r in range(world_size)])]
+    store.set(f"{key}verdict", json.dumps({"nodes": nodes}))
     return nodes
 
 
@@ -211,6 +220,7 @@ class PeerWatch:
         self.timeout_s = float(timeout_s)
         self.interval_s = min(1.0, self.timeout_s / 10)
         self.on_stop = on_stop
+        self.key = key_prefix()
         self._main_store = store
         self._store = store.clone()   # the thread's own connection: no lock shared with the process group's
         self._closed = threading.Event()
@@ -230,7 +240,7 @@ class PeerWatch:
         last = {r: (-1, time.monotonic()) for r in others}   # rank -> (counter, when it last moved)
         while not self._closed.wait(self.interval_s):
             try:
-                self._store.add(f"{KEY}beat/{self.rank}", 1)
+                self._store.add(f"{self.key}beat/{self.rank}", 1)
                 if self.rank == 0:
                     self._judge(others, last)
                 verdict = self._read_stop(self._store)
@@ -245,12 +255,12 @@ class PeerWatch:
     def _judge(self, others: list[int], last: dict[int, tuple[int, float]]) -> None:
         """Rank 0: a rank whose counter has not moved for ``timeout_s`` and that said no goodbye is lost."""
         now = time.monotonic()
-        counters = self._store.multi_get([f"{KEY}beat/{r}" for r in others])
+        counters = self._store.multi_get([f"{self.key}beat/{r}" for r in others])
         for r, value in zip(others, counters):
             count = int(value)
             if count != last[r][0]:
                 last[r] = (count, now)
-            elif now - last[r][1] > self.timeout_s and not self._store.check([f"{KEY}bye/{r}"]):
+            elif now - last[r][1] > self.timeout_s and not self._store.check([f"{self.key}bye/{r}"]):
                 self._set_stop(self._store, r, "lost",
                                f"its heartbeat stopped {now - last[r][1]:.0f} s ago ({SETTING_PEERS}="
                                f"{self.timeout_s:g}): the process was killed or froze, or its node failed")
@@ -270,9 +280,9 @@ class PeerWatch:
 
     # ---- the main thread
     def _read_stop(self, store: torch_dist.TCPStore) -> dict[str, Any] | None:
-        if not store.check([f"{KEY}stop"]):
+        if not store.check([f"{self.key}stop"]):
             return None
-        verdict = json.loads(store.get(f"{KEY}stop"))
+        verdict = json.loads(store.get(f"{self.key}stop"))
         if verdict.get("what") == "lost":
             self._lost.add(int(verdict["rank"]))
         return verdict
@@ -281,7 +291,7 @@ class PeerWatch:
         """Set the run's stop verdict unless a rank set one first; returns the verdict that stands."""
         mine = json.dumps({"rank": rank, "node": self.nodes[rank] if rank < len(self.nodes) else "", "what": what,
                            "why": why})
-        verdict = json.loads(store.compare_set(f"{KEY}stop", "", mine))
+        verdict = json.loads(store.compare_set(f"{self.key}stop", "", mine))
         if verdict.get("what") == "lost":
             self._lost.add(int(verdict["rank"]))
         return verdict
@@ -324,13 +334,13 @@ class PeerWatch:
         """The ranks whose counters do not move for ``3 x interval_s`` and that said no goodbye (the store gone:
         ``[0]``)."""
         others = [r for r in range(self.world_size) if r != self.rank]
-        keys = [f"{KEY}beat/{r}" for r in others]
+        keys = [f"{self.key}beat/{r}" for r in others]
         try:
             before = self._main_store.multi_get(keys)
             time.sleep(3 * self.interval_s)
             after = self._main_store.multi_get(keys)
             return [r for r, a, b in zip(others, before, after)
-                    if a == b and not self._main_store.check([f"{KEY}bye/{r}"])]
+                    if a == b and not self._main_store.check([f"{self.key}bye/{r}"])]
         except RuntimeError:
             return [0]
 
@@ -341,10 +351,10 @@ class PeerWatch:
             return
         self._closed.set()
         try:
-            self._main_store.set(f"{KEY}bye/{self.rank}", "1")
+            self._main_store.set(f"{self.key}bye/{self.rank}", "1")
             if linger and self.rank == 0:
                 deadline = time.monotonic() + 3 * self.interval_s + 1.0
-                others = [f"{KEY}bye/{r}" for r in range(1, self.world_size) if r not in self._lost]
+                others = [f"{self.key}bye/{r}" for r in range(1, self.world_size) if r not in self._lost]
                 while others and time.monotonic() < deadline and not self._main_store.check(others):
                     time.sleep(0.05)
         except RuntimeError:
