@@ -245,8 +245,8 @@ def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: C
     return (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {plan.world_size}, "
         f"{plan.epochs:g} epochs; {describe_cost(cost)}\n"
-        + describe_nodes(plan, memory, float(table["pred_comm_s"].iloc[0]) if len(table) else 0.0)
         + f"model: {(model_cfg or {}).get('kind')} ({model_fingerprint(model_cfg) or 'shape unknown'})\n"
+        + describe_nodes(plan, memory, float(table["pred_comm_s"].iloc[0]) if len(table) else 0.0)
         + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(model_cfg, block_tokens) + "\n"
