@@ -619,8 +619,8 @@ class QueueWatch:
         errors = _run_errors(logs)
         if errors:   # the run said why it stopped, in one line per cause (every rank names the same lost rank)
             sweep_dir = folder.parent.parent if folder.parent.name == ".submitit" else None
-            relaunch = (f" Relaunch (after the fix it names) with hydra.sweep.dir={sweep_dir}: each run resumes from "
-                        f"its newest checkpoint." if sweep_dir is not None else "")
+            relaunch = (f" To go on: the same command with hydra.sweep.dir={sweep_dir} (each run resumes from its "
+                        f"newest checkpoint)." if sweep_dir is not None else "")
             running = (f"\nOther jobs of this sweep may still be queued or running ({', '.join(sorted(others))}): "
                        f"`scancel {job_id.split('_')[0]}` cancels them" if others else "")
             return (f"Slurm job {job_id} failed ({state[0] if state[0] != 'GONE' else 'ended'}): "

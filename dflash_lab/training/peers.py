@@ -56,6 +56,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -275,6 +276,8 @@ class PeerWatch:
         try:
             if self.on_stop is not None:
                 self.on_stop(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
         finally:
             os._exit(1)
 
