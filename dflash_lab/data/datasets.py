@@ -1,6 +1,7 @@
 """Tokenized datasets behind one class, built once per (data config, tokenizer, code) and memory-mapped after.
 
-Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/``):
+Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/``; the token store's files are
+written by ``dflash_lab/data/store.py``):
     tokens.npy  int32[total]   all samples' ids, concatenated
     loss_mask.npy bool[total]  supervised tokens
     offsets.npy int64[N + 1]   sample i is tokens[offsets[i]:offsets[i+1]]
@@ -9,9 +10,16 @@ Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/
     skipped_lines.jsonl        data=jsonl: every skipped line's number, reason and message (the run copies it)
 The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
 them rebuilds; a JSONL file enters the key by its content's digest (not its modification time: an edit in place
-whose mtime was restored rebuilds too). Arrays are opened with ``mmap_mode="r"``; every load streams them once
-through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and checks the
-digest recorded at build time, so a damaged or edited cache is refused before step 1.
+whose mtime was restored rebuilds too); ``data.num_proc`` does not enter it (the store is the same for any
+value). Arrays are opened with ``mmap_mode="r"`` (DDP ranks on one node share their pages); every load streams
+them once through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and
+checks the digest recorded at build time, so a damaged or edited cache is refused before step 1.
+
+Building: the samples are written to the store chunk by chunk as they are made (``store.StoreWriter``), so the
+builder's memory does not grow with the corpus; ``data=jsonl`` is tokenized in ``data.num_proc`` processes
+(``jsonl.encode_jsonl``), logging a progress line at least every 10 s and the time and size at the end. The
+build runs under the cache entry's lock (``cache.build_once``): other processes wanting the same entry (the other
+DDP ranks) wait for it, saying so, and then load what it wrote.
 
 ``TokenizedDataset.split()`` holds out ``probe_fraction`` of the samples for probes and decoding prompts,
 stratified by length (one pick per run of ``1/probe_fraction`` samples in length order) so every length band
@@ -20,8 +28,10 @@ per band, it tops up any band holding fewer held-out samples than that count (ex
 samples, at most half of them, so training keeps the band): the stratified share alone can leave a band short
 (3000 synthetic samples: 19 held out in (304, 412] for 24 probes).
 
-Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load`` and
-one read of the arrays for the digest (about 4 s per GiB on 2 slow cores); a JSONL source is read once more for its digest at every build call.
+Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples; chat JSONL: docs/data.md, "Preparing
+a large file"), then one read of the store for its digest; loading = a few ``np.load`` and one read of the arrays
+for the digest (about 1-4 s per GiB on 2 slow cores, as busy as they are); a JSONL source is read once more for
+its digest at every build call.
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +50,20 @@ import torch
 from dflash_lab.config_check import refuse_unknown_keys
 from dflash_lab.data import code as code_module
 from dflash_lab.data import jsonl as jsonl_module
+from dflash_lab.data import store as store_module
 from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
+from dflash_lab.data.parallel import resolve_num_proc
+from dflash_lab.data.progress import Progress, format_bytes
+from dflash_lab.data.store import StoreWriter, chunked
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
+from dflash_lab.metrics.throughput import format_eta
 from dflash_lab.refusal import DamagedCache
 from dflash_lab.sampling.boundaries import bucket_ids
 
 KINDS = ("synthetic", "code", "jsonl")
+log = logging.getLogger("dflash_lab.data")
 __all__ = ["KINDS", "TokenizedDataset", "build_dataset", "default_cache_dir"]
 
 
@@ -219,22 +237,20 @@ class TokenizedDataset:
                 self.subset(self.heldout_indices(probe_fraction, seed, bands, per_band)))
 
 
-def _write_arrays(directory: Path, samples, kind: str) -> None:
-    """Consume (ids, mask) pairs into the cache arrays (chunks keep peak memory ~ 2x the corpus)."""
-    ids_chunks, mask_chunks, lengths = [], [], []
-    for ids, mask in samples:
-        ids_chunks.append(np.asarray(ids, dtype=np.int32))
-        mask_chunks.append(np.asarray(mask, dtype=bool))
-        lengths.append(len(ids))
-    if not lengths:
+def _write_store(directory: Path, chunks, kind: str) -> StoreWriter:
+    """Consume chunks ``(tokens, loss_mask, lengths)`` into the store's files as they come (``store.StoreWriter``:
+    memory holds one chunk, not the corpus)."""
+    with StoreWriter(directory) as writer:
+        for tokens, loss_mask, lengths in chunks:
+            writer.add(tokens, loss_mask, lengths)
+    if not writer.num_samples:
         raise ValueError(f"the {kind} dataset produced no samples: check the data config (data.*)")
-    lengths_arr = np.asarray(lengths, dtype=np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths_arr, out=offsets[1:])
-    np.save(directory / "tokens.npy", np.concatenate(ids_chunks))
-    np.save(directory / "loss_mask.npy", np.concatenate(mask_chunks))
-    np.save(directory / "offsets.npy", offsets)
-    np.save(directory / "lengths.npy", lengths_arr)
+    return writer
+
+
+def store_size(directory: Path) -> int:
+    """Bytes of a cache entry's files."""
+    return sum(path.stat().st_size for path in Path(directory).iterdir() if path.is_file())
 
 
 CONTENT_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy")
@@ -269,14 +285,16 @@ def content_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedDataset:
+def _load(directory: Path, probe_fraction: float, split_seed: int, just_built: bool = False) -> TokenizedDataset:
     """Open a built cache entry, checked: the digest of its arrays as they are now must be the one recorded when it
     was built, and the sample lengths must match the sample boundaries. A damaged or edited file is refused
-    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete)."""
+    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete). ``just_built``: this
+    process has just written the entry and streamed its digest from the written files (not read twice)."""
     fix = f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
     try:
         meta = json.loads((directory / "meta.json").read_text())
-        digest = content_digest(directory)   # streamed from the bytes trained on, never copied from meta.json
+        # streamed from the bytes trained on, never copied from meta.json (but by the process that just wrote them)
+        digest = meta["content_digest"] if just_built else content_digest(directory)
         arrays = [np.load(directory / "tokens.npy", mmap_mode="r"), np.load(directory / "loss_mask.npy", mmap_mode="r"),
                   np.load(directory / "offsets.npy"), np.load(directory / "lengths.npy")]
     except (OSError, ValueError) as error:
@@ -313,7 +331,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   min_length: int = 32, max_length: int = 1024, path: str | None = None,
                   max_bad_fraction: float = 0.01, max_truncated_fraction: float = 0.05,
                   stdlib_dir: str | None = None, chat_template: str | None = None,
-                  band_skills: str = "none", skill_bands=None, **unknown) -> TokenizedDataset:
+                  band_skills: str = "none", skill_bands=None, num_proc: int | None = None,
+                  **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
     Args:
@@ -334,6 +353,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         band_skills: synthetic: ``none`` (the length-styled corpus), ``aligned`` or ``independent`` (the skills
             corpus, see data.synthetic); ``none`` leaves the cache key of the default corpus as it was.
         skill_bands: synthetic: skill band boundaries (None: ``synthetic.DEFAULT_SKILL_BANDS``).
+        num_proc: jsonl: processes that tokenize the file when it is not cached yet (None: the CPUs this process
+            may use, ``parallel.available_cpus``); the store is the same for any value, so it is not in the key.
         **unknown: refused (ValueError listing the valid keys): a misspelt key must never keep a default.
 
     Returns:
@@ -353,6 +374,10 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                          "tokenizer has its own chat format: drop data.chat_template")
     if kind != "synthetic" and (band_skills != "none" or skill_bands is not None):
         raise ValueError(f"data.band_skills / data.skill_bands apply to data=synthetic, not data={kind}: drop them")
+    if num_proc is not None and kind != "jsonl":
+        raise ValueError(f"data.num_proc applies to data=jsonl, not data={kind}: drop data.num_proc")
+    started = time.monotonic()
+    facts = {"processes": 1}   # what the build used, for its last log line
     if kind == "synthetic":
         if not num_samples or num_samples <= 0:
             raise ValueError(f"data.num_samples={num_samples}: the synthetic corpus needs a positive size")
@@ -363,15 +388,15 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
             config.update(band_skills=band_skills, skill_bands=bands)
         module = synthetic_module
 
-        def produce(report):
-            return synthetic_module.iter_synthetic(tokenizer, **config)
+        def produce(report, tmp):
+            return chunked(synthetic_module.iter_synthetic(tokenizer, **config))
     elif kind == "code":
         config = {"num_samples": num_samples, "max_length": int(max_length), "min_length": int(min_length),
                   "stdlib_dir": stdlib_dir or code_module.sysconfig.get_paths()["stdlib"]}
         module = code_module
 
-        def produce(report):
-            return code_module.iter_code(tokenizer, **config, report=report)
+        def produce(report, tmp):
+            return chunked(code_module.iter_code(tokenizer, **config, report=report))
     elif kind == "jsonl":
         if not path:
             raise ValueError("data.path is not set: data=jsonl needs data.path=/path/to/chat.jsonl")
@@ -386,22 +411,29 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   "chat_template": template}
         module = jsonl_module
 
-        def produce(report):
-            return jsonl_module.iter_jsonl(tokenizer, path=str(file), max_length=int(max_length),
-                                           max_bad_fraction=float(max_bad_fraction), report=report,
-                                           chat_template=template)
+        requested = resolve_num_proc(num_proc)
+
+        def produce(report, tmp):
+            processes = min(requested, len(jsonl_module.line_chunks(file)))   # no more than there are chunks
+            facts["processes"] = processes
+            log.info(f"data: tokenizing {file} ({format_bytes(config['size'])}) in {processes} process"
+                     f"{'es' if processes > 1 else ''} into {directory}")
+            return jsonl_module.encode_jsonl(tokenizer, path=str(file), max_length=int(max_length),
+                                             max_bad_fraction=float(max_bad_fraction), report=report,
+                                             chat_template=template, num_proc=processes, spill_dir=tmp,
+                                             progress=Progress(file.name, config["size"]))
     else:
         raise ValueError(f"data.kind={kind!r}: choose one of {', '.join(KINDS)}")
 
     key = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint,
-           "code": source_hash(module, sys.modules[__name__], tokenizer_module)}
+           "code": source_hash(module, sys.modules[__name__], tokenizer_module, store_module)}
     directory = default_cache_dir(cache_dir) / "data" / f"{kind}-{config_hash(key)}"
 
     def build(tmp: Path) -> None:
         report = jsonl_module.JsonlReport()
         meta = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint}
-        # iter_jsonl raises after its pass when too many lines are bad: the cache is then never written.
-        _write_arrays(tmp, produce(report), kind)
+        # encode_jsonl raises after its pass when too many lines are bad: the cache is then never written.
+        writer = _write_store(tmp, produce(report, tmp), kind)
         # jsonl: every count; code: samples kept and cut to max_length (summary.json data_truncated)
         meta["stats"] = (report.as_dict() if kind == "jsonl" else
                          {"kept": report.kept, "truncated": report.truncated} if kind == "code" else {})
@@ -409,9 +441,19 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
             write_skipped_lines(tmp / SKIPPED_LINES_FILE, report.skipped_lines)
         meta["content_digest"] = content_digest(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        seconds = time.monotonic() - started
+        processes = facts["processes"]
+        rate = (f" ({report.total_lines / seconds:,.0f} conversations/s in {processes} process"
+                f"{'es' if processes > 1 else ''})" if kind == "jsonl" else "")
+        log.info(f"data: built in {format_eta(seconds)}{rate}: {writer.num_samples:,} samples, "
+                 f"{writer.num_tokens:,} tokens, {format_bytes(store_size(tmp))} on disk in {directory}")
 
-    build_once(directory, build)
-    dataset = _load(directory, probe_fraction, seed)
+    _path, built = build_once(directory, build)
+    dataset = _load(directory, probe_fraction, seed, just_built=built)
+    if not built:
+        log.info(f"data: cached store {directory}: {len(dataset):,} samples, {int(dataset._offsets[-1]):,} tokens, "
+                 f"{format_bytes(store_size(directory))}; opened and checked in "
+                 f"{time.monotonic() - started:.1f} s")
     if kind == "jsonl":
         check_truncated_share(dataset.stats, max_length=int(max_length), max_fraction=float(max_truncated_fraction))
     return dataset
