@@ -233,3 +233,23 @@ def test_num_proc_defaults_to_the_usable_cpus_and_refuses_nonsense(tmp_path, mon
             resolve_num_proc(bad)
     with pytest.raises(ValueError, match="data.num_proc applies to data=jsonl, not data=synthetic"):
         build_dataset("synthetic", cache_dir=tmp_path, num_samples=50, num_proc=2)
+
+
+def test_a_reader_that_defers_the_digest_opens_at_once_and_is_refused_when_it_asks(tmp_path):
+    """check_digest=False (the planner) opens a store without streaming it; asking for its content_digest (what a
+    run records) streams it then and refuses a damaged one, as a checked load does at once."""
+    from dflash_lab.refusal import DamagedCache
+
+    clean = build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200)
+    digest = clean.content_digest
+    deferred = build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200, check_digest=False)
+    assert "content_digest" not in deferred.meta and deferred.split()[0].content_digest == digest
+    tokens = tmp_path / "data" / clean.meta["directory"].rsplit("/", 1)[1] / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-5] ^= 0x21
+    tokens.write_bytes(bytes(data))
+    damaged = build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200, check_digest=False)
+    with pytest.raises(DamagedCache, match=f"records {digest}"):
+        _ = damaged.content_digest
+    with pytest.raises(DamagedCache, match=f"records {digest}"):
+        build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200)

@@ -138,8 +138,9 @@ class TokenizedDataset:
         the cache was loaded and checked there against the one recorded at build time); None for a dataset that
         is not cached."""
         digest = self.meta.get("content_digest")
-        if digest is None and self.meta.get("directory"):
-            digest = self.meta["content_digest"] = content_digest(Path(self.meta["directory"]))
+        if digest is None and self.meta.get("directory"):   # loaded with check_digest=False: streamed and checked now
+            digest = self.meta["content_digest"] = checked_digest(Path(self.meta["directory"]),
+                                                                  self.meta.get("recorded_content_digest"))
         return digest
 
     def anchor_positions(self, chunk_tokens: int = 1 << 24) -> np.ndarray:
@@ -285,25 +286,48 @@ def content_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def _load(directory: Path, probe_fraction: float, split_seed: int, just_built: bool = False) -> TokenizedDataset:
+def _fix(directory: Path) -> str:
+    return f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
+
+
+def checked_digest(directory: Path, recorded: str | None) -> str:
+    """The entry's ``content_digest`` streamed from its files now, refused when it is not the one ``recorded`` at
+    build time (``refusal.DamagedCache``, naming the entry to delete)."""
+    try:
+        digest = content_digest(directory)
+    except OSError as error:
+        raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
+                           f"{_fix(directory)}") from None
+    if recorded is not None and recorded != digest:
+        raise DamagedCache(f"the cached dataset {directory} has content digest {digest}, but its meta.json records "
+                           f"{recorded} (its token files were damaged or edited after it was built): {_fix(directory)}")
+    return digest
+
+
+def _load(directory: Path, probe_fraction: float, split_seed: int, digest: str = "check") -> TokenizedDataset:
     """Open a built cache entry, checked: the digest of its arrays as they are now must be the one recorded when it
     was built, and the sample lengths must match the sample boundaries. A damaged or edited file is refused
-    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete). ``just_built``: this
-    process has just written the entry and streamed its digest from the written files (not read twice)."""
-    fix = f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
+    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete).
+
+    ``digest``: ``check`` streams it now; ``just_built``: this process has just written the entry and streamed its
+    digest from the written files (not read twice); ``defer``: streamed and checked when ``content_digest`` is
+    first asked for (what a run records and resumes by), never by a reader that does not ask (the planner)."""
+    fix = _fix(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text())
-        # streamed from the bytes trained on, never copied from meta.json (but by the process that just wrote them)
-        digest = meta["content_digest"] if just_built else content_digest(directory)
         arrays = [np.load(directory / "tokens.npy", mmap_mode="r"), np.load(directory / "loss_mask.npy", mmap_mode="r"),
                   np.load(directory / "offsets.npy"), np.load(directory / "lengths.npy")]
     except (OSError, ValueError) as error:
         raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
                            f"{fix}") from None
-    recorded = meta.get("content_digest")
-    if recorded is not None and recorded != digest:
-        raise DamagedCache(f"the cached dataset {directory} has content digest {digest}, but its meta.json records "
-                           f"{recorded} (its token files were damaged or edited after it was built): {fix}")
+    recorded = meta.pop("content_digest", None)
+    # streamed from the bytes trained on, never copied from meta.json (but by the process that just wrote them)
+    if digest == "check":
+        meta["content_digest"] = checked_digest(directory, recorded)
+    elif digest == "just_built":
+        meta["content_digest"] = recorded
+    else:
+        meta["recorded_content_digest"] = recorded
     tokens, loss_mask, offsets, lengths = arrays
     offsets = np.asarray(offsets, dtype=np.int64)
     if (offsets.ndim != 1 or offsets.size != lengths.size + 1 or offsets[0] != 0 or offsets[-1] != tokens.size
@@ -311,7 +335,6 @@ def _load(directory: Path, probe_fraction: float, split_seed: int, just_built: b
         raise DamagedCache(f"the cached dataset {directory} has sample lengths that do not match its sample "
                            f"boundaries (lengths.npy or offsets.npy damaged): {fix}")
     meta["directory"] = str(directory)
-    meta["content_digest"] = digest
     return TokenizedDataset(tokens, loss_mask, offsets, lengths, meta, probe_fraction=probe_fraction,
                             split_seed=split_seed)
 
@@ -332,7 +355,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   max_bad_fraction: float = 0.01, max_truncated_fraction: float = 0.05,
                   stdlib_dir: str | None = None, chat_template: str | None = None,
                   band_skills: str = "none", skill_bands=None, num_proc: int | None = None,
-                  **unknown) -> TokenizedDataset:
+                  check_digest: bool = True, **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
     Args:
@@ -355,6 +378,9 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         skill_bands: synthetic: skill band boundaries (None: ``synthetic.DEFAULT_SKILL_BANDS``).
         num_proc: jsonl: processes that tokenize the file when it is not cached yet (None: the CPUs this process
             may use, ``parallel.available_cpus``); the store is the same for any value, so it is not in the key.
+        check_digest: stream a cached store through its digest and check it at load (every run does); False
+            (the planner, which trains on nothing) defers it to the first use of ``content_digest``. Not a data
+            key.
         **unknown: refused (ValueError listing the valid keys): a misspelt key must never keep a default.
 
     Returns:
@@ -449,10 +475,11 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                  f"{writer.num_tokens:,} tokens, {format_bytes(store_size(tmp))} on disk in {directory}")
 
     _path, built = build_once(directory, build)
-    dataset = _load(directory, probe_fraction, seed, just_built=built)
+    dataset = _load(directory, probe_fraction, seed, digest="just_built" if built else
+                    "check" if check_digest else "defer")
     if not built:
         log.info(f"data: cached store {directory}: {len(dataset):,} samples, {int(dataset._offsets[-1]):,} tokens, "
-                 f"{format_bytes(store_size(directory))}; opened and checked in "
+                 f"{format_bytes(store_size(directory))}; opened{' and checked' if check_digest else ''} in "
                  f"{time.monotonic() - started:.1f} s")
     if kind == "jsonl":
         check_truncated_share(dataset.stats, max_length=int(max_length), max_fraction=float(max_truncated_fraction))
@@ -484,4 +511,5 @@ def check_truncated_share(stats: dict, *, max_length: int, max_fraction: float) 
 
 
 # Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).
-DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters if name not in ("tokenizer", "unknown"))
+DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters
+                  if name not in ("tokenizer", "unknown", "check_digest"))
