@@ -118,6 +118,35 @@ def test_chunks_of_any_size_in_two_processes_give_the_one_pass_result(tmp_path):
     assert list(report_one.rendered_lengths) == list(report_two.rendered_lengths)
 
 
+def test_a_hugging_face_template_in_forked_workers_gives_the_one_process_result(tmp_path):
+    """The HF adapter (a fast tokenizer, Qwen3's template with tools and reasoning) in two forked workers: the same
+    ids, masks, counts and notes (turns whose reasoning the template leaves out) as in this process."""
+    from helpers import CONVERSATIONS, QWEN3_TOOLS, TOOL_RECORDS, tiny_tool_tokenizer, write_jsonl
+
+    from dflash_lab.data import HFTokenizerAdapter
+    from dflash_lab.data.tokenizer import load_chat_template
+
+    reasoning = [{"role": "user", "content": "q1"},
+                 {"role": "assistant", "content": "a1", "reasoning_content": "think one"},
+                 {"role": "user", "content": "q2"},
+                 {"role": "assistant", "content": "a2", "reasoning_content": "think two"}]
+    records = [{"messages": c} for c in CONVERSATIONS] + [r for r, _calls, _results in TOOL_RECORDS]
+    chat = write_jsonl(tmp_path / "chat.jsonl", (records + [{"messages": reasoning}, "{bad"]) * 20)
+    tokenizer, template = HFTokenizerAdapter(tiny_tool_tokenizer()), load_chat_template(str(QWEN3_TOOLS))
+    results = []
+    for num_proc, chunk_bytes in ((1, 2**20), (2, 2048)):
+        report = JsonlReport()
+        arrays = [tuple(np.array(a) for a in chunk) for chunk in
+                  encode_jsonl(tokenizer, path=str(chat), max_length=4096, max_bad_fraction=0.2, report=report,
+                               chat_template=template, num_proc=num_proc, spill_dir=tmp_path,
+                               chunk_bytes=chunk_bytes)]
+        results.append(([np.concatenate(part) for part in zip(*arrays)], report.as_dict()))
+    (arrays_one, stats_one), (arrays_two, stats_two) = results
+    assert all(np.array_equal(a, b) for a, b in zip(arrays_one, arrays_two)) and stats_one == stats_two
+    assert stats_one["kept"] == 140 and stats_one["skipped"]["malformed_json"] == 20
+    assert stats_one["notes"]["reasoning_not_rendered"] == 20
+
+
 def test_preparation_logs_progress_then_time_and_size_and_a_cache_hit_says_so(tmp_path, caplog):
     chat = tmp_path / "chat.jsonl"
     _chat_file(chat, 200, seed=2)
