@@ -166,7 +166,8 @@ def test_preparation_logs_progress_then_time_and_size_and_a_cache_hit_says_so(tm
     text = caplog.text
     assert f"data: tokenizing {chat} (" in text and " in 1 process into " in text   # one chunk: one process
     assert f"conversations/s in 1 process): {len(dataset):,} samples, {int(dataset.lengths.sum()):,} tokens, " in text
-    assert " on disk in " in text
+    assert " on disk in " in text and f"data: {len(dataset):,} samples written in " in text
+    assert text.index("samples written") < text.index("hashing the store") < text.index("built in")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash_lab"):
         build_dataset("jsonl", path=str(chat), cache_dir=tmp_path / "cache", max_length=2048, max_bad_fraction=0.3,
@@ -282,3 +283,17 @@ def test_a_reader_that_defers_the_digest_opens_at_once_and_is_refused_when_it_as
         _ = damaged.content_digest
     with pytest.raises(DamagedCache, match=f"records {digest}"):
         build_dataset("synthetic", cache_dir=str(tmp_path), num_samples=200)
+
+
+def test_hashing_a_large_store_logs_how_far_it_is(tmp_path, caplog):
+    """The digest pass (seconds per GB) is not silent: with a line always due, a line after every read (1 MiB)."""
+    from dflash_lab.data.datasets import content_digest
+
+    with StoreWriter(tmp_path) as writer:
+        writer.add(np.zeros(2**20, np.int32), np.ones(2**20, bool), np.array([2**20]))   # 5 MiB of arrays
+    with caplog.at_level(logging.INFO, logger="dflash_lab"):
+        quiet = content_digest(tmp_path)
+        assert not caplog.records
+        assert content_digest(tmp_path, log_every_s=0.0) == quiet
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 5 and lines[-1].startswith(f"data: hashing {tmp_path.name}: 5.24 MB of 5.24 MB in ")

@@ -13,7 +13,8 @@ them rebuilds; a JSONL file enters the key by its content's digest (not its modi
 whose mtime was restored rebuilds too); ``data.num_proc`` does not enter it (the store is the same for any
 value). Arrays are opened with ``mmap_mode="r"`` (DDP ranks on one node share their pages); every load streams
 them once through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and
-checks the digest recorded at build time, so a damaged or edited cache is refused before step 1.
+checks the digest recorded at build time, so a damaged or edited cache is refused before step 1 (the planner,
+which trains on nothing, leaves that pass to the first use of ``content_digest``: ``check_digest=False``).
 
 Building: the samples are written to the store chunk by chunk as they are made (``store.StoreWriter``), so the
 builder's memory does not grow with the corpus; ``data=jsonl`` is tokenized in ``data.num_proc`` processes
@@ -55,7 +56,7 @@ from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
 from dflash_lab.data.parallel import resolve_num_proc
-from dflash_lab.data.progress import Progress, format_bytes
+from dflash_lab.data.progress import PROGRESS_EVERY_S, Progress, format_bytes
 from dflash_lab.data.store import StoreWriter, chunked
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
 from dflash_lab.metrics.throughput import format_eta
@@ -266,9 +267,10 @@ def write_skipped_lines(path: Path, rows) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
-def content_digest(directory: Path) -> str:
+def content_digest(directory: Path, log_every_s: float | None = None) -> str:
     """A digest of what a dataset holds (its tokens, loss mask and sample boundaries, as cached): two datasets with
-    the same digest train on the same text. BLAKE2b over the cached files, 1 MiB at a time.
+    the same digest train on the same text. BLAKE2b over the cached files, 1 MiB at a time; ``log_every_s``: a line
+    (bytes read so far) at least this often while it reads (a store of several GB takes seconds per GB).
 
     Example:
         >>> import tempfile
@@ -279,10 +281,19 @@ def content_digest(directory: Path) -> str:
         32
     """
     digest = hashlib.blake2b(digest_size=16)
-    for name in CONTENT_FILES:
-        with open(Path(directory) / name, "rb") as handle:
+    files = [Path(directory) / name for name in CONTENT_FILES]
+    total = sum(file.stat().st_size for file in files) if log_every_s is not None else 0
+    done, started = 0, time.monotonic()
+    last = started
+    for file in files:
+        with open(file, "rb") as handle:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
+                done += len(chunk)
+                if log_every_s is not None and time.monotonic() - last >= log_every_s:
+                    last = time.monotonic()
+                    log.info(f"data: hashing {Path(directory).name}: {format_bytes(done)} of {format_bytes(total)} "
+                             f"in {format_eta(last - started)}")
     return digest.hexdigest()
 
 
@@ -294,7 +305,7 @@ def checked_digest(directory: Path, recorded: str | None) -> str:
     """The entry's ``content_digest`` streamed from its files now, refused when it is not the one ``recorded`` at
     build time (``refusal.DamagedCache``, naming the entry to delete)."""
     try:
-        digest = content_digest(directory)
+        digest = content_digest(directory, log_every_s=PROGRESS_EVERY_S)
     except OSError as error:
         raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
                            f"{_fix(directory)}") from None
@@ -465,7 +476,10 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                          {"kept": report.kept, "truncated": report.truncated} if kind == "code" else {})
         if kind == "jsonl":
             write_skipped_lines(tmp / SKIPPED_LINES_FILE, report.skipped_lines)
-        meta["content_digest"] = content_digest(tmp)
+        if kind == "jsonl":   # between the last progress line and the end: seconds per GB
+            log.info(f"data: {writer.num_samples:,} samples written in {format_eta(time.monotonic() - started)}; "
+                     f"hashing the store ({format_bytes(store_size(tmp))}) for its content digest")
+        meta["content_digest"] = content_digest(tmp, log_every_s=PROGRESS_EVERY_S)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         seconds = time.monotonic() - started
         processes = facts["processes"]

@@ -59,8 +59,8 @@ the samples, their order, the counts, the examples and the skipped lines are tho
 for any ``num_proc``; a progress line at least every 10 s (``data.progress``) counts the conversations done.
 
 Cost: one pass over the file, O(characters), plus the tokenizer, spread over ``num_proc`` processes; memory: a
-chunk's samples per process and at most ``2 x num_proc`` encoded chunks waiting (about 5 bytes a token), plus
-16 bytes a line for the whole file (its length and rendered length).
+chunk's samples per process (about 5 bytes a token; a worker leaves them in a spill file for the builder, at most
+``2 x num_proc`` chunks waiting), plus 16 bytes a line for the whole file (its length and rendered length).
 """
 
 from __future__ import annotations
