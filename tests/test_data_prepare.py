@@ -297,3 +297,11 @@ def test_hashing_a_large_store_logs_how_far_it_is(tmp_path, caplog):
         assert content_digest(tmp_path, log_every_s=0.0) == quiet
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) >= 5 and lines[-1].startswith(f"data: hashing {tmp_path.name}: 5.24 MB of 5.24 MB in ")
+
+
+def test_a_run_resumes_with_another_num_proc():
+    """data.num_proc changes nothing a run computes (the same store): a resume with another value is let through."""
+    from dflash_lab.records.checkpoint import check_resume_config
+
+    old = {"data": {"kind": "jsonl", "path": "chat.jsonl", "num_proc": None}, "trainer": {"lr": 1e-3}}
+    assert check_resume_config(old, {**old, "data": {**old["data"], "num_proc": 16}}) == []
