@@ -156,6 +156,10 @@ def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: Progress) -> pd.
     lengths, valid, counts = load_plan_inputs(cfg["data"], cfg.get("model"))
     progress.stage(f"block tokens of {lengths.size:,} samples")
     block_tokens = plan_block_tokens(valid, cfg.get("model"))
+    memory = memory_inputs(cfg)
+    comm_s = plan_comm_seconds(plan, memory)
+    head = plan_head(lengths, plan, cost, cost_warning, counts, cfg.get("model"), block_tokens, memory, comm_s)
+    print(head, end="", flush=True)   # the first lines now: planning every policy of a large corpus takes a while
     progress.stage("resolving the real tokens per step a policy matches")
     samplers = {name: resolve_matched_real_tokens(sampler_cfg, lengths, builtin_corpus=builtin_corpus,
                                                   seed=plan.seed, world_size=plan.world_size)
@@ -163,8 +167,6 @@ def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: Progress) -> pd.
 
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    memory = memory_inputs(cfg)
-    comm_s = plan_comm_seconds(plan, memory)
     table = plan_table(lengths, samplers, seed=plan.seed, world_size=plan.world_size, epochs=plan.epochs, cost=cost,
                        bands=plan.bands, memory=memory, block_tokens=block_tokens, comm_s=comm_s,
                        on_policy=progress.stage)
@@ -182,11 +184,10 @@ def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: Progress) -> pd.
     (out_dir / "plan.json").write_text(
         json.dumps({"meta": meta, "policies": json.loads(table.to_json(orient="index"))}, indent=2)
     )
-    readable = readable_plan(table, lengths, plan, cost, cost_warning, counts, cfg.get("model"), block_tokens,
-                             memory, advice["line"])
+    body = plan_body(table, cost, advice["line"])
     full = to_markdown(table, full_columns(table))
-    (out_dir / "plan.md").write_text(f"{readable}\n## Every column (full precision in plan.csv)\n\n{full}\n")
-    print(readable)
+    (out_dir / "plan.md").write_text(f"{head}{body}\n## Every column (full precision in plan.csv)\n\n{full}\n")
+    print(body)
     if plan.sweep_k is not None:
         sweep = sweep_bucket_counts(
             lengths, plan.sweep_k, cfg["sampler"], method=plan.sweep_method, seed=plan.seed, world_size=plan.world_size,
@@ -236,24 +237,41 @@ def describe_nodes(plan: PlanSettings, memory: Mapping[str, Any] | None, comm_s:
             f"the backward, an upper bound)\n")
 
 
-def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: CostModel, cost_warning: str | None,
-                  counts: dict[str, Any] | None, model_cfg: Mapping[str, Any] | None, block_tokens: Any,
-                  memory: dict[str, Any] | None, advice: str) -> str:
-    """The printed plan (plan.md's head): the workload and cost model, the step table, relative speeds, the
-    diversity and memory table with its legend, block budgets, bucket keying, supervision shares, the advice."""
-    shares = [c for c in table.columns if c.startswith("share ")]
+def plan_head(lengths: Any, plan: PlanSettings, cost: CostModel, cost_warning: str | None,
+              counts: dict[str, Any] | None, model_cfg: Mapping[str, Any] | None, block_tokens: Any,
+              memory: dict[str, Any] | None, comm_s: float = 0.0) -> str:
+    """The printed plan's first lines, known before any policy is planned (printed then: on a large corpus the
+    policies' plans take a while): the workload and cost model, the model, the layout over nodes (``comm_s``: the
+    gradient all-reduce across nodes a step waits for), the data's counts, block budgets, memory."""
     return (
         f"Plan for {lengths.size:,} samples (mean length {lengths.mean():.0f}), world size {plan.world_size}, "
         f"{plan.epochs:g} epochs; {describe_cost(cost)}\n"
         + f"model: {(model_cfg or {}).get('kind')} ({model_fingerprint(model_cfg) or 'shape unknown'})\n"
-        + describe_nodes(plan, memory, float(table["pred_comm_s"].iloc[0]) if len(table) else 0.0)
+        + describe_nodes(plan, memory, comm_s)
         + (f"{describe_data_counts(counts)}\n" if counts else "")
         + (f"{cost_warning}\n" if cost_warning else "")
         + describe_anchors(model_cfg, block_tokens) + "\n"
         + (f"memory: {memory['settings'].precision}, per rank, fits against {memory['gpu_mem_gb']:g} GiB "
            f"(dflash_lab/model/footprint.py)\n\n" if memory else
            "memory columns: set model.target_config=/path/to/config.json (or model=qwen3_8b)\n\n")
-        + "Per rank and step (means of the epoch plan), and predicted speed:\n\n"
+    )
+
+
+def readable_plan(table: pd.DataFrame, lengths: Any, plan: PlanSettings, cost: CostModel, cost_warning: str | None,
+                  counts: dict[str, Any] | None, model_cfg: Mapping[str, Any] | None, block_tokens: Any,
+                  memory: dict[str, Any] | None, advice: str) -> str:
+    """The printed plan (plan.md's head): the workload and cost model, the step table, relative speeds, the
+    diversity and memory table with its legend, block budgets, bucket keying, supervision shares, the advice."""
+    comm_s = float(table["pred_comm_s"].iloc[0]) if len(table) else 0.0
+    return plan_head(lengths, plan, cost, cost_warning, counts, model_cfg, block_tokens, memory, comm_s) + plan_body(
+        table, cost, advice)
+
+
+def plan_body(table: pd.DataFrame, cost: CostModel, advice: str) -> str:
+    """The printed plan after :func:`plan_head`: the tables, relative speeds, legend, budgets and the advice."""
+    shares = [c for c in table.columns if c.startswith("share ")]
+    return (
+        "Per rank and step (means of the epoch plan), and predicted speed:\n\n"
         + to_markdown(table, STEP_COLUMNS) + "\n\n" + describe_relative_speed(table)
         + describe_target_mode(table, cost)
         + "Diversity and memory:\n\n" + to_markdown(table, DIVERSITY_COLUMNS) + "\n\n"

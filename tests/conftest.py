@@ -76,10 +76,10 @@ def cpu_lengths() -> np.ndarray:
 SLOWEST_FIRST = {
     "test_gpu_check.py": 175, "test_slurm.py": 128, "test_notebook_compare.py": 101, "test_train_e2e.py": 98,
     "test_positive_control.py": 82, "test_run_lock.py": 73, "test_run_record_faults.py": 57, "test_packaging.py": 54,
-    "test_launch.py": 52, "test_plan.py": 48, "test_model_tiny.py": 31, "test_own_data.py": 29,
-    "test_compare_cli.py": 29, "test_run_record.py": 24, "test_cli_user_runs.py": 24, "test_ddp.py": 23,
-    "test_launch_local.py": 20, "test_footprint.py": 19, "test_compare_outputs.py": 16, "test_compile_limits.py": 13,
-    "test_decoding_replay.py": 11, "test_gpu_deps.py": 11, "test_gradients.py": 11,
+    "test_launch.py": 52, "test_plan.py": 48, "test_bench_data_scale.py": 46, "test_model_tiny.py": 31,
+    "test_own_data.py": 29, "test_compare_cli.py": 29, "test_run_record.py": 24, "test_cli_user_runs.py": 24,
+    "test_ddp.py": 23, "test_launch_local.py": 20, "test_footprint.py": 19, "test_compare_outputs.py": 16,
+    "test_compile_limits.py": 13, "test_decoding_replay.py": 11, "test_gpu_deps.py": 11, "test_gradients.py": 11,
 }
 
 

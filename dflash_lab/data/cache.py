@@ -1,7 +1,8 @@
 """On-disk caches shared by datasets and the tiny target: a hashed key, a directory built once, atomically.
 
 Algorithm: ``build_once(path, build)`` returns at once when ``path`` exists. Otherwise it takes an exclusive
-lock on ``path + ".lock"`` (``filelock``) (so DDP ranks or parallel jobs wait for one builder instead of racing),
+lock on ``path + ".lock"`` (``filelock``) (so DDP ranks or parallel jobs wait for one builder instead of racing;
+a process that finds the lock taken logs that it waits for the builder, and again every minute it waits),
 checks again, lets ``build`` fill a private temporary directory next to ``path`` and renames it into place
 (``os.replace`` is atomic on one file system), so a reader never sees a half-written cache. Temporary
 directories of a builder that was killed are removed by the next builder of the same entry.
@@ -15,13 +16,18 @@ import ast
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+WAIT_LOG_EVERY_S = 60.0   # a process waiting for another one's build says so again this often
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -59,12 +65,29 @@ def source_hash(*modules) -> str:
 
 
 @contextlib.contextmanager
-def file_lock(lock_path: Path):
+def file_lock(lock_path: Path, waiting_for: str | None = None, log_every_s: float = WAIT_LOG_EVERY_S):
     """Exclusive lock held for the ``with`` block (blocks until free): ``filelock.FileLock``, an OS-level lock that
-    a killed holder releases with its process."""
+    a killed holder releases with its process. When the lock is taken, a log line says what this process waits for
+    (``waiting_for``), again every ``log_every_s`` seconds, and when the wait ends."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(lock_path):
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        what = waiting_for or str(lock_path)
+        log.info(f"waiting for another process to finish building {what} (it holds {lock_path})")
+        started = time.monotonic()
+        while True:
+            try:
+                lock.acquire(timeout=log_every_s)
+                break
+            except Timeout:
+                log.info(f"still waiting for the build of {what} ({time.monotonic() - started:.0f} s)")
+        log.info(f"waited {time.monotonic() - started:.1f} s for the build of {what}")
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def build_once(path: Path, build: Callable[[Path], None]) -> tuple[Path, bool]:
@@ -81,7 +104,7 @@ def build_once(path: Path, build: Callable[[Path], None]) -> tuple[Path, bool]:
     path = Path(path)
     if path.is_dir():
         return path, False
-    with file_lock(path.with_name(path.name + ".lock")):
+    with file_lock(path.with_name(path.name + ".lock"), waiting_for=str(path)):
         if path.is_dir():  # another process finished while we waited for the lock
             return path, False
         # Holding the lock, nobody else builds this entry: temporary dirs left by a killed builder are stale.

@@ -1,6 +1,7 @@
 """Tokenized datasets behind one class, built once per (data config, tokenizer, code) and memory-mapped after.
 
-Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/``):
+Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/``; the token store's files are
+written by ``dflash_lab/data/store.py``):
     tokens.npy  int32[total]   all samples' ids, concatenated
     loss_mask.npy bool[total]  supervised tokens
     offsets.npy int64[N + 1]   sample i is tokens[offsets[i]:offsets[i+1]]
@@ -9,9 +10,17 @@ Storage (one cache directory per key ``<kind>-<hash>`` under ``<cache_dir>/data/
     skipped_lines.jsonl        data=jsonl: every skipped line's number, reason and message (the run copies it)
 The key hashes the data config, the tokenizer fingerprint and the source of the corpus code, so changing any of
 them rebuilds; a JSONL file enters the key by its content's digest (not its modification time: an edit in place
-whose mtime was restored rebuilds too). Arrays are opened with ``mmap_mode="r"``; every load streams them once
-through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and checks the
-digest recorded at build time, so a damaged or edited cache is refused before step 1.
+whose mtime was restored rebuilds too); ``data.num_proc`` does not enter it (the store is the same for any
+value). Arrays are opened with ``mmap_mode="r"`` (DDP ranks on one node share their pages); every load streams
+them once through BLAKE2b (``content_digest``: the run's ``data_digest``, computed from the bytes trained on) and
+checks the digest recorded at build time, so a damaged or edited cache is refused before step 1 (the planner,
+which trains on nothing, leaves that pass to the first use of ``content_digest``: ``check_digest=False``).
+
+Building: the samples are written to the store chunk by chunk as they are made (``store.StoreWriter``), so the
+builder's memory does not grow with the corpus; ``data=jsonl`` is tokenized in ``data.num_proc`` processes
+(``jsonl.encode_jsonl``), logging a progress line at least every 10 s and the time and size at the end. The
+build runs under the cache entry's lock (``cache.build_once``): other processes wanting the same entry (the other
+DDP ranks) wait for it, saying so, and then load what it wrote.
 
 ``TokenizedDataset.split()`` holds out ``probe_fraction`` of the samples for probes and decoding prompts,
 stratified by length (one pick per run of ``1/probe_fraction`` samples in length order) so every length band
@@ -20,8 +29,10 @@ per band, it tops up any band holding fewer held-out samples than that count (ex
 samples, at most half of them, so training keeps the band): the stratified share alone can leave a band short
 (3000 synthetic samples: 19 held out in (304, 412] for 24 probes).
 
-Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples); loading = a few ``np.load`` and
-one read of the arrays for the digest (about 4 s per GiB on 2 slow cores); a JSONL source is read once more for its digest at every build call.
+Cost: building = the corpus generator's cost (synthetic: ~1 s per 10K samples; chat JSONL: docs/data.md, "Preparing
+a large file"), then one read of the store for its digest; loading = a few ``np.load`` and one read of the arrays
+for the digest (about 1-4 s per GiB on 2 slow cores, as busy as they are); a JSONL source is read once more for
+its digest at every build call.
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +51,20 @@ import torch
 from dflash_lab.config_check import refuse_unknown_keys
 from dflash_lab.data import code as code_module
 from dflash_lab.data import jsonl as jsonl_module
+from dflash_lab.data import store as store_module
 from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
+from dflash_lab.data.parallel import resolve_num_proc
+from dflash_lab.data.progress import PROGRESS_EVERY_S, Progress, format_bytes
+from dflash_lab.data.store import StoreWriter, chunked
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
+from dflash_lab.metrics.throughput import format_eta
 from dflash_lab.refusal import DamagedCache
 from dflash_lab.sampling.boundaries import bucket_ids
 
 KINDS = ("synthetic", "code", "jsonl")
+log = logging.getLogger("dflash_lab.data")
 __all__ = ["KINDS", "TokenizedDataset", "build_dataset", "default_cache_dir"]
 
 
@@ -120,8 +139,9 @@ class TokenizedDataset:
         the cache was loaded and checked there against the one recorded at build time); None for a dataset that
         is not cached."""
         digest = self.meta.get("content_digest")
-        if digest is None and self.meta.get("directory"):
-            digest = self.meta["content_digest"] = content_digest(Path(self.meta["directory"]))
+        if digest is None and self.meta.get("directory"):   # loaded with check_digest=False: streamed and checked now
+            digest = self.meta["content_digest"] = checked_digest(Path(self.meta["directory"]),
+                                                                  self.meta.get("recorded_content_digest"))
         return digest
 
     def anchor_positions(self, chunk_tokens: int = 1 << 24) -> np.ndarray:
@@ -219,22 +239,20 @@ class TokenizedDataset:
                 self.subset(self.heldout_indices(probe_fraction, seed, bands, per_band)))
 
 
-def _write_arrays(directory: Path, samples, kind: str) -> None:
-    """Consume (ids, mask) pairs into the cache arrays (chunks keep peak memory ~ 2x the corpus)."""
-    ids_chunks, mask_chunks, lengths = [], [], []
-    for ids, mask in samples:
-        ids_chunks.append(np.asarray(ids, dtype=np.int32))
-        mask_chunks.append(np.asarray(mask, dtype=bool))
-        lengths.append(len(ids))
-    if not lengths:
+def _write_store(directory: Path, chunks, kind: str) -> StoreWriter:
+    """Consume chunks ``(tokens, loss_mask, lengths)`` into the store's files as they come (``store.StoreWriter``:
+    memory holds one chunk, not the corpus)."""
+    with StoreWriter(directory) as writer:
+        for tokens, loss_mask, lengths in chunks:
+            writer.add(tokens, loss_mask, lengths)
+    if not writer.num_samples:
         raise ValueError(f"the {kind} dataset produced no samples: check the data config (data.*)")
-    lengths_arr = np.asarray(lengths, dtype=np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths_arr, out=offsets[1:])
-    np.save(directory / "tokens.npy", np.concatenate(ids_chunks))
-    np.save(directory / "loss_mask.npy", np.concatenate(mask_chunks))
-    np.save(directory / "offsets.npy", offsets)
-    np.save(directory / "lengths.npy", lengths_arr)
+    return writer
+
+
+def store_size(directory: Path) -> int:
+    """Bytes of a cache entry's files."""
+    return sum(path.stat().st_size for path in Path(directory).iterdir() if path.is_file())
 
 
 CONTENT_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy")
@@ -249,9 +267,10 @@ def write_skipped_lines(path: Path, rows) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
-def content_digest(directory: Path) -> str:
+def content_digest(directory: Path, log_every_s: float | None = None) -> str:
     """A digest of what a dataset holds (its tokens, loss mask and sample boundaries, as cached): two datasets with
-    the same digest train on the same text. BLAKE2b over the cached files, 1 MiB at a time.
+    the same digest train on the same text. BLAKE2b over the cached files, 1 MiB at a time; ``log_every_s``: a line
+    (bytes read so far) at least this often while it reads (a store of several GB takes seconds per GB).
 
     Example:
         >>> import tempfile
@@ -262,30 +281,64 @@ def content_digest(directory: Path) -> str:
         32
     """
     digest = hashlib.blake2b(digest_size=16)
-    for name in CONTENT_FILES:
-        with open(Path(directory) / name, "rb") as handle:
+    files = [Path(directory) / name for name in CONTENT_FILES]
+    total = sum(file.stat().st_size for file in files) if log_every_s is not None else 0
+    done, started = 0, time.monotonic()
+    last = started
+    for file in files:
+        with open(file, "rb") as handle:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
+                done += len(chunk)
+                if log_every_s is not None and time.monotonic() - last >= log_every_s:
+                    last = time.monotonic()
+                    log.info(f"data: hashing {Path(directory).name}: {format_bytes(done)} of {format_bytes(total)} "
+                             f"in {format_eta(last - started)}")
     return digest.hexdigest()
 
 
-def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedDataset:
+def _fix(directory: Path) -> str:
+    return f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
+
+
+def checked_digest(directory: Path, recorded: str | None) -> str:
+    """The entry's ``content_digest`` streamed from its files now, refused when it is not the one ``recorded`` at
+    build time (``refusal.DamagedCache``, naming the entry to delete)."""
+    try:
+        digest = content_digest(directory, log_every_s=PROGRESS_EVERY_S)
+    except OSError as error:
+        raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
+                           f"{_fix(directory)}") from None
+    if recorded is not None and recorded != digest:
+        raise DamagedCache(f"the cached dataset {directory} has content digest {digest}, but its meta.json records "
+                           f"{recorded} (its token files were damaged or edited after it was built): {_fix(directory)}")
+    return digest
+
+
+def _load(directory: Path, probe_fraction: float, split_seed: int, digest: str = "check") -> TokenizedDataset:
     """Open a built cache entry, checked: the digest of its arrays as they are now must be the one recorded when it
     was built, and the sample lengths must match the sample boundaries. A damaged or edited file is refused
-    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete)."""
-    fix = f"delete it (rm -rf '{directory}') and run again to rebuild it from the source data"
+    before anything trains on it (``refusal.DamagedCache``, naming the entry to delete).
+
+    ``digest``: ``check`` streams it now; ``just_built``: this process has just written the entry and streamed its
+    digest from the written files (not read twice); ``defer``: streamed and checked when ``content_digest`` is
+    first asked for (what a run records and resumes by), never by a reader that does not ask (the planner)."""
+    fix = _fix(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text())
-        digest = content_digest(directory)   # streamed from the bytes trained on, never copied from meta.json
         arrays = [np.load(directory / "tokens.npy", mmap_mode="r"), np.load(directory / "loss_mask.npy", mmap_mode="r"),
                   np.load(directory / "offsets.npy"), np.load(directory / "lengths.npy")]
     except (OSError, ValueError) as error:
         raise DamagedCache(f"the cached dataset {directory} cannot be read ({type(error).__name__}: {error}): "
                            f"{fix}") from None
-    recorded = meta.get("content_digest")
-    if recorded is not None and recorded != digest:
-        raise DamagedCache(f"the cached dataset {directory} has content digest {digest}, but its meta.json records "
-                           f"{recorded} (its token files were damaged or edited after it was built): {fix}")
+    recorded = meta.pop("content_digest", None)
+    # streamed from the bytes trained on, never copied from meta.json (but by the process that just wrote them)
+    if digest == "check":
+        meta["content_digest"] = checked_digest(directory, recorded)
+    elif digest == "just_built":
+        meta["content_digest"] = recorded
+    else:
+        meta["recorded_content_digest"] = recorded
     tokens, loss_mask, offsets, lengths = arrays
     offsets = np.asarray(offsets, dtype=np.int64)
     if (offsets.ndim != 1 or offsets.size != lengths.size + 1 or offsets[0] != 0 or offsets[-1] != tokens.size
@@ -293,7 +346,6 @@ def _load(directory: Path, probe_fraction: float, split_seed: int) -> TokenizedD
         raise DamagedCache(f"the cached dataset {directory} has sample lengths that do not match its sample "
                            f"boundaries (lengths.npy or offsets.npy damaged): {fix}")
     meta["directory"] = str(directory)
-    meta["content_digest"] = digest
     return TokenizedDataset(tokens, loss_mask, offsets, lengths, meta, probe_fraction=probe_fraction,
                             split_seed=split_seed)
 
@@ -313,7 +365,8 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   min_length: int = 32, max_length: int = 1024, path: str | None = None,
                   max_bad_fraction: float = 0.01, max_truncated_fraction: float = 0.05,
                   stdlib_dir: str | None = None, chat_template: str | None = None,
-                  band_skills: str = "none", skill_bands=None, **unknown) -> TokenizedDataset:
+                  band_skills: str = "none", skill_bands=None, num_proc: int | None = None,
+                  check_digest: bool = True, **unknown) -> TokenizedDataset:
     """Build (first call) or load (later calls) a tokenized dataset.
 
     Args:
@@ -334,6 +387,11 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
         band_skills: synthetic: ``none`` (the length-styled corpus), ``aligned`` or ``independent`` (the skills
             corpus, see data.synthetic); ``none`` leaves the cache key of the default corpus as it was.
         skill_bands: synthetic: skill band boundaries (None: ``synthetic.DEFAULT_SKILL_BANDS``).
+        num_proc: jsonl: processes that tokenize the file when it is not cached yet (None: the CPUs this process
+            may use, ``parallel.available_cpus``); the store is the same for any value, so it is not in the key.
+        check_digest: stream a cached store through its digest and check it at load (every run does); False
+            (the planner, which trains on nothing) defers it to the first use of ``content_digest``. Not a data
+            key.
         **unknown: refused (ValueError listing the valid keys): a misspelt key must never keep a default.
 
     Returns:
@@ -353,6 +411,10 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                          "tokenizer has its own chat format: drop data.chat_template")
     if kind != "synthetic" and (band_skills != "none" or skill_bands is not None):
         raise ValueError(f"data.band_skills / data.skill_bands apply to data=synthetic, not data={kind}: drop them")
+    if num_proc is not None and kind != "jsonl":
+        raise ValueError(f"data.num_proc applies to data=jsonl, not data={kind}: drop data.num_proc")
+    started = time.monotonic()
+    facts = {"processes": 1}   # what the build used, for its last log line
     if kind == "synthetic":
         if not num_samples or num_samples <= 0:
             raise ValueError(f"data.num_samples={num_samples}: the synthetic corpus needs a positive size")
@@ -363,15 +425,15 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
             config.update(band_skills=band_skills, skill_bands=bands)
         module = synthetic_module
 
-        def produce(report):
-            return synthetic_module.iter_synthetic(tokenizer, **config)
+        def produce(report, tmp):
+            return chunked(synthetic_module.iter_synthetic(tokenizer, **config))
     elif kind == "code":
         config = {"num_samples": num_samples, "max_length": int(max_length), "min_length": int(min_length),
                   "stdlib_dir": stdlib_dir or code_module.sysconfig.get_paths()["stdlib"]}
         module = code_module
 
-        def produce(report):
-            return code_module.iter_code(tokenizer, **config, report=report)
+        def produce(report, tmp):
+            return chunked(code_module.iter_code(tokenizer, **config, report=report))
     elif kind == "jsonl":
         if not path:
             raise ValueError("data.path is not set: data=jsonl needs data.path=/path/to/chat.jsonl")
@@ -384,32 +446,53 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
                   "chat_template": template}
         module = jsonl_module
 
-        def produce(report):
-            return jsonl_module.iter_jsonl(tokenizer, path=str(file), max_length=int(max_length),
-                                           max_bad_fraction=float(max_bad_fraction), report=report,
-                                           chat_template=template)
+        requested = resolve_num_proc(num_proc)
+
+        def produce(report, tmp):
+            processes = min(requested, len(jsonl_module.line_chunks(file)))   # no more than there are chunks
+            facts["processes"] = processes
+            log.info(f"data: tokenizing {file} ({format_bytes(config['size'])}) in {processes} process"
+                     f"{'es' if processes > 1 else ''} into {directory}")
+            return jsonl_module.encode_jsonl(tokenizer, path=str(file), max_length=int(max_length),
+                                             max_bad_fraction=float(max_bad_fraction), report=report,
+                                             chat_template=template, num_proc=processes, spill_dir=tmp,
+                                             progress=Progress(file.name, config["size"]))
     else:
         raise ValueError(f"data.kind={kind!r}: choose one of {', '.join(KINDS)}")
 
     key = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint,
-           "code": source_hash(module, sys.modules[__name__], tokenizer_module)}
+           "code": source_hash(module, sys.modules[__name__], tokenizer_module, store_module)}
     directory = default_cache_dir(cache_dir) / "data" / f"{kind}-{config_hash(key)}"
 
     def build(tmp: Path) -> None:
         report = jsonl_module.JsonlReport()
         meta = {"kind": kind, "config": config, "tokenizer": tokenizer.fingerprint}
-        # iter_jsonl raises after its pass when too many lines are bad: the cache is then never written.
-        _write_arrays(tmp, produce(report), kind)
+        # encode_jsonl raises after its pass when too many lines are bad: the cache is then never written.
+        writer = _write_store(tmp, produce(report, tmp), kind)
         # jsonl: every count; code: samples kept and cut to max_length (summary.json data_truncated)
         meta["stats"] = (report.as_dict() if kind == "jsonl" else
                          {"kept": report.kept, "truncated": report.truncated} if kind == "code" else {})
         if kind == "jsonl":
             write_skipped_lines(tmp / SKIPPED_LINES_FILE, report.skipped_lines)
-        meta["content_digest"] = content_digest(tmp)
+        if kind == "jsonl":   # between the last progress line and the end: seconds per GB
+            log.info(f"data: {writer.num_samples:,} samples written in {format_eta(time.monotonic() - started)}; "
+                     f"hashing the store ({format_bytes(store_size(tmp))}) for its content digest")
+        meta["content_digest"] = content_digest(tmp, log_every_s=PROGRESS_EVERY_S)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        seconds = time.monotonic() - started
+        processes = facts["processes"]
+        rate = (f" ({report.total_lines / seconds:,.0f} conversations/s in {processes} process"
+                f"{'es' if processes > 1 else ''})" if kind == "jsonl" else "")
+        log.info(f"data: built in {format_eta(seconds)}{rate}: {writer.num_samples:,} samples, "
+                 f"{writer.num_tokens:,} tokens, {format_bytes(store_size(tmp))} on disk in {directory}")
 
-    build_once(directory, build)
-    dataset = _load(directory, probe_fraction, seed)
+    _path, built = build_once(directory, build)
+    dataset = _load(directory, probe_fraction, seed, digest="just_built" if built else
+                    "check" if check_digest else "defer")
+    if not built:
+        log.info(f"data: cached store {directory}: {len(dataset):,} samples, {int(dataset._offsets[-1]):,} tokens, "
+                 f"{format_bytes(store_size(directory))}; opened{' and checked' if check_digest else ''} in "
+                 f"{time.monotonic() - started:.1f} s")
     if kind == "jsonl":
         check_truncated_share(dataset.stats, max_length=int(max_length), max_fraction=float(max_truncated_fraction))
     return dataset
@@ -440,4 +523,5 @@ def check_truncated_share(stats: dict, *, max_length: int, max_fraction: float) 
 
 
 # Valid data.* keys: build_dataset's own parameters (``kind`` and every key of conf/data/*.yaml).
-DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters if name not in ("tokenizer", "unknown"))
+DATA_KEYS = tuple(name for name in inspect.signature(build_dataset).parameters
+                  if name not in ("tokenizer", "unknown", "check_digest"))

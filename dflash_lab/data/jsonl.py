@@ -50,18 +50,35 @@ example line and its message, and the fix (with ``too_long`` lines: the ``data.m
 rendered lines whole). Every skipped line (number, reason, message) is kept in the report
 (``JsonlReport.skipped_lines``): the cache entry's ``skipped_lines.jsonl``, the run's ``data_skipped.jsonl``.
 
-Cost: one pass over the file, O(characters), plus the tokenizer.
+Parallel, in file order: the file is cut into chunks of whole lines of about ``CHUNK_BYTES`` (:func:`line_chunks`,
+the same cut for any number of processes); each chunk is encoded on its own (:func:`encode_chunk`: its samples
+as arrays and its own report, line numbers counted from the chunk's start) in ``data.num_proc`` processes
+(``data.parallel.ordered_map``), and :func:`encode_jsonl` takes the chunks back in file order, adds each chunk's
+report to the file's (line numbers shifted by the lines before it) and yields its arrays to the store writer. So
+the samples, their order, the counts, the examples and the skipped lines are those of one pass in one process,
+for any ``num_proc``; a progress line at least every 10 s (``data.progress``) counts the conversations done.
+
+Cost: one pass over the file, O(characters), plus the tokenizer, spread over ``num_proc`` processes; memory: a
+chunk's samples per process (about 5 bytes a token; a worker leaves them in a spill file for the builder, at most
+``2 x num_proc`` chunks waiting), plus 16 bytes a line for the whole file (its length and rendered length).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import tempfile
 from array import array
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from dflash_lab.data.parallel import ordered_map
+from dflash_lab.data.progress import Progress
 from dflash_lab.data.tokenizer import (
     TemplateLacksReasoning,
     TemplateLacksTools,
@@ -393,6 +410,30 @@ class JsonlReport:
         return (f"data.max_length={keeping} keeps {WHOLE_SHARE:.0%} of the rendered lines whole (now {max_length}, "
                 f"the longest line {max(self.rendered_lengths)} tokens)")
 
+    def merge(self, other: JsonlReport, line_offset: int) -> None:
+        """Add the counts of ``other``, the report of the lines after the first ``line_offset`` lines of the file
+        (its line numbers count from there): the examples stay the first few of each reason in file order.
+
+        Example:
+            >>> first, second = JsonlReport(), JsonlReport()
+            >>> second.skip(2, "malformed_json", "not JSON")
+            >>> first.merge(second, line_offset=10)
+            >>> first.skipped_lines
+            [(12, 'malformed_json', 'not JSON')]
+        """
+        self.total_lines += other.total_lines
+        self.kept += other.kept
+        self.truncated += other.truncated
+        self.skipped.update(other.skipped)
+        for reason, examples in other.examples.items():
+            mine = self.examples.setdefault(reason, [])
+            mine.extend((line + line_offset, message)
+                        for line, message in examples[:max(_EXAMPLES_PER_REASON - len(mine), 0)])
+        self.skipped_lines.extend((line + line_offset, reason, message)
+                                  for line, reason, message in other.skipped_lines)
+        self.notes.update(other.notes)
+        self.rendered_lengths.extend(other.rendered_lengths)
+
     def as_dict(self) -> dict:
         """Plain summary stored in the cache metadata (``skipped`` has every reason, zeros included)."""
         return {"total_lines": self.total_lines, "kept": self.kept, "truncated": self.truncated,
@@ -411,9 +452,25 @@ class LineFacts:
         self.notes: Counter[str] = Counter()
 
 
-def _supervised_pairs(mask: list[bool]) -> int:
-    """Adjacent supervised token pairs: what a draft block (anchor + next token) can be trained on."""
-    return sum(1 for a, b in zip(mask[:-1], mask[1:]) if a and b)
+def _mask_array(mask) -> np.ndarray:
+    """A loss mask (a list of bools, as the tokenizers give it) as a bool array, in one C pass where it can."""
+    if isinstance(mask, np.ndarray):
+        return mask.astype(bool, copy=False)
+    try:
+        return np.frombuffer(bytes(mask), dtype=np.bool_)   # Python bools are the bytes 0 and 1
+    except (TypeError, ValueError):
+        return np.asarray(mask, dtype=bool)
+
+
+def _supervised_pairs(mask) -> int:
+    """Adjacent supervised token pairs: what a draft block (anchor + next token) can be trained on.
+
+    Example:
+        >>> _supervised_pairs([False, True, True, True, False, True])
+        2
+    """
+    flags = _mask_array(mask)
+    return int(np.count_nonzero(flags[:-1] & flags[1:]))
 
 
 def cut_before_encoding(tokenizer, messages: list[dict], tools, max_length: int) -> tuple[list[dict], int | None]:
@@ -578,9 +635,139 @@ def check_data_path(path: str) -> Path:
     return file
 
 
-def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float, report: JsonlReport,
-               chat_template: str | None = None) -> Iterator[tuple[list[int], list[bool]]]:
-    """Yield (ids, loss_mask) per usable conversation; fill ``report``; raise when too many lines are bad.
+CHUNK_BYTES = 1 << 20   # a unit of work: whole lines from about 1 MiB of the file (a longer line makes a longer one)
+
+
+def line_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, stop)`` of the file, in order and covering it, each ending after a newline (the last
+    at the end of the file) and reaching at least ``chunk_bytes`` past its start unless the file ends first.
+
+    Example:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "chat.jsonl"
+        >>> _ = file.write_bytes(b"aaaa\\nbb\\ncccccc\\nd")
+        >>> line_chunks(file, chunk_bytes=4)
+        [(0, 5), (5, 15), (15, 16)]
+    """
+    size = Path(path).stat().st_size
+    bounds, start = [], 0
+    with open(path, "rb") as handle:
+        while start < size:
+            if start + chunk_bytes >= size:
+                stop = size
+            else:
+                handle.seek(start + chunk_bytes - 1)
+                handle.readline()   # to the end of the line holding the chunk's last planned byte
+                stop = handle.tell()
+            bounds.append((start, stop))
+            start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """What encoding any chunk of a file needs (sent once to each worker process); ``spill_dir``: where a worker
+    leaves a chunk's token arrays for the parent (None: they come back in the result)."""
+
+    tokenizer: object
+    path: str
+    max_length: int
+    chat_template: str | None = None
+    spill_dir: str | None = None
+
+
+@dataclass
+class EncodedChunk:
+    """One chunk's samples, concatenated (``tokens``, ``loss_mask``; ``lengths`` one per sample), its report (line
+    numbers counted from the chunk's first line), the lines it holds (empty ones too) and its size in bytes.
+
+    A worker process spills the two token arrays to files (``spilled``: their path without suffix) and sends only
+    the rest: megabytes of arrays through the pool's one result pipe would make the workers queue behind each
+    other (measured: two workers as slow as one)."""
+
+    tokens: np.ndarray | None
+    loss_mask: np.ndarray | None
+    lengths: np.ndarray
+    report: JsonlReport
+    lines: int
+    nbytes: int
+    spilled: str | None = None
+
+    def spill(self, prefix: str) -> None:
+        """Move the token arrays to ``prefix.tokens`` and ``prefix.mask``."""
+        self.tokens.tofile(prefix + ".tokens")
+        self.loss_mask.tofile(prefix + ".mask")
+        self.tokens = self.loss_mask = None
+        self.spilled = prefix
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, loss_mask, lengths), spilled arrays memory-mapped."""
+        if self.spilled is None:
+            return self.tokens, self.loss_mask, self.lengths
+        size = int(self.lengths.sum())
+        return (np.memmap(self.spilled + ".tokens", dtype=np.int32, mode="r", shape=(size,)),
+                np.memmap(self.spilled + ".mask", dtype=np.bool_, mode="r", shape=(size,)), self.lengths)
+
+    def discard(self) -> None:
+        """Remove the spilled files."""
+        if self.spilled is not None:
+            for suffix in (".tokens", ".mask"):
+                Path(self.spilled + suffix).unlink(missing_ok=True)
+
+
+def encode_chunk(settings: ChunkSettings, bounds: tuple[int, int]) -> EncodedChunk:
+    """Encode the lines of bytes ``bounds`` of the file (a range of :func:`line_chunks`), as one pass in one
+    process reads them: a line is split at ``\\n`` only and keeps it."""
+    start, stop = bounds
+    with open(settings.path, "rb") as handle:
+        handle.seek(start)
+        data = handle.read(stop - start)
+    pieces = data.split(b"\n")
+    last = pieces.pop()   # after the last newline: b"" or the file's unterminated last line
+    raws = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    report = JsonlReport()
+    tokens, masks, lengths = [], [], []
+    for line_number, raw in enumerate(raws, start=1):
+        if not raw.strip():
+            continue
+        report.total_lines += 1
+        facts = LineFacts()
+        try:
+            ids, mask, truncated = encode_line(settings.tokenizer, raw, max_length=settings.max_length,
+                                               chat_template=settings.chat_template, facts=facts)
+        except UnusableLine as exc:
+            report.skip(line_number, exc.reason, str(exc))
+            continue
+        finally:
+            if facts.uncut_length is not None:   # rendered: kept, or too_long
+                report.rendered_lengths.append(facts.uncut_length)
+        report.notes.update(facts.notes)
+        report.kept += 1
+        report.truncated += truncated
+        tokens.append(np.asarray(ids, dtype=np.int32))
+        masks.append(_mask_array(mask))
+        lengths.append(len(ids))
+    chunk = EncodedChunk(tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+                         loss_mask=np.concatenate(masks) if masks else np.zeros(0, bool),
+                         lengths=np.asarray(lengths, dtype=np.int64), report=report, lines=len(raws),
+                         nbytes=stop - start)
+    if settings.spill_dir is not None and lengths:
+        chunk.spill(str(Path(settings.spill_dir) / f"chunk-{start}"))
+    return chunk
+
+
+def encode_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float, report: JsonlReport,
+                 chat_template: str | None = None, num_proc: int = 1, progress: Progress | None = None,
+                 spill_dir: Path | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Yield the usable conversations as chunks ``(tokens, loss_mask, lengths)`` in file order, encoded in
+    ``num_proc`` processes (module docstring); fill ``report``; raise when too many lines are bad.
+
+    Args:
+        progress: counts the conversations done (a line at least every ``progress.every_s`` seconds).
+        spill_dir: with ``num_proc > 1``, where the workers leave each chunk's arrays (files removed once the chunk
+            was yielded; default: a temporary directory).
+        chunk_bytes: the size of a unit of work (:func:`line_chunks`); the result does not depend on it.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -588,25 +775,25 @@ def iter_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float
             ``max_bad_fraction`` of the non-empty lines (checked after the pass).
     """
     file = check_data_path(path)
-    with open(file, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            report.total_lines += 1
-            facts = LineFacts()
+    with contextlib.ExitStack() as stack:
+        if num_proc > 1 and spill_dir is None:
+            spill_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dflash-chunks-")))
+        settings = ChunkSettings(tokenizer, str(file), int(max_length), chat_template,
+                                 str(spill_dir) if num_proc > 1 else None)
+        chunks = ordered_map(encode_chunk, settings, line_chunks(file, chunk_bytes), num_proc=num_proc,
+                             on_wait=progress.tick if progress else None,
+                             wait_s=progress.due_in if progress else (lambda: 1.0))
+        lines_before = 0
+        for chunk in chunks:
+            report.merge(chunk.report, line_offset=lines_before)
+            lines_before += chunk.lines
+            if progress is not None:
+                progress.advance(chunk.report.total_lines, chunk.nbytes)
             try:
-                ids, mask, truncated = encode_line(tokenizer, raw, max_length=max_length, chat_template=chat_template,
-                                                   facts=facts)
-            except UnusableLine as exc:
-                report.skip(line_number, exc.reason, str(exc))
-                continue
+                if chunk.lengths.size:
+                    yield chunk.arrays()
             finally:
-                if facts.uncut_length is not None:   # rendered: kept, or too_long
-                    report.rendered_lengths.append(facts.uncut_length)
-            report.notes.update(facts.notes)
-            report.kept += 1
-            report.truncated += truncated
-            yield ids, mask
+                chunk.discard()
     if report.total_lines == 0:
         raise ValueError(f"{file}: no conversation lines: data.path must point at a non-empty JSONL file")
     bad = sum(report.skipped.values())

@@ -223,6 +223,7 @@ RESUME_TOLERATED = (
     "trainer.preempt_signals", "trainer.tau_every", "trainer.measure_tau", "trainer.steady_warmup_steps",
     "trainer.dist_backend", "trainer.master_addr", "trainer.rendezvous_timeout_s", "trainer.peer_timeout_s",
     "model.decode_", "probes.every", "trainer.cpu_step_warn_s", "data.max_truncated_fraction",
+    "data.num_proc",   # the processes that tokenize a file: the same store for any value
 )
 # Keys added to the config after some checkpoints were written, with the value that computes what those runs
 # computed: absent in the checkpoint's config and at this value now is no change.
