@@ -52,8 +52,9 @@ SwiGLU's saved Q x I tensors: 4 eager (gate, silu, up, product), 3 compiled.
                   R Q (H (e + c) + f)                        final norm
                   + head: S H c (one-pass: the input gradient per unit loss; fused: the hidden slots)
                   + max(head transient, segments: the M boolean run masks of the forward)
-                  head transient: one chunk of s = min(S, CE_CHUNK_ELEMENTS / V) rows: one-pass s V (2c + f)
-                  (logits, their float32 copy, its cast back; fp32: s V f), fused s V f
+                  head transient: one chunk of s = min(S, CE_CHUNK_ELEMENTS / V) rows: one-pass s V (c + f)
+                  (float32 logits, softmax in place, beside the matmul's output or the cast back; fp32: s V f)
+                  + S H c (its input, the gathered hidden slots, alive while it runs), fused s V f
                   [+ 4 P_draft gradients of earlier micro-batches when grad_accum > 1]
                 layer moment (the last draft layer's backward; the head's and final norm's tensors freed):
                   4 P_layer: that layer's gradients (no other layer has any yet)
@@ -518,10 +519,12 @@ def _head_terms(model: StepModel, z: _Sizes) -> tuple[np.ndarray, np.ndarray]:
         per_logit = 2 * c + 4 * f if c < f else 3 * f
         saved = z.S * H * c + np.where(chunked, 0.0, 4.0 * z.S * vocab)
         return saved, np.where(chunked, np.minimum(z.S, chunk) * vocab * per_logit, z.S * vocab * (per_logit - f))
-    # The one-pass head saves the input gradient per unit loss (S x H); one chunk's logits are alive in the
-    # forward: in the compute dtype, their float32 copy (the softmax in place) and its cast back (fp32: one tensor).
-    per_logit = 2 * c + f if c < f else f
-    return z.S * H * c, np.minimum(z.S, chunk) * vocab * per_logit
+    # The one-pass head saves the input gradient per unit loss (S x H); one chunk of float32 logits is alive in the
+    # forward (the softmax in place), beside either the matmul's output in the compute dtype (before ``.float()``)
+    # or the softmax's cast back (before the gradient matmul), never both (fp32: the one tensor); and the hidden
+    # slots gathered for the head (S x H, its input: not saved, alive while it runs).
+    per_logit = c + f if c < f else f
+    return z.S * H * c, np.minimum(z.S, chunk) * vocab * per_logit + z.S * H * c
 
 
 def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> dict[str, np.ndarray]:
