@@ -250,6 +250,31 @@ def test_qwen3_8b_preset_and_planner_columns(tmp_path):
     assert "block_tokens" in (tmp_path / "plan.md").read_text()
 
 
+def test_the_plan_reserves_the_fragmentation_margin_and_the_cuda_context_on_cuda_only():
+    """CUDA: the plan fits the peak against 90% of the GPU and the reserved memory (peak + FRAGMENTATION_FRACTION
+    of the activations) + the CUDA context against all of it; a step whose peak alone fits is refused when the
+    rest does not, naming the margin. CPU: the peak alone."""
+    from dflash_lab.model.footprint import CUDA_CONTEXT_GIB, FRAGMENTATION_FRACTION
+
+    step = StepModel.from_model_config(preset("model", "tiny", block_size=16, draft_layers=2, num_layers=8,
+                                               anchors_per_doc=512, anchor_density=None, fixed_anchors=8))
+    shapes = batch_shapes([np.arange(4)], np.full(4, 300), packed=True, model=step)
+    cuda, cpu = (step_memory(step, shapes, Settings(precision="fp32", allocator=a)) for a in ("cuda", "cpu"))
+    peak, static = float(cuda["peak"][0]), float(cuda["static"][0])
+    assert float(cpu["peak"][0]) == peak and float(cpu["planned"][0]) == peak and float(cpu["fragmentation"][0]) == 0
+    assert float(cuda["reserved"][0]) == pytest.approx(peak + FRAGMENTATION_FRACTION * (peak - static))
+    assert float(cuda["planned"][0]) == pytest.approx(max(peak, USABLE_FRACTION * (float(cuda["reserved"][0])
+                                                                                  + CUDA_CONTEXT_GIB * GIB)))
+    cfg, lengths = {"name": "packed", "max_tokens": 1200}, np.full(4, 300)
+    gpu_mem_gb = 1.01 * peak / GIB / USABLE_FRACTION   # the peak fits 90%; its fragments and the context do not
+    with pytest.raises(PreflightError, match="fragmentation margin .* CUDA context exceeds"):
+        preflight(step, lengths, cfg, Settings(precision="fp32"), gpu_mem_gb=gpu_mem_gb, seed=0)
+    fit = preflight(step, lengths, cfg, Settings(precision="fp32", allocator="cpu"), gpu_mem_gb=gpu_mem_gb, seed=0)
+    assert fit["pred_peak_mem_gb"] == pytest.approx(peak / GIB)
+    with pytest.raises(ValueError, match="allocator"):
+        Settings(allocator="tpu")
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="precision"):
         Settings(precision="fp16")

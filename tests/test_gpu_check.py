@@ -141,7 +141,7 @@ def _tiny_plan(gpu_check, name="bucketed", step_ckpt=None):
     peak = footprint.step_memory(step_model, shapes, footprint.Settings())["peak"]
     step_ckpt = np.zeros(len(batches), dtype=bool) if step_ckpt is None else step_ckpt
     return gpu_check.PolicyPlan(name, policy, batches, shapes, footprint.step_flops(step_model, shapes), peak, peak,
-                                peak, np.ones(len(lengths), dtype=int), False, step_ckpt)
+                                peak, np.ones(len(lengths), dtype=int), False, step_ckpt, peak)
 
 
 def test_warmup_runs_the_cheapest_steps_of_two_shapes_and_timing_one_step_per_cost_stratum(gpu_check):
