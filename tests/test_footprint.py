@@ -23,9 +23,9 @@ torch.set_num_threads(1)
 LENGTHS = np.array([60, 50, 40, 30, 20])
 
 
-def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False):
+def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False, vocab=264):
     config = Qwen3Config(hidden_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, intermediate_size=160, vocab_size=264, max_position_embeddings=512,
+                         head_dim=16, intermediate_size=160, vocab_size=vocab, max_position_embeddings=512,
                          tie_word_embeddings=tied, attn_implementation="sdpa")
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(config).eval()
@@ -124,6 +124,33 @@ def test_matmul_flops_match_torch_flop_counter():
     flops = step_flops(step, shapes)
     assert step.fixed_anchors == 8 and flops["fixed"][0] > 0   # the step includes the no-grad fixed-anchor pass
     assert float(flops["total"][0] - flops["attention"][0]) == pytest.approx(matmuls, rel=0.01)
+
+
+def test_anchor_only_logits_flops_match_torch_flop_counter():
+    """Sparse anchors (2 per document): the LM head runs on the anchor blocks' supervised slots only and the target
+    stops at the deepest layer the draft reads (no target logits at all). The model's matmul FLOPs of that step
+    (with the step's own supervised-slot counts: with two random anchors a document's expected count is not the
+    drawn one) equal torch's count within 1%, and the test would see either waste: the head on every block token
+    of the anchor blocks, or target logits on every token, each adds more than 1%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = tiny_model(anchors_per_doc=2, vocab=2048), make_batch(packed=True)   # a head worth counting
+    with FlopCounterMode(display=False) as counter:
+        out = model(batch, torch.Generator().manual_seed(0))
+        out.weighted_ce_sum.backward()
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "scaled_dot_product" not in str(op))
+    step = StepModel.from_model(model)
+    shapes = dict(batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=True, model=step))
+    shapes["supervised"] = np.array([float(out.count)])                  # the drawn anchors' labelled slots
+    shapes["fixed_supervised"] = np.array([float(out.doc_count.sum())])  # the fixed-anchor pass's (its doc counts)
+    flops = step_flops(step, shapes)
+    assert int(shapes["anchors"][0]) == 2 * len(LENGTHS) and 0 < float(out.count) < 2 * len(LENGTHS) * 15
+    assert float(flops["total"][0] - flops["attention"][0]) == pytest.approx(matmuls, rel=0.01)
+    head_per_slot = 4.0 * step.draft.hidden * step.target.vocab    # forward + input gradient
+    every_block_token = head_per_slot * float(shapes["anchors"][0]) * step.block_size
+    target_logits = 2.0 * step.target.hidden * step.target.vocab * float(shapes["real"][0])
+    assert every_block_token - float(flops["head"][0]) > 0.01 * matmuls
+    assert target_logits > 0.01 * matmuls
 
 
 def _allocated_peak_bytes(run_step) -> int:
