@@ -265,7 +265,8 @@ def train_figures(log: str, summary: dict, probe: dict) -> dict:
     """The train line's figures: the summary's, the preflight's predicted peak (the worst step of the epoch plan;
     GPU only) against the probe's measured one (the whole run), compiled graphs, and the recompiles in the log."""
     row = {k: summary.get(k) for k in SUMMARY_KEYS if k in summary}
-    preflight = re.search(r"preflight: predicted peak ([\d.]+) GiB of ([\d.]+) usable", log)
+    # the trainer's line: "preflight: " + footprint.gpu_use (worst step X GiB of the GPU's Y ...)
+    preflight = re.search(r"preflight: worst step ([\d.]+) GiB of the GPU's ([\d.]+)", log)
     row["memory_log"] = re.findall(r"(memory plan: .*|preflight: .*)", log)[:2]
     row["pred_peak_mem_gb"] = float(preflight.group(1)) if preflight else None
     row["pred_peak_scope"] = ("the preflight: the worst step of the epoch plan" if preflight else

@@ -323,7 +323,10 @@ def test_stage_limits_keep_the_modes_within_4_and_8_minutes_and_say_where_they_c
 
 
 def test_train_line_reads_the_preflight_the_probe_and_dynamos_recompiles(stages):
-    log = ("memory plan: block budget 53344; checkpointing off\npreflight: predicted peak 16.7 GiB of 125.8 usable\n"
+    from dflash_lab.model.footprint import gpu_use
+
+    # the preflight line as the trainer writes it (dflash_lab/training/components.py)
+    log = (f"memory plan: block budget 53344; checkpointing off\npreflight: {gpu_use(16.7, 139.8)}\n"
            "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n"
            "    triggered by the following guard failure(s):\n"
            "V1204 torch/_dynamo/guards.py] Recompiling function rms_norm in /repo/dflash_lab/model/draft.py:40\n")
