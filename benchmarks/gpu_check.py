@@ -85,7 +85,8 @@ Output (rank 0), one JSON object per line: ``setup`` (device, world size, regime
 attention path, token budget and its source, memory figure and cap, the checkpointing choice and its source,
 ``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one ``step`` line per step as
 it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its checkpointing, executed
-TFLOP, predicted and measured peak, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
+TFLOP, predicted and measured peak, predicted reserved memory ``pred_reserved_gb`` and measured fragments
+``frag_gb``, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
 activation_checkpointing, truncated, sample, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
 executed_tflop_per_step, executed_tflops, peak_mem_gb, peak_reserved_gb, pred_peak_mem_gb, pred_peak_mem_gb_ckpt,
 mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, ckpt_steps, loss,
@@ -106,15 +107,19 @@ on CPU with the process's threads). Steps during which flex_attention compiled a
 (all of them only when every timed step compiled).
 
 Memory: GPU: ``peak_mem_gb`` = ``torch.cuda.max_memory_allocated``, ``peak_reserved_gb`` =
-``torch.cuda.max_memory_reserved`` over each timed step, max over steps and ranks. CPU: the process re-executes
-itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64 KiB or more is its own mapping, returned to
-the system when freed, so resident memory follows live tensors); before each timed step it resets the kernel's
-peak-RSS mark (``/proc/self/clear_refs``), and ``peak_mem_gb`` = bytes of the tensors alive before the step
-(weights, optimizer state, DDP's gradient buckets) + (peak RSS during the step - RSS before it);
-``peak_reserved_gb`` = the process's whole peak RSS (VmHWM: interpreter and libraries included).
+``torch.cuda.max_memory_reserved`` over each timed step, max over steps and ranks; per step ``frag_gb``: the
+allocator's ``inactive_split_bytes`` peak (free memory in split blocks it cannot release). The CUDA caching
+allocator runs with expandable segments unless the user set ``PYTORCH_CUDA_ALLOC_CONF`` (the setup line's
+``cuda_alloc_conf`` and its source; dflash_lab/training/allocator.py). CPU: the process re-executes itself with
+``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation of 64 KiB or more is its own mapping, returned to the system
+when freed); ``peak_mem_gb`` = bytes of the tensors alive before the step (weights, optimizer state, DDP's
+gradient buckets) + the CPU allocator's peak growth during it (torch.profiler's memory events, ``Total
+Allocated``: every tensor, small ones included; ``PeakMemory``); ``peak_reserved_gb`` = the process's whole peak
+RSS over the step (VmHWM after ``/proc/self/clear_refs``: interpreter and libraries included).
 ``pred_peak_mem_gb`` is the footprint model's peak of the same batches (anchors from the plan's block tokens,
 the checkpointing in force), for the draft attention path the step actually runs (``footprint.attention_path``:
-flex on GPU, per-document SDPA ``segments`` on CPU); ``mem_ratio`` = predicted / measured.
+flex on GPU, per-document SDPA ``segments`` on CPU); ``mem_ratio`` = predicted / measured; ``pred_reserved_gb``
+(GPU) adds the fragmentation margin the memory plan reserves (``footprint.FRAGMENTATION_FRACTION``).
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))   # gpu_epoch, gpu_profile (also when loaded from its path)
 
 from dflash_lab.training import dist  # noqa: E402
+from dflash_lab.training.allocator import configure_cuda_allocator  # noqa: E402
 from dflash_lab.data import collate_packed, collate_padded  # noqa: E402
 from dflash_lab.data.lengths import reference_lengths  # noqa: E402
 from dflash_lab.metrics.throughput import ktok_per_s, padding_efficiency  # noqa: E402
@@ -454,6 +460,7 @@ class PeakMemory:
     def __init__(self, device: torch.device, static_bytes):
         self.device = device
         self.static_bytes = static_bytes
+        self.fragments = None   # CUDA only
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -471,6 +478,8 @@ class PeakMemory:
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device)
             self.reserved = torch.cuda.max_memory_reserved(self.device)
+            # the allocator's fragments: free memory in split blocks it cannot release (peak over the step)
+            self.fragments = torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak")
         else:
             self.profiler.__exit__(*exc)
             self.peak = self.static + allocator_growth(self.profiler)
@@ -544,6 +553,7 @@ class StepResult:
     reserved: float
     loss: float
     oom: str | None = None
+    fragments: float | None = None   # CUDA: the allocator's inactive split bytes, peak over the step
 
 
 def _range(name: str):
@@ -588,7 +598,8 @@ def train_step(bench: Bench, batch: dict, anchors: torch.Generator) -> StepResul
         seconds = time.perf_counter() - start
     if oom is not None and bench.device.type == "cuda":
         torch.cuda.empty_cache()
-    return StepResult(seconds, float(memory.peak), float(memory.reserved), loss, oom)
+    return StepResult(seconds, float(memory.peak), float(memory.reserved), loss, oom,
+                      None if memory.fragments is None else float(memory.fragments))
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -621,6 +632,7 @@ class PolicyPlan:
     anchors: np.ndarray            # per sample (the plan's block tokens / block size, else the anchor rule)
     ckpt: bool                     # the memory plan's checkpointing (seed regime: off)
     step_ckpt: np.ndarray          # per batch, whether it runs with checkpointing
+    pred_reserved: np.ndarray      # bytes per batch the CUDA allocator is predicted to reserve (peak + fragments)
     out: dict = field(default_factory=dict)
 
     def executed(self, ckpt: bool | None = None) -> np.ndarray:
@@ -630,13 +642,14 @@ class PolicyPlan:
         return self.flops["executed"] + self.flops["executed_draft"] / 3.0 * recompute
 
 
-def step_checkpointing(plan_ckpt: bool, pred_peak_plain: np.ndarray, bench: Bench) -> np.ndarray:
+def step_checkpointing(plan_ckpt: bool, planned_plain: np.ndarray, bench: Bench) -> np.ndarray:
     """Per batch, whether it runs with draft checkpointing: the memory plan's choice; in the seed regime (no
-    checkpointing) only the batches the memory model says do not fit 90% of the cap without it."""
+    checkpointing) only the batches the memory model says do not fit the cap without it (``planned_plain``:
+    ``step_memory``'s ``planned`` bytes without checkpointing, against 90% of the cap, as every plan fits)."""
     if bench.args.regime != "seed":
-        return np.full(pred_peak_plain.shape, bool(plan_ckpt))
+        return np.full(planned_plain.shape, bool(plan_ckpt))
     cap = bench.memory_cap_gb or bench.gpu_mem_gb
-    return pred_peak_plain > footprint.USABLE_FRACTION * cap * footprint.GIB
+    return planned_plain > footprint.USABLE_FRACTION * cap * footprint.GIB
 
 
 def build_policy_plan(name: str, memory, bench: Bench) -> PolicyPlan | dict:
@@ -666,12 +679,14 @@ def build_policy_plan(name: str, memory, bench: Bench) -> PolicyPlan | dict:
     if anchors is None:   # no block budget: the anchor rule on every valid position (as batch_shapes assumes)
         anchors = benchmark_block_tokens(policy.lengths, bench.budget, step_model) // step_model.block_size
     shapes = footprint.batch_shapes(batches, policy.lengths, packed=policy.packed, model=step_model, anchors=anchors)
-    peaks = {ckpt: footprint.step_memory(step_model, shapes, replace(bench.settings, activation_checkpointing=ckpt))
-             ["peak"] for ckpt in (False, True)}
-    step_ckpt = step_checkpointing(memory.activation_checkpointing, peaks[False], bench)
+    memories = {ckpt: footprint.step_memory(step_model, shapes, replace(bench.settings, activation_checkpointing=ckpt))
+                for ckpt in (False, True)}
+    peaks = {ckpt: m["peak"] for ckpt, m in memories.items()}
+    step_ckpt = step_checkpointing(memory.activation_checkpointing, memories[False]["planned"], bench)
     return PolicyPlan(name, policy, batches, shapes, footprint.step_flops(step_model, shapes),
                       np.where(step_ckpt, peaks[True], peaks[False]), peaks[True], peaks[False], anchors,
-                      memory.activation_checkpointing, step_ckpt, out)
+                      memory.activation_checkpointing, step_ckpt,
+                      np.where(step_ckpt, memories[True]["reserved"], memories[False]["reserved"]), out)
 
 
 def choose_steps(plan: PolicyPlan, world_size: int, warmup: int, steps: int,
@@ -741,6 +756,8 @@ def step_record(plan: PolicyPlan, step: int, index: int, batch: dict, result: St
             "activation_checkpointing": bool(plan.step_ckpt[index]),
             "executed_tflop": float(plan.executed()[index]) / 1e12, "tflop": float(plan.flops["total"][index]) / 1e12,
             "pred_peak_gb": float(plan.pred_peak[index]) / footprint.GIB, "peak_gb": result.peak / footprint.GIB,
+            "pred_reserved_gb": float(plan.pred_reserved[index]) / footprint.GIB,
+            "frag_gb": None if result.fragments is None else result.fragments / footprint.GIB,
             "reserved_gb": result.reserved / footprint.GIB, "loss": result.loss, "compiled": False,
             "oom": result.oom, "index": int(index)}
 
@@ -977,10 +994,12 @@ def gpu_preset(cfg) -> dict:
 
 
 def start_process(args):
-    """Re-execute for the CPU memory measurement, start the ranks, join the process group; (env, device)."""
+    """Re-execute for the CPU memory measurement, set the CUDA allocator (expandable segments unless the user set
+    it), start the ranks, join the process group; (env, device, the allocator setting and its source)."""
     if args.device == "cpu" and os.environ.get(MMAP_ENV) is None:
         # Re-execute with a fixed mmap threshold before any allocation (see the module docstring).
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
+    allocator = configure_cuda_allocator(args.device)   # before CUDA's first use (the ranks inherit it)
     default_nproc = max(1, torch.cuda.device_count()) if args.device == "cuda" and args.regime == "plan" else 1
     nproc = args.nproc or default_nproc
     if "RANK" not in os.environ and nproc > 1:
@@ -992,7 +1011,7 @@ def start_process(args):
     elif env.distributed:   # the CPUs shared by the ranks (OMP_NUM_THREADS, when set, caps each rank)
         cap = int(os.environ.get("OMP_NUM_THREADS") or 1 << 20)
         torch.set_num_threads(max(1, min(cap, len(os.sched_getaffinity(0)) // env.world_size)))
-    return env, device
+    return env, device, allocator
 
 
 def memory_figure(args, preset: dict, device: torch.device) -> tuple[float, str]:
@@ -1048,6 +1067,7 @@ def build_bench(args, env, device):
     lengths = reference_lengths("seed", args.num_samples, seed=0, scale=SHAPES[args.shape]["length_scale"])
     # the draft's attention path as training picks it: flex_attention on GPU, per-document SDPA on CPU
     settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size,
+                                  allocator="cuda" if on_gpu else "cpu",
                                   attention=footprint.attention_path(device.type, model.attention_backend))
     budget, budget_source, plans = resolve_plans(args, lengths, step_model, settings, ckpt, gpu_mem_gb,
                                                  env.world_size)
@@ -1082,6 +1102,7 @@ def build_bench(args, env, device):
              "mem_cap_gb": cap, "peak_tflops": peak_tflops, "peak_source": peak_source,
              "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,
              "draft_params_m": step_model.draft.params / 1e6, "activation_checkpointing": ckpt,
+             "fragmentation_fraction": footprint.FRAGMENTATION_FRACTION if on_gpu else None,
              "activation_checkpointing_source": ckpt_source, "num_samples": args.num_samples,
              "warmup": args.warmup, "steps": args.steps, "deadline_s": args.deadline_s,
              "model": {k: model_cfg.get(k) for k in ("block_size", "draft_layers", "anchors_per_doc",
@@ -1122,9 +1143,9 @@ def main(argv=None) -> None:
         import gpu_repredict
 
         raise SystemExit(gpu_repredict.main(args.repredict, args.model))
-    env, device = start_process(args)
+    env, device, allocator = start_process(args)
     bench, setup, plans = build_bench(args, env, device)
-    bench.emit({"setup": {**setup, "notes": setup_notes(bench, plans), "memory_plan": {
+    bench.emit({"setup": {**setup, **allocator, "notes": setup_notes(bench, plans), "memory_plan": {
         name: ({"max_block_tokens": p.max_block_tokens, "activation_checkpointing": p.activation_checkpointing,
                 "reason": p.reason} if isinstance(p, footprint.MemoryPlan) else p) for name, p in plans.items()}}})
     rows, policy_plans, records = {}, {}, {}

@@ -1,6 +1,7 @@
 """Re-predict a recorded GPU check: the memory model of today's code against the peaks a GPU measured.
 
     python benchmarks/gpu_check.py --repredict benchmarks/data/h200-2026-12-04/seed.jsonl
+    python benchmarks/gpu_repredict.py [FILE.jsonl ...]     # default: the first H200 run's seed and plan files
 
 For every ``gpu_check_step`` line of the file, the batch that step ran is rebuilt from the file's
 ``gpu_check_setup`` line, as the check built it: the seed workload's lengths (``num_samples``, the shape's length
@@ -13,7 +14,8 @@ attention path, LM head and compiled pieces (``compile_layers: auto`` compiles t
 uses, ``dflash_lab.model.draft.compiles_layers``).
 
 Output: one JSON line per step, ``{"check": "repredict", "policy", "phase", "step", "peak_gb", "pred_peak_gb",
-"ratio", "oom", "mem_cap_gb", "activation_checkpointing", "clean"}`` (``ratio`` = predicted / measured; ``clean``:
+"ratio", "pred_reserved_gb", "oom", "mem_cap_gb", "activation_checkpointing", "clean"}`` (``ratio`` = predicted /
+measured allocated peak; ``pred_reserved_gb``: the peak + the allocator's fragmentation margin; ``clean``:
 a timed or checkpointing step that did not run out of memory; warm-up steps are not clean: the first one runs
 before AdamW's moments exist), then ``{"check": "repredict_summary", ...}``: the clean steps' ratio range with and
 without checkpointing, and whether every out-of-memory step is predicted above its memory cap.
@@ -21,11 +23,13 @@ without checkpointing, and whether every out-of-memory step is predicted above i
 Bounds (``BOUNDS``): a clean step within [0.97, 1.10] of its measured peak, [0.97, 1.15] with checkpointing (the
 model keeps the larger of two moments where autograd's order can leave less alive; it must never under-predict by
 more than 3%: a plan sized by it would run out of memory). A step that ran out of memory must be predicted above
-what it had allocated when it failed and above the usable share of its cap (``USABLE_FRACTION``, what the memory
-plan fits against); the summary also counts those predicted above the cap itself. The cap limits the memory the
-CUDA allocator reserves, fragments included: a step whose allocated peak stays just under the cap can still fail
+what it had allocated when it failed, above the usable share of its cap (``USABLE_FRACTION``, what the memory
+plan fits the peak against), and its reserved memory above the cap itself: the cap limits the memory the CUDA
+allocator reserves, fragments included, so a step whose allocated peak stays just under the cap can still fail
 (the H200 run: bucketed step 3 failed with 94.06 GiB allocated and 1.89 GiB reserved in fragments, asking for
-512 MiB more under a 96 GiB cap).
+512 MiB more under a 96 GiB cap; its predicted peak is 95.5 GiB, its reserved memory with the fragmentation
+margin, ``footprint.FRAGMENTATION_FRACTION`` of the activations, 105.5). ``oom_peak_predicted_above_cap`` counts
+the steps whose allocated peak alone is predicted above the cap.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class RecordedRun:
         step_model = replace(footprint.StepModel.from_model_config(model_cfg, device_type=device_type),
                              head_ce=recorded_head(setup))
         settings = footprint.Settings(precision=setup["precision"], attention=setup["attention"],
-                                      world_size=int(setup["world_size"]))
+                                      world_size=int(setup["world_size"]), allocator=device_type)
         lengths = reference_lengths("seed", int(setup["num_samples"]), seed=0, scale=shape["length_scale"])
         return cls(setup, model_name, step_model, settings, lengths, {})
 
@@ -158,10 +162,11 @@ def _repredict_step(run: RecordedRun, record: dict) -> dict:
         return {**row, "pred_peak_gb": None, "ratio": None, "clean": False, "error": why}
     shapes = {k: v[index:index + 1] for k, v in plan["shapes"].items()}
     settings = replace(run.settings, activation_checkpointing=ckpt)
-    predicted = float(footprint.step_memory(run.step_model, shapes, settings)["peak"][0]) / footprint.GIB
+    memory = footprint.step_memory(run.step_model, shapes, settings)
+    predicted = float(memory["peak"][0]) / footprint.GIB
     clean = record["phase"] in CLEAN_PHASES and not record.get("oom")
     return {**row, "pred_peak_gb": round(predicted, 3), "ratio": round(predicted / record["peak_gb"], 4),
-            "clean": clean}
+            "pred_reserved_gb": round(float(memory["reserved"][0]) / footprint.GIB, 3), "clean": clean}
 
 
 def _ratio_range(rows: list[dict], ckpt: bool) -> dict:
@@ -173,10 +178,12 @@ def _ratio_range(rows: list[dict], ckpt: bool) -> dict:
 
 
 def _out_of_memory(rows: list[dict]) -> dict:
-    """How the steps that ran out of memory are predicted: above the cap, its usable share, what they reached."""
+    """How the steps that ran out of memory are predicted: their reserved memory (peak + the allocator's
+    fragmentation margin) above the cap, their peak above its usable share and above what they reached."""
     ooms = [r for r in rows if r["oom"] and r["pred_peak_gb"] is not None and r["mem_cap_gb"] is not None]
     return {"oom_steps": sum(bool(r["oom"]) for r in rows),
-            "oom_predicted_above_cap": sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in ooms),
+            "oom_predicted_above_cap": sum(r["pred_reserved_gb"] > r["mem_cap_gb"] for r in ooms),
+            "oom_peak_predicted_above_cap": sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in ooms),
             "oom_predicted_above_usable_cap": sum(r["pred_peak_gb"] > footprint.USABLE_FRACTION * r["mem_cap_gb"]
                                                   for r in ooms),
             "oom_predicted_above_reached": sum(r["pred_peak_gb"] > r["peak_gb"] for r in ooms)}
@@ -185,14 +192,16 @@ def _out_of_memory(rows: list[dict]) -> dict:
 def summary(rows: list[dict]) -> dict:
     """The clean steps' ratio range per checkpointing setting, the out-of-memory steps, and whether all hold.
 
-    A step that ran out of memory must be one no plan would run: predicted above the usable share of its cap (what
-    the memory plan fits against) and above what it had allocated when it failed. Its allocated peak can lie below
-    the cap itself: the allocator's cap counts the memory it reserved, fragments included."""
+    A step that ran out of memory must be one no plan would run: its peak predicted above the usable share of its
+    cap (what the memory plan fits the peak against) and above what it had allocated when it failed, and its
+    reserved memory (peak + fragmentation margin) above the cap: the allocator's cap counts the memory it
+    reserved, fragments included, and its allocated peak can lie below the cap itself."""
     plain, ckpt, ooms = _ratio_range(rows, False), _ratio_range(rows, True), _out_of_memory(rows)
     errors = [r["error"] for r in rows if "error" in r]
     within = [plain.pop("ok"), ckpt.pop("ok")]
     ok = (not errors and all(within)
-          and ooms["oom_predicted_above_usable_cap"] == ooms["oom_predicted_above_reached"] == ooms["oom_steps"])
+          and ooms["oom_predicted_above_usable_cap"] == ooms["oom_predicted_above_reached"] == ooms["oom_steps"]
+          == ooms["oom_predicted_above_cap"])
     return {"check": "repredict_summary", "steps": len(rows), "plain": plain, "ckpt": ckpt, **ooms,
             "errors": errors, "ok": bool(ok)}
 
@@ -206,3 +215,9 @@ def main(path: str, model_name: str = "qwen3_8b") -> int:
     result = summary(rows)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":   # python benchmarks/gpu_repredict.py [FILE.jsonl ...] (default: the first H200 run's)
+    files = sys.argv[1:] or [str(ROOT / "benchmarks" / "data" / "h200-2026-12-04" / f"{name}.jsonl")
+                             for name in ("seed", "plan")]
+    raise SystemExit(max(main(path) for path in files))

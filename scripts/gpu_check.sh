@@ -5,8 +5,8 @@
 #                                                    epoch's ratio from a step-time fit beside the planner's, one
 #                                                    checkpointing-on step, one profiled step; python -m
 #                                                    dflash_lab.train trainer=gpu at the Qwen3-8B shape on random
-#                                                    weights); full <= 8 min, --quick <= 4 min on an H200 by the
-#                                                    stages' limits
+#                                                    weights); full <= 7.5 min (inside 8 min of machine time),
+#                                                    --quick <= 4.5 min on an H200 by the stages' limits
 # bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (minutes)
 # One JSON object per line in OUT.jsonl, each with a "check" key; a failing stage records its error and the
 # others still run; the exit code is non-zero when any stage failed.

@@ -3,9 +3,10 @@
     python scripts/gpu_check_stages.py [--cpu] [--quick] OUT.jsonl [--work-dir DIR]
                                        [--only attention_tests,gpu_check_seed,train,gpu_check_plan]
 
-Modes: ``--quick`` (<= 4 minutes on one H200 by its stage limits: attention_tests on the CUDA and flex tests only,
-gpu_check_seed in its quick mode) and the full one (<= 8 minutes: every attention test, gpu_check_seed with more
-strata, the training entry point at the Qwen3-8B shape). ``--cpu``: the same stages at CPU size (the tiny shape).
+Modes: ``--quick`` (<= 4.5 minutes on one H200 by its stage limits: attention_tests on the CUDA and flex tests
+only, gpu_check_seed in its quick mode) and the full one (<= 7.5 minutes, 30 s inside the 8 minutes of machine time
+it is given: every attention test, gpu_check_seed on 20,000 documents, the training entry point at the Qwen3-8B
+shape). ``--cpu``: the same stages at CPU size (the tiny shape).
 Stages, in order:
 
 1. ``attention_tests``: pytest on tests/test_model_attention.py and every other test file that checks
@@ -53,11 +54,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"quick": ("attention_tests", "gpu_check_seed"), "full": ("attention_tests", "gpu_check_seed", "train")}
-# Seconds per stage, by device and mode. GPU: set from the first H200 run (one H200, torch 2.11, cold kernel
-# cache; docs/gpu.md "Stage limits"), each about 1.2x what that run measured or what its parts add up to: quick
-# sums to 240 s, full to 475 s. gpu_check_plan is outside both modes.
-TIMEOUTS = {("gpu", "quick"): {"attention_tests": 75, "gpu_check_seed": 165, "train": 130, "gpu_check_plan": 200},
-            ("gpu", "full"): {"attention_tests": 135, "gpu_check_seed": 210, "train": 130, "gpu_check_plan": 200},
+# Seconds per stage, by device and mode. GPU: from the first H200 run (one H200, torch 2.11, cold kernel cache;
+# docs/gpu.md "Stage limits"), each about 1.2x what that run measured or what its parts add up to; the gpu_check
+# stages' steps priced by benchmarks/gpu_stage_budget.py (the stage's own plans on a CPU, each step's executed
+# FLOPs at that run's measured rate): quick sums to 265 s, full to 450 s. gpu_check_plan is outside both modes.
+TIMEOUTS = {("gpu", "quick"): {"attention_tests": 75, "gpu_check_seed": 190, "train": 125, "gpu_check_plan": 135},
+            ("gpu", "full"): {"attention_tests": 135, "gpu_check_seed": 190, "train": 125, "gpu_check_plan": 135},
             # a CPU is not lent by the minute, and a shared one can be 10x slower than when idle (a packed step's
             # compile alone: 30-100 s)
             ("cpu", "quick"): {"attention_tests": 300, "gpu_check_seed": 900, "train": 400, "gpu_check_plan": 600},
@@ -67,18 +69,24 @@ LIMIT_SOURCES = {
                        "on a cold kernel cache (the old 90 s limit stopped it); quick: its three named tests took "
                        "13 s after the oracle test had compiled, + ~16 s of pytest start; alone and cold they "
                        "compile their own forward too",
-    "gpu_check_seed": "the full seed stage took 137 s: 42 s outside the steps (start, model, plans), 57 s of warm-up "
-                      "(the first step compiles for 38 s), timed steps 1.3-3.6 s (median 2.1 s); now 8 strata x 3 "
-                      "policies (quick: 5 x 3) + one checkpointing step (3.5 s) + the profiled step and its "
-                      "events (~10 s)",
+    "gpu_check_seed": "the first run's seed stage took 137 s: 42 s outside the steps (start, model, plans), 57 s of "
+                      "warm-up (the first step compiles for 38 s); its timed steps ran at executed FLOPs / 459-469 "
+                      "TFLOP/s + 0.12-0.18 s. Now 5 strata x 3 policies (full: of 20,000 documents; quick: 8,000), "
+                      "priced from the stage's own plans (benchmarks/gpu_stage_budget.py --regime seed: 15 steps of "
+                      "706-2,894 executed TFLOP, 8 with checkpointing, + the checkpointing step + the profiled step "
+                      "at 3 steps: 61 s): 160 s; 8 strata would be 187 s",
     "train": "the run at hidden 1024 took 112-121 s (60 steps, 8 tau prompts x 64 tokens: 21.5 s of evaluation); "
-             "at Qwen3-8B: ~40 s first-step compile + 9 steps of ~2 s (4,096 tokens, ~60K block tokens), 2 tau "
+             "at Qwen3-8B: ~40 s first-step compile + 7 steps of ~2 s (4,096 tokens, ~60K block tokens), 2 tau "
              "prompts x 32 tokens (~20 s with the draft's compile), ~25 s of start (imports, random 8B weights "
-             "on the GPU, data, memory plan): ~105 s",
-    "gpu_check_plan": "the plan stage took 90 s (2 + 3 steps x 2 policies)"}
+             "on the GPU, data, memory plan): ~100 s",
+    "gpu_check_plan": "the first run's plan stage took 90 s (2 + 3 steps x 2 policies, checkpointing on); now "
+                      "checkpointing off at a ~120K block budget: benchmarks/gpu_stage_budget.py --regime plan "
+                      "--steps 3 --policies bucketed,packed: 6 steps of 799-1,373 executed TFLOP (15 s) + 42 s "
+                      "outside + 57 s of warm-up: 114 s"}
 DEADLINE_MARGIN_S = 30   # gpu_check.py stops starting steps this long before its stage's limit
 QUICK_TESTS = "cuda or flex_operator or counts_flex"
-TRAIN_STEPS = {"gpu": 10, "cpu": 6}
+TRAIN_STEPS = {"gpu": 8, "cpu": 6}
+SEED_STRATA = {"gpu": 5}   # gpu_check_seed's timed steps per policy on a GPU, both modes (TIMEOUTS)
 SUMMARY_KEYS = ("status", "steps", "ktok_s", "tau", "tau_baseline", "final_loss", "final_acc", "pad_eff",
                 "world_size", "eta_s", "overhead_frac", "eval_frac", "wall_time_s", "anchor_rule", "max_block_tokens",
                 "activation_checkpointing", "target_digest")
@@ -167,7 +175,8 @@ def gpu_check_command(regime: str, mode: str, run_mode: str, timeout: float, wor
     tiny one on a CPU, stopping new steps DEADLINE_MARGIN_S before the stage's limit."""
     device = ["--device", "cuda", "--shape", "qwen3-8b"] if mode == "gpu" else ["--device", "cpu", "--shape", "tiny"]
     if regime == "seed":
-        args = ["--regime", "seed", *(["--quick"] if run_mode == "quick" else []),
+        strata = ["--steps", str(SEED_STRATA[mode])] if mode in SEED_STRATA else []
+        args = ["--regime", "seed", *(["--quick"] if run_mode == "quick" else []), *strata,
                 "--profile-trace", str(work / "profile_trace.json")]
     elif mode == "gpu":
         args = ["--policies", "bucketed,packed", "--num-samples", "8000", "--warmup", "2", "--steps", "3"]
@@ -265,7 +274,8 @@ def train_figures(log: str, summary: dict, probe: dict) -> dict:
     """The train line's figures: the summary's, the preflight's predicted peak (the worst step of the epoch plan;
     GPU only) against the probe's measured one (the whole run), compiled graphs, and the recompiles in the log."""
     row = {k: summary.get(k) for k in SUMMARY_KEYS if k in summary}
-    preflight = re.search(r"preflight: predicted peak ([\d.]+) GiB of ([\d.]+) usable", log)
+    # the trainer's line: "preflight: " + footprint.gpu_use (worst step X GiB of the GPU's Y ...)
+    preflight = re.search(r"preflight: worst step ([\d.]+) GiB of the GPU's ([\d.]+)", log)
     row["memory_log"] = re.findall(r"(memory plan: .*|preflight: .*)", log)[:2]
     row["pred_peak_mem_gb"] = float(preflight.group(1)) if preflight else None
     row["pred_peak_scope"] = ("the preflight: the worst step of the epoch plan" if preflight else
@@ -321,7 +331,7 @@ def run_stage(name: str, mode: str, run_mode: str, work: Path) -> list[dict]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the CPU path at the tiny shape")
-    parser.add_argument("--quick", action="store_true", help="the quick mode (<= 4 min on one H200)")
+    parser.add_argument("--quick", action="store_true", help="the quick mode (<= 4.5 min on one H200)")
     parser.add_argument("out", help="JSON lines output")
     parser.add_argument("--work-dir", default=None, help="logs, the random model, the run (default: a temp dir)")
     parser.add_argument("--only", default=None, help="comma-separated stages (default: the mode's: "

@@ -23,9 +23,9 @@ torch.set_num_threads(1)
 LENGTHS = np.array([60, 50, 40, 30, 20])
 
 
-def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False):
+def tiny_model(draft_layers=2, anchors_per_doc=512, tied=False, vocab=264):
     config = Qwen3Config(hidden_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, intermediate_size=160, vocab_size=264, max_position_embeddings=512,
+                         head_dim=16, intermediate_size=160, vocab_size=vocab, max_position_embeddings=512,
                          tie_word_embeddings=tied, attn_implementation="sdpa")
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(config).eval()
@@ -124,6 +124,33 @@ def test_matmul_flops_match_torch_flop_counter():
     flops = step_flops(step, shapes)
     assert step.fixed_anchors == 8 and flops["fixed"][0] > 0   # the step includes the no-grad fixed-anchor pass
     assert float(flops["total"][0] - flops["attention"][0]) == pytest.approx(matmuls, rel=0.01)
+
+
+def test_anchor_only_logits_flops_match_torch_flop_counter():
+    """Sparse anchors (2 per document): the LM head runs on the anchor blocks' supervised slots only and the target
+    stops at the deepest layer the draft reads (no target logits at all). The model's matmul FLOPs of that step
+    (with the step's own supervised-slot counts: with two random anchors a document's expected count is not the
+    drawn one) equal torch's count within 1%, and the test would see either waste: the head on every block token
+    of the anchor blocks, or target logits on every token, each adds more than 1%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = tiny_model(anchors_per_doc=2, vocab=2048), make_batch(packed=True)   # a head worth counting
+    with FlopCounterMode(display=False) as counter:
+        out = model(batch, torch.Generator().manual_seed(0))
+        out.weighted_ce_sum.backward()
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "scaled_dot_product" not in str(op))
+    step = StepModel.from_model(model)
+    shapes = dict(batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=True, model=step))
+    shapes["supervised"] = np.array([float(out.count)])                  # the drawn anchors' labelled slots
+    shapes["fixed_supervised"] = np.array([float(out.doc_count.sum())])  # the fixed-anchor pass's (its doc counts)
+    flops = step_flops(step, shapes)
+    assert int(shapes["anchors"][0]) == 2 * len(LENGTHS) and 0 < float(out.count) < 2 * len(LENGTHS) * 15
+    assert float(flops["total"][0] - flops["attention"][0]) == pytest.approx(matmuls, rel=0.01)
+    head_per_slot = 4.0 * step.draft.hidden * step.target.vocab    # forward + input gradient
+    every_block_token = head_per_slot * float(shapes["anchors"][0]) * step.block_size
+    target_logits = 2.0 * step.target.hidden * step.target.vocab * float(shapes["real"][0])
+    assert every_block_token - float(flops["head"][0]) > 0.01 * matmuls
+    assert target_logits > 0.01 * matmuls
 
 
 def _allocated_peak_bytes(run_step) -> int:
@@ -248,6 +275,31 @@ def test_qwen3_8b_preset_and_planner_columns(tmp_path):
     h100 = run_plan({**plain, "gpu": {**plain["gpu"], "memory_gb": 80}, "activation_checkpointing": True})
     assert (h100["ckpt"] == "on").all() and (h100["pred_peak_mem_gb"] <= 0.9 * 80).all()
     assert "block_tokens" in (tmp_path / "plan.md").read_text()
+
+
+def test_the_plan_reserves_the_fragmentation_margin_and_the_cuda_context_on_cuda_only():
+    """CUDA: the plan fits the peak against 90% of the GPU and the reserved memory (peak + FRAGMENTATION_FRACTION
+    of the activations) + the CUDA context against all of it; a step whose peak alone fits is refused when the
+    rest does not, naming the margin. CPU: the peak alone."""
+    from dflash_lab.model.footprint import CUDA_CONTEXT_GIB, FRAGMENTATION_FRACTION
+
+    step = StepModel.from_model_config(preset("model", "tiny", block_size=16, draft_layers=2, num_layers=8,
+                                               anchors_per_doc=512, anchor_density=None, fixed_anchors=8))
+    shapes = batch_shapes([np.arange(4)], np.full(4, 300), packed=True, model=step)
+    cuda, cpu = (step_memory(step, shapes, Settings(precision="fp32", allocator=a)) for a in ("cuda", "cpu"))
+    peak, static = float(cuda["peak"][0]), float(cuda["static"][0])
+    assert float(cpu["peak"][0]) == peak and float(cpu["planned"][0]) == peak and float(cpu["fragmentation"][0]) == 0
+    assert float(cuda["reserved"][0]) == pytest.approx(peak + FRAGMENTATION_FRACTION * (peak - static))
+    assert float(cuda["planned"][0]) == pytest.approx(max(peak, USABLE_FRACTION * (float(cuda["reserved"][0])
+                                                                                  + CUDA_CONTEXT_GIB * GIB)))
+    cfg, lengths = {"name": "packed", "max_tokens": 1200}, np.full(4, 300)
+    gpu_mem_gb = 1.01 * peak / GIB / USABLE_FRACTION   # the peak fits 90%; its fragments and the context do not
+    with pytest.raises(PreflightError, match="fragmentation margin .* CUDA context exceeds"):
+        preflight(step, lengths, cfg, Settings(precision="fp32"), gpu_mem_gb=gpu_mem_gb, seed=0)
+    fit = preflight(step, lengths, cfg, Settings(precision="fp32", allocator="cpu"), gpu_mem_gb=gpu_mem_gb, seed=0)
+    assert fit["pred_peak_mem_gb"] == pytest.approx(peak / GIB)
+    with pytest.raises(ValueError, match="allocator"):
+        Settings(allocator="tpu")
 
 
 def test_settings_are_validated():

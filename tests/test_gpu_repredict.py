@@ -2,9 +2,11 @@
 batch rebuilt from the file's setup line, its peak re-predicted by today's model (benchmarks/gpu_repredict.py)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,6 +14,7 @@ DATA = ROOT / "benchmarks" / "data" / "h200-2026-12-04"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_repredict  # noqa: E402
+from dflash_lab.model import footprint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,4 +49,27 @@ def test_steps_that_ran_out_of_memory_are_predicted_not_to_fit(rows):
     for r in ooms:
         assert r["pred_peak_gb"] > r["peak_gb"]                     # above what it held when it failed
         assert r["pred_peak_gb"] > 0.9 * r["mem_cap_gb"]            # no plan against the 96 GiB cap would run it
-    assert sum(r["pred_peak_gb"] > r["mem_cap_gb"] for r in ooms) >= 5
+        assert r["pred_reserved_gb"] > r["mem_cap_gb"]              # peak + fragments: the allocator's cap breaks
+    assert gpu_repredict.summary(rows["seed"])["oom_predicted_above_cap"] == 6
+
+
+OOM_LINE = re.compile(r"this process has ([\d.]+) GiB memory in use.*?([\d.]+) GiB is allocated by PyTorch, and "
+                      r"([\d.]+) GiB is reserved by PyTorch but unallocated")
+
+
+def test_fragmentation_margin_and_cuda_context_are_the_recorded_out_of_memory_lines():
+    """The margin the memory plan reserves is the largest fragments / activations ratio of the six recorded
+    failures (activations: what was allocated less the weights and optimizer state); the CUDA context is what the
+    process held beyond PyTorch's reservation."""
+    lines = [json.loads(line) for line in (DATA / "seed.jsonl").read_text().splitlines() if line.strip()]
+    setup = next(line for line in lines if line.get("check") == "gpu_check_setup")
+    run = gpu_repredict.RecordedRun.from_setup(setup, "qwen3_8b")
+    one = footprint.batch_shapes([np.arange(1)], np.array([2]), packed=True, model=run.step_model)
+    static = float(footprint.step_memory(run.step_model, one, run.settings)["static"][0]) / footprint.GIB
+    failures = [tuple(map(float, OOM_LINE.search(line["oom"]).groups()))
+                for line in lines if line.get("check") == "gpu_check_step" and line.get("oom")]
+    assert len(failures) == 6
+    ratios = [fragments / (allocated - static) for _, allocated, fragments in failures]
+    assert max(ratios) <= footprint.FRAGMENTATION_FRACTION < max(ratios) + 0.001, ratios
+    contexts = [in_use - allocated - fragments for in_use, allocated, fragments in failures]
+    assert all(abs(c - footprint.CUDA_CONTEXT_GIB) <= 0.011 for c in contexts), contexts

@@ -311,3 +311,52 @@ def test_the_flex_draft_path_of_the_gpu_matches_the_oracle(packed):
         dense = _model(backend="dense", fixed_anchors=3)(batch, torch.Generator().manual_seed(1))
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
     assert flex.correct == dense.correct and torch.equal(flex.doc_correct, dense.doc_correct)
+
+
+# ops that need a value on the host to run on CUDA (the output size or a Python number): each is a host sync
+HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.bincount", "aten.masked_select")
+
+
+def test_scoring_counts_equal_bincount_and_sync_the_host_only_for_the_supervised_slots():
+    """The scores' per-position and per-document counts by scatter-add equal ``torch.bincount`` on the same slots,
+    and scoring a step's blocks syncs the host once: the supervised slots' ``nonzero`` (their number sizes the LM
+    head's input), where the bincounts and boolean-mask indexing it replaced made six more syncs per call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SyncOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            bool_index = str(func) == "aten.index.Tensor" and any(
+                i is not None and i.dtype == torch.bool for i in args[1])
+            if bool_index or str(func).rsplit(".", 1)[0] in HOST_SYNC_OPS:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = _model(block_size=4)
+    batch = collate_packed(_samples([30, 40, 25]), [7, 3, 5], [30, 40, 25], 0)
+    with torch.no_grad():
+        blocks, hidden = model.block_hidden(batch, torch.Generator().manual_seed(1))
+        with SyncOps() as syncs:
+            out = model._score(hidden, blocks, 3)
+    assert syncs.ops == ["aten.nonzero.default"], syncs.ops
+    row_i, slot_i, k_i = blocks.label_ok.nonzero(as_tuple=True)
+    docs = blocks.anchor_doc[row_i, slot_i]
+    with torch.no_grad():
+        hidden4 = hidden.view(*blocks.labels.shape, -1)
+        _, predicted = model._head_ce(hidden4[row_i, slot_i, k_i], blocks.labels[row_i, slot_i, k_i])
+    correct = predicted == blocks.labels[row_i, slot_i, k_i]
+    assert len(correct) > 0
+    assert torch.equal(out.per_pos_count, torch.bincount(k_i - 1, minlength=3))
+    assert torch.equal(out.per_pos_correct, torch.bincount(k_i[correct] - 1, minlength=3))
+    assert torch.equal(out.doc_count, torch.bincount(docs, minlength=3))
+    assert torch.equal(out.doc_correct, torch.bincount(docs[correct], minlength=3))
+    # the masked counts on data where the mask matters (an untrained draft is rarely correct)
+    from dflash_lab.model.dflash import _counts
+
+    gen = torch.Generator().manual_seed(0)
+    index, where = torch.randint(0, 7, (500,), generator=gen), torch.rand(500, generator=gen) < 0.3
+    assert torch.equal(_counts(index, 9, where), torch.bincount(index[where], minlength=9))
+    assert torch.equal(_counts(index, 9), torch.bincount(index, minlength=9))

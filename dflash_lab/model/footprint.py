@@ -52,8 +52,9 @@ SwiGLU's saved Q x I tensors: 4 eager (gate, silu, up, product), 3 compiled.
                   R Q (H (e + c) + f)                        final norm
                   + head: S H c (one-pass: the input gradient per unit loss; fused: the hidden slots)
                   + max(head transient, segments: the M boolean run masks of the forward)
-                  head transient: one chunk of s = min(S, CE_CHUNK_ELEMENTS / V) rows: one-pass s V (2c + f)
-                  (logits, their float32 copy, its cast back; fp32: s V f), fused s V f
+                  head transient: one chunk of s = min(S, CE_CHUNK_ELEMENTS / V) rows: one-pass s V (c + f)
+                  (float32 logits, softmax in place, beside the matmul's output or the cast back; fp32: s V f)
+                  + S H c (its input, the gathered hidden slots, alive while it runs), fused s V f
                   [+ 4 P_draft gradients of earlier micro-batches when grad_accum > 1]
                 layer moment (the last draft layer's backward; the head's and final norm's tensors freed):
                   4 P_layer: that layer's gradients (no other layer has any yet)
@@ -74,6 +75,11 @@ SwiGLU's saved Q x I tensors: 4 eager (gate, silu, up, product), 3 compiled.
     target    = 2 R T n Ht c (captured features + their concatenation) + one layer's no-grad transient
                 R T (Ht (2c + f) + 2 (h + 2g) d c + 3 It c) [dense: + R T T (1 + c) document mask]
     peak      = static + max(target, draft, optimizer)
+    reserved  = peak + FRAGMENTATION_FRACTION (peak - static)    the CUDA caching allocator's fragments (measured:
+                                                                 docs/gpu.md "Fragmentation and expandable segments")
+    planned   = max(peak, USABLE_FRACTION (reserved + CUDA_CONTEXT_GIB))   on CUDA (the peak on a CPU): what every
+                fit compares with USABLE_FRACTION of the GPU: the peak within 90%, the reserved memory and the
+                context within all of it
 The fixed-anchor pass (``fixed_anchors`` = k blocks per document, no grad) runs after the training forward, while
 its saved tensors are alive; its transient (one layer over the context keys and k bs block tokens per document,
 the LM head on its few slots) is smaller than the backward transient of the training blocks, so it adds no term.
@@ -108,7 +114,17 @@ import torch
 from dflash_lab.model.head import FUSED_AVAILABLE
 
 GIB = float(2**30)
-USABLE_FRACTION = 0.9   # of a GPU's memory a step may plan for: CUDA context, allocator fragmentation, workspaces
+USABLE_FRACTION = 0.9   # of a GPU's memory a step's allocated peak may take (the rest: workspaces, the model's error)
+# The CUDA caching allocator's fragments per byte of a step's activations (its peak less the weights and optimizer
+# state, allocated once before any step): the largest ratio in the first H200 run's six out-of-memory lines
+# (benchmarks/data/h200-2026-12-04/seed.jsonl, no expandable segments: "reserved by PyTorch but unallocated"
+# 1.48-8.73 GiB, 2.2-14.6% of the activations allocated when the step failed; the largest, packed step 0: 8.73 GiB
+# of 59.98). tests/test_gpu_repredict.py re-derives it from those lines.
+FRAGMENTATION_FRACTION = 0.146
+# Memory a CUDA process holds outside the caching allocator (its context, loaded kernels): the same six lines'
+# "this process has X GiB memory in use" less what PyTorch reserved, 0.74 GiB in each (H200, torch 2.11, CUDA 13).
+CUDA_CONTEXT_GIB = 0.74
+ALLOCATORS = ("cuda", "cpu")
 PRECISIONS = ("bf16", "fp32")
 HEAD_PATHS = ("one_pass", "fused", "reference")   # StepModel.head_ce
 ATTENTION_PATHS = ("flex", "segments", "dense")
@@ -276,17 +292,22 @@ class StepModel:
 class Settings:
     """How the step runs: ``precision`` bf16 (autocast, bf16 target) or fp32; draft activation checkpointing;
     ``attention``: the draft's attention path (``attention_path``): flex (GPU), segments (CPU training) or dense
-    (the oracle backend); ``world_size`` > 1 adds DDP's gradient buckets."""
+    (the oracle backend); ``world_size`` > 1 adds DDP's gradient buckets; ``allocator``: whose memory the step
+    uses, ``cuda`` (the caching allocator: the plan reserves its fragmentation margin and the CUDA context beside
+    the peak, ``step_memory``'s ``planned``) or ``cpu`` (the peak alone)."""
 
     precision: str = "bf16"
     activation_checkpointing: bool = False
     attention: str = "flex"
     world_size: int = 1
     grad_accum: int = 1     # micro-batches per optimizer step: above 1, earlier micro-batches' gradients are alive
+    allocator: str = "cuda"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator={self.allocator!r}: choose one of {', '.join(ALLOCATORS)}")
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
 
@@ -518,10 +539,12 @@ def _head_terms(model: StepModel, z: _Sizes) -> tuple[np.ndarray, np.ndarray]:
         per_logit = 2 * c + 4 * f if c < f else 3 * f
         saved = z.S * H * c + np.where(chunked, 0.0, 4.0 * z.S * vocab)
         return saved, np.where(chunked, np.minimum(z.S, chunk) * vocab * per_logit, z.S * vocab * (per_logit - f))
-    # The one-pass head saves the input gradient per unit loss (S x H); one chunk's logits are alive in the
-    # forward: in the compute dtype, their float32 copy (the softmax in place) and its cast back (fp32: one tensor).
-    per_logit = 2 * c + f if c < f else f
-    return z.S * H * c, np.minimum(z.S, chunk) * vocab * per_logit
+    # The one-pass head saves the input gradient per unit loss (S x H); one chunk of float32 logits is alive in the
+    # forward (the softmax in place), beside either the matmul's output in the compute dtype (before ``.float()``)
+    # or the softmax's cast back (before the gradient matmul), never both (fp32: the one tensor); and the hidden
+    # slots gathered for the head (S x H, its input: not saved, alive while it runs).
+    per_logit = c + f if c < f else f
+    return z.S * H * c, np.minimum(z.S, chunk) * vocab * per_logit + z.S * H * c
 
 
 def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Settings) -> dict[str, np.ndarray]:
@@ -588,6 +611,14 @@ def step_memory(model: StepModel, shapes: Mapping[str, np.ndarray], settings: Se
     terms["static"] = static
     terms["draft_phase"] = draft_phase
     terms["peak"] = static + np.maximum(np.maximum(terms["target_phase"], draft_phase), terms["optimizer_moment"])
+    # What the plan fits (``planned``, against USABLE_FRACTION of the GPU): the allocated peak, and beside it the
+    # memory the CUDA caching allocator reserves (``reserved``: the peak + its fragments, FRAGMENTATION_FRACTION of
+    # the activations) with the CUDA context, which must fit the whole GPU (scaled here to the usable fraction).
+    cuda = settings.allocator == "cuda"
+    terms["fragmentation"] = FRAGMENTATION_FRACTION * (terms["peak"] - static) if cuda else 0.0
+    terms["reserved"] = terms["peak"] + terms["fragmentation"]
+    terms["planned"] = (np.maximum(terms["peak"], USABLE_FRACTION * (terms["reserved"] + CUDA_CONTEXT_GIB * GIB))
+                        if cuda else terms["peak"])
     shape = np.shape(R)
     return {name: np.broadcast_to(np.asarray(value, dtype=np.float64), shape) for name, value in terms.items()}
 
@@ -677,7 +708,8 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
     Returns:
         ``pred_peak_mem_gb`` (the worst step, with ``settings``' checkpointing), ``pred_peak_mem_gb_ckpt`` (with
         draft activation checkpointing), ``pred_tflop_per_step`` (mean model TFLOPs per rank and step) and
-        ``fits``: ``yes`` (fits without checkpointing), ``ckpt`` (only with it) or ``no``, against
+        ``fits``: ``yes`` (fits without checkpointing), ``ckpt`` (only with it) or ``no``: the worst step's
+        ``planned`` bytes (``step_memory``: the peak, and the reserved memory with the CUDA context) against
         ``USABLE_FRACTION x gpu_mem_gb`` GiB.
 
     Example:
@@ -691,18 +723,22 @@ def plan_footprint(policy: Any, model: StepModel, settings: Settings, *, gpu_mem
     plan = policy.global_plan(epoch)
     shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model,
                           anchors=policy_anchors(policy, model))
-    plain = float(step_memory(model, shapes, replace(settings, activation_checkpointing=False))["peak"].max())
-    ckpt = float(step_memory(model, shapes, replace(settings, activation_checkpointing=True))["peak"].max())
+    plain = step_memory(model, shapes, replace(settings, activation_checkpointing=False))
+    ckpt = step_memory(model, shapes, replace(settings, activation_checkpointing=True))
     budget = USABLE_FRACTION * gpu_mem_gb * GIB
     peak = ckpt if settings.activation_checkpointing else plain
-    return {"pred_peak_mem_gb": peak / GIB, "pred_peak_mem_gb_ckpt": ckpt / GIB,
+    return {"pred_peak_mem_gb": float(peak["peak"].max()) / GIB, "pred_peak_mem_gb_ckpt": float(ckpt["peak"].max()) / GIB,
             "pred_tflop_per_step": float(step_flops(model, shapes)["total"].mean()) / 1e12,
-            "fits": "yes" if plain <= budget else ("ckpt" if ckpt <= budget else "no")}
+            "fits": ("yes" if plain["planned"].max() <= budget else
+                     ("ckpt" if ckpt["planned"].max() <= budget else "no"))}
 
 
 def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel, settings: Settings, *,
-                    seed: int, world_size: int, epoch: int = 0, block_tokens: np.ndarray | None = None) -> float:
-    """Worst predicted step peak (bytes) of the plan ``sampler_cfg`` builds over ``lengths``.
+                    seed: int, world_size: int, epoch: int = 0, block_tokens: np.ndarray | None = None,
+                    term: str = "planned") -> float:
+    """The worst step's predicted bytes (bytes) of the plan ``sampler_cfg`` builds over ``lengths``: ``term``
+    ``planned`` (what every fit compares with ``USABLE_FRACTION`` of the GPU, ``step_memory``), ``peak`` (the
+    allocated peak) or ``reserved``.
 
     Example:
         >>> from dflash_lab.presets import preset
@@ -712,6 +748,12 @@ def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: 
         >>> 0 < peak / GIB < 1
         True
     """
+    return float(_plan_memory(lengths, sampler_cfg, model, settings, seed=seed, world_size=world_size, epoch=epoch,
+                              block_tokens=block_tokens)[term].max())
+
+
+def _plan_memory(lengths, sampler_cfg, model, settings, *, seed, world_size, epoch=0, block_tokens=None):
+    """``step_memory`` of every step of the plan ``sampler_cfg`` builds over ``lengths``."""
     from dflash_lab.sampling import policy_from_config
 
     policy = policy_from_config(dict(sampler_cfg), lengths, seed=seed, world_size=world_size, rank=0,
@@ -719,7 +761,7 @@ def plan_peak_bytes(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: 
     plan = policy.global_plan(epoch)
     shapes = batch_shapes(plan.batches, policy.lengths, packed=policy.packed, model=model,
                           anchors=policy_anchors(policy, model))
-    return float(step_memory(model, shapes, settings)["peak"].max())
+    return step_memory(model, shapes, settings)
 
 
 def largest_fitting_max_tokens(lengths: np.ndarray, sampler_cfg: Mapping[str, Any], model: StepModel,
@@ -833,11 +875,13 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
         >>> round(preflight(m, np.full(64, 100), cfg, Settings(), gpu_mem_gb=80, seed=0)["budget_gb"])
         72
     """
-    peak = plan_peak_bytes(lengths, sampler_cfg, model, settings, seed=seed, world_size=settings.world_size,
-                           epoch=epoch, block_tokens=block_tokens)
+    memory = _plan_memory(lengths, sampler_cfg, model, settings, seed=seed, world_size=settings.world_size,
+                          epoch=epoch, block_tokens=block_tokens)
+    peak, planned = float(memory["peak"].max()), float(memory["planned"].max())
     budget = USABLE_FRACTION * gpu_mem_gb * GIB
-    if peak <= budget:
-        return {"pred_peak_mem_gb": peak / GIB, "budget_gb": budget / GIB, "gpu_mem_gb": float(gpu_mem_gb)}
+    if planned <= budget:
+        return {"pred_peak_mem_gb": peak / GIB, "pred_reserved_mem_gb": float(memory["reserved"].max()) / GIB,
+                "budget_gb": budget / GIB, "gpu_mem_gb": float(gpu_mem_gb)}
     fixes = []
     if block_tokens is not None:
         best_blocks = largest_fitting_block_tokens(lengths, sampler_cfg, model, settings, budget_gb=budget / GIB,
@@ -851,10 +895,11 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
         fixes.append(f"set sampler.max_tokens={best} (the largest token budget that fits)")
     if not settings.activation_checkpointing:
         ckpt_settings = replace(settings, activation_checkpointing=True)
-        ckpt_peak = plan_peak_bytes(lengths, sampler_cfg, model, ckpt_settings, seed=seed,
-                                    world_size=settings.world_size, epoch=epoch, block_tokens=block_tokens)
-        if ckpt_peak <= budget:
-            fixes.append(f"or set trainer.activation_checkpointing=true (predicted {ckpt_peak / GIB:.1f} GiB)")
+        ckpt_memory = _plan_memory(lengths, sampler_cfg, model, ckpt_settings, seed=seed,
+                                   world_size=settings.world_size, epoch=epoch, block_tokens=block_tokens)
+        if ckpt_memory["planned"].max() <= budget:
+            fixes.append(f"or set trainer.activation_checkpointing=true (predicted "
+                         f"{ckpt_memory['peak'].max() / GIB:.1f} GiB)")
         elif best is None:
             ckpt_best = largest_fitting_max_tokens(lengths, sampler_cfg, model, ckpt_settings,
                                                    budget_gb=budget / GIB, seed=seed, world_size=settings.world_size,
@@ -864,10 +909,17 @@ def preflight(model: StepModel, lengths: np.ndarray, sampler_cfg: Mapping[str, A
     if not fixes:
         fixes.append("no sampler.max_tokens fits: lower model.anchors_per_doc / model.anchor_density, set "
                      "sampler.max_block_tokens, or use a GPU with more memory")
-    raise PreflightError(
-        f"predicted peak GPU memory {peak / GIB:.1f} GiB per rank exceeds {budget / GIB:.1f} GiB "
-        f"({USABLE_FRACTION:.0%} of gpu_mem_gb={gpu_mem_gb:g}) for sampler={sampler_cfg['name']} "
-        f"max_tokens={sampler_cfg['max_tokens']}: " + "; ".join(fixes))
+    if peak > budget:
+        over = (f"predicted peak GPU memory {peak / GIB:.1f} GiB per rank exceeds {budget / GIB:.1f} GiB "
+                f"({USABLE_FRACTION:.0%} of gpu_mem_gb={gpu_mem_gb:g})")
+    else:   # the peak fits 90%; the allocator's fragments and the CUDA context do not fit beside it
+        worst = int(np.argmax(memory["planned"]))
+        over = (f"predicted peak GPU memory {memory['peak'][worst] / GIB:.1f} GiB per rank + "
+                f"{memory['fragmentation'][worst] / GIB:.1f} GiB fragmentation margin "
+                f"({FRAGMENTATION_FRACTION:.1%} of the activations) + {CUDA_CONTEXT_GIB:g} GiB CUDA context exceeds "
+                f"gpu_mem_gb={gpu_mem_gb:g}")
+    raise PreflightError(f"{over} for sampler={sampler_cfg['name']} max_tokens={sampler_cfg['max_tokens']}: "
+                         + "; ".join(fixes))
 
 
 # ----------------------------------------------------------------------------------------------- memory plan

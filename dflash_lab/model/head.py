@@ -20,8 +20,11 @@ for S supervised slots, hidden size H and a vocabulary of V words:
   d CE / d hidden = (softmax(logits) - onehot(label)) W, whatever weight the loss later gives the slot. Each chunk's
   logits are computed once; CE, argmax and that gradient come from them, and only the gradient (S x H, the size of
   the hidden slots) is saved; backward scales it by each slot's incoming gradient. Cost: 2 S H V multiply-adds
-  (forward and input gradient, no recomputation: the chunked reference does 3, the fused op 4); saved: S x H;
-  transient: one chunk's logits, their float32 copy (the softmax in place) and its cast back.
+  (forward and input gradient, no recomputation: the chunked reference does 3, the fused op 4); saved: S x H
+  (written chunk by chunk into one tensor); transient: one chunk of float32 logits, the softmax taken in place
+  (no ``logsumexp``, whose ``exp(x - max)`` would be a second chunk), beside, for a moment, the matmul's output
+  in the compute dtype or the softmax's cast back: (c + f) bytes per logit under autocast, f in float32. The chunk
+  is released before the next one (measured: the medium CPU check, docs/gpu.md).
 
 ``head_ce`` picks ``one_pass`` when gradients are needed (``fused``: torch's op instead, where it exists); without
 gradients (fixed anchors, probes) one chunked no-grad pass gives both outputs from one matmul. If the fused op
@@ -114,25 +117,32 @@ class _OnePassHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows: int, dtype: torch.dtype):
-        ces, preds, grads = [], [], []
+        slots = hidden.shape[0]
+        ce = hidden.new_empty(slots, dtype=torch.float32)
+        predicted = labels.new_empty(slots)
+        grad = torch.empty_like(hidden, memory_format=torch.contiguous_format)   # filled chunk by chunk (no cat)
         weight = weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-        for start in range(0, hidden.shape[0], rows):
+        for start in range(0, slots, rows):
             part = slice(start, start + rows)
-            logits = F.linear(hidden[part].to(dtype), weight, bias).float()
             target = labels[part]
-            lse = torch.logsumexp(logits, dim=-1)
-            ces.append(lse - logits.gather(1, target[:, None]).squeeze(1))
-            preds.append(logits.argmax(dim=-1))
-            probs = logits.sub_(lse[:, None]).exp_()                # softmax, in place
+            # One chunk of float32 logits is the only chunk-sized tensor alive (with, for a moment, the matmul's
+            # output in the compute dtype and, at the end, the softmax's cast back): the softmax is taken in place
+            # (no logsumexp, whose ``exp(x - max)`` is a second chunk-sized temporary), and the chunk is released
+            # before the next one is computed.
+            logits = F.linear(hidden[part].to(dtype), weight, bias).float()
+            predicted[part] = logits.argmax(dim=-1)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)       # exp(logits - max), in place
+            ce[part] = (total.log() + top).squeeze(1) - picked               # logsumexp - the label's logit
+            probs = logits.div_(total)                                       # softmax, in place
             probs[torch.arange(len(target), device=probs.device), target] -= 1.0
-            grads.append((probs.to(dtype) @ weight).to(hidden.dtype))
-        if not ces:   # no supervised slot
-            ces, preds, grads = [hidden.new_empty(0, dtype=torch.float32)], [labels.new_empty(0)], [hidden.detach()]
-        predicted = torch.cat(preds)
-        ctx.save_for_backward(torch.cat(grads))
+            grad[part] = probs.to(dtype) @ weight
+            del logits, probs
+        ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(predicted)
-        return torch.cat(ces), predicted
+        return ce, predicted
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_pred):

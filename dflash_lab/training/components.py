@@ -128,7 +128,8 @@ def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.dev
     memory = footprint.memory_plan(
         step_model, dataset.lengths, sampler_cfg,
         footprint.Settings(precision=trainer.precision, world_size=world_size, grad_accum=trainer.grad_accum,
-                           attention=footprint.attention_path(device.type, model.attention_backend)),
+                           attention=footprint.attention_path(device.type, model.attention_backend),
+                           allocator="cuda" if device.type == "cuda" else "cpu"),
         activation_checkpointing=trainer.activation_checkpointing, gpu_mem_gb=gpu_gb, seed=settings.seed,
         block_tokens=block_tokens)
     if memory.max_block_tokens is None:
@@ -141,7 +142,8 @@ def resolve_memory_plan(settings: RunSettings, model, dataset, device: torch.dev
             step_model, dataset.lengths, sampler_cfg,
             footprint.Settings(precision=trainer.precision, activation_checkpointing=memory.activation_checkpointing,
                                world_size=world_size, grad_accum=trainer.grad_accum,
-                               attention=footprint.attention_path(device.type, model.attention_backend)),
+                               attention=footprint.attention_path(device.type, model.attention_backend),
+                               allocator="cuda"),
             gpu_mem_gb=gpu_gb, seed=settings.seed, block_tokens=block_tokens)
         log.info(f"preflight: {footprint.gpu_use(fit['pred_peak_mem_gb'], fit['gpu_mem_gb'])}")
     if settings.config["sampler"].get("real_tokens_per_step") != sampler_cfg.get("real_tokens_per_step"):

@@ -279,7 +279,8 @@ def explain_failure(exc: BaseException) -> BaseException:
 
 def setup(device: str = "cpu", num_threads: int | None = None, backend: str | None = None, *,
           master_addr: str | None = None, rendezvous_timeout_s: float = 30.0, peer_timeout_s: float = 20.0) -> DistEnv:
-    """Join the job (:func:`init_distributed`), select this rank's device and its torch thread count.
+    """Join the job (:func:`init_distributed`), select this rank's device and its torch thread count. On CUDA the
+    caching allocator gets expandable segments first, unless the user set it (``allocator.configure_cuda_allocator``).
 
     Args:
         device: ``cpu`` or ``cuda`` (each rank takes GPU ``local_rank``).
@@ -287,6 +288,9 @@ def setup(device: str = "cpu", num_threads: int | None = None, backend: str | No
         backend: process-group backend (None: nccl on GPU, gloo on CPU).
         master_addr, rendezvous_timeout_s, peer_timeout_s: see :func:`init_distributed`.
     """
+    from dflash_lab.training.allocator import configure_cuda_allocator
+
+    configure_cuda_allocator("cuda" if device.startswith("cuda") else "cpu")   # before CUDA's first use
     env = init_distributed(backend, master_addr=master_addr, rendezvous_timeout_s=rendezvous_timeout_s,
                            peer_timeout_s=peer_timeout_s)
     if device.startswith("cuda"):
