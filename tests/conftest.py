@@ -68,17 +68,18 @@ def cpu_lengths() -> np.ndarray:
 
 
 # Seconds of test time per module in the full tier (scripts/test.sh --durations=0 on the 2-core machine,
-# 2026-12-06; test_gpu_check's with a cold compile cache, as on a fresh machine). pytest-xdist hands out whole
+# 2026-12-06; test_gpu_check's with a cold compile cache, as on a fresh machine; test_slurm_multinode's from its
+# tests' durations in a fresh-clone `.ci/run`, 2026-12-06). pytest-xdist hands out whole
 # modules (--dist loadfile) in collection order (--no-loadscope-reorder: its default order is "most tests first",
 # which put these one-test, two-minute modules last, so one worker ran them alone after the other had finished).
 # Longest first is the classic two-machine schedule: the tier ends with short modules on both workers. A module
 # missing here is short; its order is pytest's. tests/test_docs.py checks that each name is a test module.
 SLOWEST_FIRST = {
-    "test_gpu_check.py": 175, "test_slurm.py": 128, "test_notebook_compare.py": 101, "test_train_e2e.py": 98,
+    "test_slurm_multinode.py": 190, "test_gpu_check.py": 175, "test_slurm.py": 128, "test_notebook_compare.py": 101, "test_train_e2e.py": 98,
     "test_positive_control.py": 82, "test_run_lock.py": 73, "test_run_record_faults.py": 57, "test_packaging.py": 54,
     "test_launch.py": 52, "test_plan.py": 48, "test_bench_data_scale.py": 46, "test_model_tiny.py": 31,
     "test_own_data.py": 29, "test_compare_cli.py": 29, "test_run_record.py": 24, "test_cli_user_runs.py": 24,
-    "test_ddp.py": 23, "test_launch_local.py": 20, "test_footprint.py": 19, "test_compare_outputs.py": 16,
+    "test_ddp.py": 23, "test_launch_local.py": 20, "test_peers.py": 20, "test_footprint.py": 19, "test_compare_outputs.py": 16,
     "test_compile_limits.py": 13, "test_decoding_replay.py": 11, "test_gpu_deps.py": 11, "test_gradients.py": 11,
 }
 
