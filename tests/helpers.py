@@ -351,14 +351,21 @@ def slurm_unreachable() -> str | None:
     return None
 
 
-def need_slurm() -> None:
-    """Skip without a reachable Slurm, or fail when CI says Slurm must be there (DFLASH_LAB_REQUIRE_SLURM=1)."""
+def need_slurm(nodes: int = 1) -> None:
+    """Skip without a reachable Slurm of at least ``nodes`` nodes, or fail when CI says it must be there
+    (DFLASH_LAB_REQUIRE_SLURM=1)."""
     import pytest
 
     reason = slurm_unreachable()
+    if reason is None and nodes > 1:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30)
+        have = len(set(out.stdout.split()))
+        if have < nodes:
+            reason = f"the cluster has {have} node(s), these tests need {nodes}"
     if reason is None:
         return
-    message = f"no reachable Slurm controller ({reason}); start one with `sudo scripts/slurm_up.sh`"
+    message = (f"no reachable Slurm controller ({reason}); start one with `sudo scripts/slurm_up.sh"
+               f"{f' --nodes {nodes}' if nodes > 1 else ''}`")
     if os.environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
         pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
     pytest.skip(message)

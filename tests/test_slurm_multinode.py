@@ -43,13 +43,7 @@ LAUNCH = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra
 
 @pytest.fixture(autouse=True)
 def _need_two_nodes():
-    need_slurm()
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30)
-    if len(set(out.stdout.split())) < 2:
-        message = "the local cluster has one node; start two with `sudo scripts/slurm_up.sh --nodes 2`"
-        if __import__("os").environ.get("DFLASH_LAB_REQUIRE_SLURM") == "1":
-            pytest.fail(message + " (DFLASH_LAB_REQUIRE_SLURM=1)")
-        pytest.skip(message)
+    need_slurm(nodes=2)
 
 
 def _launch(sweep_dir: Path, layout: list[str], *extra: str, name: str | None = None) -> subprocess.Popen:

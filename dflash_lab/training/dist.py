@@ -231,7 +231,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, *, m
         RuntimeError: if ``nccl`` is asked for without CUDA.
         peers.PeerFailure: a rank cannot reach the master, or a rank never joined (one line naming it).
     """
-    global _watch
+    global _watch, _joined_env
     env = detect_env(master_addr)
     if env.world_size <= 1:
         return replace(env, nodes=(env.node,))
@@ -248,16 +248,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, *, m
     torch_dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
                                   timeout=timedelta(seconds=timeout_s))
     _watch = peers.PeerWatch(store, env.rank, nodes, peer_timeout_s).start()
-    _set_joined(replace(env, nodes=tuple(nodes)))
+    _joined_env = replace(env, nodes=tuple(nodes))
     return _joined_env
 
 
-_joined_env: DistEnv | None = None
-
-
-def _set_joined(env: DistEnv) -> None:
-    global _joined_env
-    _joined_env = env
+_joined_env: DistEnv | None = None   # this process's environment once the ranks have met (with every rank's node)
 
 
 def on_peer_stop(callback: Callable[[str], None] | None) -> None:
@@ -357,9 +352,8 @@ def all_gather_objects(obj):
 def cleanup() -> None:
     """Stop the heartbeats and leave the process group (if any); safe to call more than once. After a clean end
     every rank stops its heartbeat thread before the barrier, so no thread sees rank 0's store close as a loss."""
-    global _watch
-    watch, _watch = _watch, None
-    _set_joined(None)
+    global _watch, _joined_env
+    watch, _watch, _joined_env = _watch, None, None
     if watch is not None:
         clean_end = not watch.stopping   # after a failure other ranks may sit in another collective: no barrier
         watch.close()
