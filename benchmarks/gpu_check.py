@@ -3,6 +3,8 @@ policy, in the memory plan's regime or in the seed run's regime.
 
     python benchmarks/gpu_check.py                                  # every local GPU (--nproc), Qwen3-8B shape
     python benchmarks/gpu_check.py --regime seed --quick            # the seed's regime, one GPU, <= ~3 min
+    python benchmarks/gpu_check.py --regime seed,plan --policies full_random,bucketed,packed --policies bucketed,packed
+                                                                    # both regimes in one process (gpu_check.sh)
     python benchmarks/gpu_check.py --device cpu --shape tiny        # the same path on a CPU, tiny target
     python benchmarks/gpu_check.py --device cpu --shape tiny --regime seed --quick   # the seed regime on a CPU
     python benchmarks/gpu_check.py --device cpu --shape medium      # CPU, hidden 512 / 32K vocabulary (~2 min)
@@ -25,6 +27,13 @@ Regimes (``--regime``):
   the policies, one step again with checkpointing on (``--ckpt-step``, on by default in this regime): the first
   timed batch that ran out of memory, else of those run without checkpointing the one with the largest predicted
   peak, to measure checkpointing's time and peak on the same batch.
+* several, comma-separated (``--regime seed,plan``, what scripts/gpu_check.sh runs): each regime in turn in one
+  process, on one model, so the start (imports, random weights, AdamW's moments, the matmul peak) and the compiled
+  graphs are paid once; each regime has its own setup line, memory cap (the seed's 96 GiB, then the whole device),
+  plans, steps, epoch, checkpointing step and profile, and every line names its ``regime``. One rank (the seed
+  regime's). ``--policies`` and ``--deadline-s`` given once hold for every regime, given once per regime go in
+  order (``--deadline-s`` counts from the start in each: the seed regime stops starting steps in time for the
+  plan's); ``--profile-trace PATH`` writes ``PATH``'s stem + ``_<regime>`` per regime.
 
 After the policies (both regimes), the ``epoch`` line (benchmarks/gpu_epoch.py): per policy a least-squares fit of
 its clean timed steps' seconds on their executed FLOPs (``seconds = a + b x FLOPs``, a, b >= 0), and the epoch's
@@ -81,10 +90,10 @@ the frozen target left out, as training wraps it. Each step is training's: bf16 
 global loss normalisation (backward of the weighted CE sum, gradients scaled by world size / global weight),
 gradient clipping and AdamW.
 
-Output (rank 0), one JSON object per line: ``setup`` (device, world size, regime, peak FLOP/s and its source,
-attention path, token budget and its source, memory figure and cap, the checkpointing choice and its source,
-``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one ``step`` line per step as
-it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its checkpointing, executed
+Output (rank 0), one JSON object per line, each with its ``regime``: ``setup`` (device, world size, regime(s),
+peak FLOP/s and its source, attention path, token budget and its source, memory figure and cap, the checkpointing
+choice and its source, ``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one
+``step`` line per step as it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its checkpointing, executed
 TFLOP, predicted and measured peak, predicted reserved memory ``pred_reserved_gb`` and measured fragments
 ``frag_gb``, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
 activation_checkpointing, truncated, sample, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
@@ -203,9 +212,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--regime", default="plan", choices=REGIMES, help="plan: the memory plan's block budget "
+    parser.add_argument("--regime", default="plan", type=regime_list, help="plan: the memory plan's block budget "
                         "and checkpointing (default); seed: the seed run's regime (96 GiB cap, no checkpointing, no "
-                        "block budget, 32K-token steps, full_random/bucketed/packed, the planner's ratio beside)")
+                        "block budget, 32K-token steps, full_random/bucketed/packed, the planner's ratio beside); "
+                        "several, comma-separated (seed,plan): one after the other in one process on one model")
     parser.add_argument("--quick", action="store_true", help="quick mode: 8,000 documents, 2 warm-up + 3 timed "
                         "steps per policy on GPU (1 + 1 on CPU); default: 20,000, 2 + 6 (2 + 2 on CPU)")
     parser.add_argument("--model", default="qwen3_8b", help="conf/model/<name>.yaml (draft and objective settings)")
@@ -228,8 +238,9 @@ def parse_args(argv=None):
     parser.add_argument("--profile-trace", default=None, help="also write the profiled step's Chrome trace here")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, on the policy's cheapest "
                         "batches (compilation, allocator; default 2, 1 in quick mode on CPU)")
-    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; the seed "
-                        f"regime: {','.join(SEED_POLICIES)})")
+    parser.add_argument("--policies", dest="policies_given", action="append", default=None,
+                        help="comma-separated (default: every policy; the seed regime: "
+                        f"{','.join(SEED_POLICIES)}); with several regimes once for all, or once per regime in order")
     parser.add_argument("--num-samples", type=int, default=None, help="documents drawn from the seed workload "
                         "(default 20,000; 8,000 in quick mode)")
     parser.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per device for the memory plan "
@@ -239,8 +250,10 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt-step", action=argparse.BooleanOptionalAction, default=None,
                         help="after the policies, one step with draft activation checkpointing on (default: on in "
                         "the seed regime)")
-    parser.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds "
-                        "from the start; report what was measured")
+    parser.add_argument("--deadline-s", dest="deadline_s_given", type=float, action="append", default=None,
+                        help="start no step that could not end this many seconds from the start; report what was "
+                        "measured; with several regimes once for all, or once per regime in order (each regime's "
+                        "own, counted from the start)")
     parser.add_argument("--force", action="store_true", help="also run policies no memory plan fits (smallest "
                         "objective-preserving block budget, checkpointing on)")
     parser.add_argument("--repredict", metavar="FILE.jsonl", default=None, help="re-predict every step of a "
@@ -249,26 +262,62 @@ def parse_args(argv=None):
                         "model.anchor_density=0.0625 sampler.max_block_tokens=65536 "
                         "trainer.activation_checkpointing=true gpu=h200")
     args = parser.parse_args(argv)
+    args.regimes, args.ckpt_step_given, args.profile_trace_given = args.regime, args.ckpt_step, args.profile_trace
     resolve_mode(parser, args)
-    return args
+    return regime_view(args, 0)
+
+
+def regime_list(text: str) -> list[str]:
+    """``--regime``: one regime or several, comma-separated, each once."""
+    regimes = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in regimes if r not in REGIMES]
+    if not regimes or unknown or len(set(regimes)) < len(regimes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(REGIMES)}, comma-separated, "
+                                         "each once (e.g. seed,plan)")
+    return regimes
+
+
+# Options that may differ by regime: given once they hold for every regime, given once per regime they go in order.
+PER_REGIME = ("policies", "deadline_s")
+
+
+def regime_view(args, index: int) -> argparse.Namespace:
+    """The arguments as regime ``index`` of the run sees them: ``regime`` one name, ``policies`` and
+    ``deadline_s`` its own, ``ckpt_step`` on by default in the seed regime only, ``profile_trace`` named after the
+    regime when the run has several (the other fields are the run's)."""
+    view = argparse.Namespace(**vars(args))
+    view.regime = args.regimes[index]
+    for name in PER_REGIME:
+        given = getattr(args, f"{name}_given")
+        setattr(view, name, None if not given else given[index if len(given) > 1 else 0])
+    seed = view.regime == "seed"
+    view.policies = view.policies or ",".join(SEED_POLICIES if seed else POLICIES)
+    view.ckpt_step = seed if args.ckpt_step_given is None else args.ckpt_step_given
+    if args.profile_trace_given and len(args.regimes) > 1:
+        trace = Path(args.profile_trace_given)
+        view.profile_trace = str(trace.with_name(f"{trace.stem}_{view.regime}{trace.suffix}"))
+    return view
 
 
 def resolve_mode(parser, args) -> None:
-    """Fill the defaults that depend on the mode, the device and the regime; refuse contradictions."""
+    """Fill the defaults that depend on the mode and the device; refuse contradictions (in any regime's view)."""
     warmup, steps, samples = MODES[("quick" if args.quick else "full", args.device)]
     args.warmup = warmup if args.warmup is None else args.warmup
     args.steps = steps if args.steps is None else args.steps
     args.num_samples = samples if args.num_samples is None else args.num_samples
-    seed = args.regime == "seed"
-    args.policies = args.policies or ",".join(SEED_POLICIES if seed else POLICIES)
-    args.ckpt_step = seed if args.ckpt_step is None else args.ckpt_step
-    problem = argument_problem(args)
+    for name in PER_REGIME:
+        given = getattr(args, f"{name}_given")
+        if given and len(given) not in (1, len(args.regimes)):
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} given {len(given)} times for {len(args.regimes)} regimes ({','.join(args.regimes)}):"
+                         f" give it once for all, or once per regime in order")
+    problem = next(filter(None, (argument_problem(regime_view(args, i)) for i in range(len(args.regimes)))), None)
     if problem:
         parser.error(problem)
 
 
 def argument_problem(args) -> str | None:
-    """The first contradiction among the resolved arguments, as the one-line error, or None."""
+    """The first contradiction among one regime's resolved arguments, as the one-line error, or None."""
     seed = args.regime == "seed"
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     checks = (
@@ -280,7 +329,7 @@ def argument_problem(args) -> str | None:
          "--ckpt-step); drop --activation-checkpointing or use --regime plan"),
         (seed and args.nproc not in (None, 1), "--regime seed runs one rank (a step that runs out of memory is "
                                                "recorded, which DDP cannot do); drop --nproc"),
-        (args.mem_cap_gb is not None and not seed,
+        (args.mem_cap_gb is not None and "seed" not in args.regimes,
          "--mem-cap-gb caps memory in the seed regime; in the plan regime use --gpu-mem-gb or --gpu"),
     )
     return next((message for failed, message in checks if failed), None)
@@ -512,6 +561,15 @@ def random_batch(indices: np.ndarray, lengths: np.ndarray, packed: bool, vocab: 
 # ------------------------------------------------------------------------------------------------ the steps
 
 
+def with_regime(line: dict, regime: str) -> dict:
+    """``regime`` inside a keyed line (``{"step": {...}}``), else beside the policy row's fields."""
+    if len(line) == 1:
+        key, value = next(iter(line.items()))
+        if isinstance(value, dict):
+            return {key: {"regime": regime, **value}}
+    return {"regime": regime, **line}
+
+
 @dataclass
 class Bench:
     """What every step needs: the process, the model and its optimizer, the step model and the figures."""
@@ -534,8 +592,9 @@ class Bench:
     longest_step_s: float = 0.0   # the longest step so far: a step is not started unless it could end in time
 
     def emit(self, obj: dict) -> None:
+        """Print one output line on rank 0, with the regime it belongs to (a run may have several)."""
         if self.env.is_main:
-            print(json.dumps(obj), flush=True)
+            print(json.dumps(with_regime(obj, self.args.regime)), flush=True)
 
     def past_deadline(self) -> bool:
         """True (on every rank alike) when a step as long as the longest so far would end after ``--deadline-s``."""
@@ -1000,7 +1059,8 @@ def start_process(args):
         # Re-execute with a fixed mmap threshold before any allocation (see the module docstring).
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
     allocator = configure_cuda_allocator(args.device)   # before CUDA's first use (the ranks inherit it)
-    default_nproc = max(1, torch.cuda.device_count()) if args.device == "cuda" and args.regime == "plan" else 1
+    every_gpu = args.device == "cuda" and args.regimes == ["plan"]   # the seed regime runs one rank
+    default_nproc = max(1, torch.cuda.device_count()) if every_gpu else 1
     nproc = args.nproc or default_nproc
     if "RANK" not in os.environ and nproc > 1:
         sys.exit(launch_ranks(nproc))
@@ -1029,10 +1089,13 @@ def memory_figure(args, preset: dict, device: torch.device) -> tuple[float, str]
     return SHAPES[args.shape]["cpu_mem_gb"], f"--shape {args.shape} on CPU"
 
 
-def cap_memory(cap_gb: float, device: torch.device) -> float:
-    """Cap the CUDA caching allocator at ``cap_gb`` GiB (``set_per_process_memory_fraction``); the fraction set."""
+def cap_memory(cap_gb: float | None, device: torch.device) -> float:
+    """Cap the CUDA caching allocator at ``cap_gb`` GiB (``set_per_process_memory_fraction``; None: the whole
+    device, as a regime after the seed's needs); the fraction set. Cached blocks are released first, so that a
+    lower cap holds from the next allocation."""
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, cap_gb * footprint.GIB / total)
+    fraction = 1.0 if cap_gb is None else min(1.0, cap_gb * footprint.GIB / total)
+    torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
@@ -1048,29 +1111,29 @@ def peak_figure(preset: dict, device: torch.device) -> tuple[float, str, float]:
     return measured, "matmul", measured
 
 
-def build_bench(args, env, device):
-    """Compose the config, build the model, resolve the budgets; (Bench, the setup line's fields, the plans)."""
+@dataclass
+class Trainable:
+    """What every regime of a run shares: the model (one set of compiled graphs), its optimizer with its moments,
+    the step model, and the device's peak."""
+
+    model: Any
+    train_model: Any
+    optimizer: Any
+    autocast: Any
+    step_model: footprint.StepModel
+    model_cfg: dict
+    static_bytes: Callable[[], int]
+    peak: tuple[float, str, float]   # peak_figure's
+
+
+def build_trainable(args, env, device) -> Trainable:
+    """Compose the config, build the model (random weights), wrap it for the ranks, create AdamW's moments."""
     from omegaconf import OmegaConf
 
     on_gpu = device.type == "cuda"
     cfg = compose_config(args.model, all_overrides(args))
-    ckpt, ckpt_source = checkpointing_choice(args, OmegaConf.to_container(cfg.trainer, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model = build_benchmark_model(model_cfg, args.shape, device, on_gpu)
-    step_model = footprint.StepModel.from_model(model)
-    preset = gpu_preset(cfg)
-    gpu_mem_gb, mem_source = memory_figure(args, preset, device)
-    cap = None
-    if args.regime == "seed" and on_gpu:
-        cap = gpu_mem_gb
-        cap_memory(cap, device)
-    lengths = reference_lengths("seed", args.num_samples, seed=0, scale=SHAPES[args.shape]["length_scale"])
-    # the draft's attention path as training picks it: flex_attention on GPU, per-document SDPA on CPU
-    settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size,
-                                  allocator="cuda" if on_gpu else "cpu",
-                                  attention=footprint.attention_path(device.type, model.attention_backend))
-    budget, budget_source, plans = resolve_plans(args, lengths, step_model, settings, ckpt, gpu_mem_gb,
-                                                 env.world_size)
     train_model = model
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1091,14 +1154,38 @@ def build_bench(args, env, device):
             tensors.extend(v for v in state.values() if torch.is_tensor(v))
         return buckets + sum(t.numel() * t.element_size() for t in tensors)
 
-    peak_tflops, peak_source, measured_peak = peak_figure(preset, device)
-    bench = Bench(args, env, device, model, train_model, optimizer, autocast, step_model, settings, lengths, budget,
-                  gpu_mem_gb, peak_tflops * 1e12, static_bytes, cap)
-    setup = {"regime": args.regime, "mode": "quick" if args.quick else "full", "shape": args.shape,
-             "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-             "world_size": env.world_size, "threads": torch.get_num_threads(), "precision": settings.precision,
-             "attention": settings.attention, "head_ce": step_model.head_ce, "budget": budget,
-             "budget_source": budget_source, "gpu_mem_gb": gpu_mem_gb, "gpu_mem_source": mem_source,
+    return Trainable(model, train_model, optimizer, autocast, footprint.StepModel.from_model(model), model_cfg,
+                     static_bytes, peak_figure(gpu_preset(cfg), device))
+
+
+def build_bench(args, env, device, trainable: Trainable):
+    """One regime on the shared model: its config, memory figure and cap, lengths and budgets; (Bench, the setup
+    line's fields, the plans)."""
+    from omegaconf import OmegaConf
+
+    on_gpu = device.type == "cuda"
+    cfg = compose_config(args.model, all_overrides(args))
+    ckpt, ckpt_source = checkpointing_choice(args, OmegaConf.to_container(cfg.trainer, resolve=True))
+    model, step_model, model_cfg = trainable.model, trainable.step_model, trainable.model_cfg
+    gpu_mem_gb, mem_source = memory_figure(args, gpu_preset(cfg), device)
+    cap = gpu_mem_gb if args.regime == "seed" and on_gpu else None
+    if on_gpu:
+        cap_memory(cap, device)
+    lengths = reference_lengths("seed", args.num_samples, seed=0, scale=SHAPES[args.shape]["length_scale"])
+    # the draft's attention path as training picks it: flex_attention on GPU, per-document SDPA on CPU
+    settings = footprint.Settings(precision="bf16" if on_gpu else "fp32", world_size=env.world_size,
+                                  allocator="cuda" if on_gpu else "cpu",
+                                  attention=footprint.attention_path(device.type, model.attention_backend))
+    budget, budget_source, plans = resolve_plans(args, lengths, step_model, settings, ckpt, gpu_mem_gb,
+                                                 env.world_size)
+    peak_tflops, peak_source, measured_peak = trainable.peak
+    bench = Bench(args, env, device, model, trainable.train_model, trainable.optimizer, trainable.autocast,
+                  step_model, settings, lengths, budget, gpu_mem_gb, peak_tflops * 1e12, trainable.static_bytes, cap)
+    setup = {"regime": args.regime, "regimes": args.regimes, "mode": "quick" if args.quick else "full",
+             "shape": args.shape, "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+             "torch": torch.__version__, "world_size": env.world_size, "threads": torch.get_num_threads(),
+             "precision": settings.precision, "attention": settings.attention, "head_ce": step_model.head_ce,
+             "budget": budget, "budget_source": budget_source, "gpu_mem_gb": gpu_mem_gb, "gpu_mem_source": mem_source,
              "mem_cap_gb": cap, "peak_tflops": peak_tflops, "peak_source": peak_source,
              "matmul_tflops": measured_peak, "target_params_b": step_model.target.params / 1e9,
              "draft_params_m": step_model.draft.params / 1e6, "activation_checkpointing": ckpt,
@@ -1144,7 +1231,15 @@ def main(argv=None) -> None:
 
         raise SystemExit(gpu_repredict.main(args.repredict, args.model))
     env, device, allocator = start_process(args)
-    bench, setup, plans = build_bench(args, env, device)
+    trainable = build_trainable(args, env, device)
+    for index in range(len(args.regimes)):   # one after the other on the same model and compiled graphs
+        run_regime(regime_view(args, index), env, device, trainable, allocator)
+    dist.cleanup()
+
+
+def run_regime(args, env, device, trainable: Trainable, allocator: dict) -> None:
+    """One regime's lines: setup, the policies (each's steps), epoch, checkpointing step, profile."""
+    bench, setup, plans = build_bench(args, env, device, trainable)
     bench.emit({"setup": {**setup, **allocator, "notes": setup_notes(bench, plans), "memory_plan": {
         name: ({"max_block_tokens": p.max_block_tokens, "activation_checkpointing": p.activation_checkpointing,
                 "reason": p.reason} if isinstance(p, footprint.MemoryPlan) else p) for name, p in plans.items()}}})
@@ -1166,7 +1261,6 @@ def main(argv=None) -> None:
         bench.emit(checkpointing_step(policy_plans, records, bench))
     if args.profile and policy_plans:
         bench.emit(profile_line(policy_plans, records, bench))
-    dist.cleanup()
 
 
 if __name__ == "__main__":

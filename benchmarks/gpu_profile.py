@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -247,10 +248,14 @@ def profile_step(run_step: Callable[[], None], model, device: torch.device, trac
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
-    if trace_path:
+    if trace_path:   # torch logs a failed write and goes on: make the folder, and check the file is there
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(trace_path)
+        if not Path(trace_path).is_file():
+            raise OSError(f"the profiled step's Chrome trace was not written to {trace_path}")
     events = prof.events()
     kernels = device_kernels(events) if cuda else cpu_operators(events)
     summary = summarize_kernels(kernels, profile_ranges(events))
     basis = "CUDA kernel time" if cuda else "CPU operator self time"
-    return {"time_basis": basis, "wall_ms": round(wall * 1e3, 3), **summary}
+    return {"time_basis": basis, "wall_ms": round(wall * 1e3, 3), **summary,
+            **({"trace": str(trace_path)} if trace_path else {})}

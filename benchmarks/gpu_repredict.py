@@ -152,7 +152,9 @@ def repredict(lines: Iterable[dict], model_name: str = "qwen3_8b") -> list[dict]
 
 def _repredict_step(run: RecordedRun, record: dict) -> dict:
     plan = run.plan(record["policy"])
-    ckpt = record["phase"] == "ckpt" or plan["ckpt"]
+    # the step's own checkpointing (the seed regime checkpoints only the steps that do not fit its cap); a line from
+    # before per-step checkpointing ran with its memory plan's, or checkpointed as the ``ckpt`` step
+    ckpt = record.get("activation_checkpointing", record["phase"] == "ckpt" or plan["ckpt"])
     index = int(record["index"])
     row = {"check": "repredict", "policy": record["policy"], "phase": record["phase"], "step": record["step"],
            "peak_gb": record["peak_gb"], "oom": record.get("oom"), "mem_cap_gb": run.setup.get("mem_cap_gb"),

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh [--quick] OUT.jsonl   -- the GPU check on one or more GPUs (scripts/gpu_check_stages.py:
-#                                                    CUDA attention tests; the seed regime's full_random / bucketed /
-#                                                    packed steps at the Qwen3-8B shape, one per cost stratum, the
-#                                                    epoch's ratio from a step-time fit beside the planner's, one
-#                                                    checkpointing-on step, one profiled step; python -m
-#                                                    dflash_lab.train trainer=gpu at the Qwen3-8B shape on random
-#                                                    weights); full <= 7.5 min (inside 8 min of machine time),
-#                                                    --quick <= 4.5 min on an H200 by the stages' limits
+# bash scripts/gpu_check.sh [--quick] OUT.jsonl   -- the GPU check (scripts/gpu_check_stages.py): the CUDA tests
+#                                                    (flex attention, the one-pass LM head); the seed regime's
+#                                                    full_random / bucketed / packed steps and then the memory plan's
+#                                                    bucketed / packed steps at the Qwen3-8B shape in one process, one
+#                                                    step per cost stratum, each regime's epoch line (step-time fit,
+#                                                    the planner's ratio beside), memory lines, MFU and profile; python
+#                                                    -m dflash_lab.train trainer=gpu at the Qwen3-8B shape on random
+#                                                    weights, to tau. Full <= 7 min 5 s (inside 8 min of machine
+#                                                    time), --quick <= 4 min on an H200 by the stages' limits
 # bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (minutes)
 # One JSON object per line in OUT.jsonl, each with a "check" key; a failing stage records its error and the
 # others still run; the exit code is non-zero when any stage failed.

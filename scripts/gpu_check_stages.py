@@ -1,26 +1,34 @@
 """The stages of scripts/gpu_check.sh: each a subprocess with its own time limit, each ending in JSON lines of OUT.jsonl.
 
     python scripts/gpu_check_stages.py [--cpu] [--quick] OUT.jsonl [--work-dir DIR]
-                                       [--only attention_tests,gpu_check_seed,train,gpu_check_plan]
+                                [--only attention_tests,gpu_check,train,gpu_check_seed,gpu_check_plan]
 
-Modes: ``--quick`` (<= 4.5 minutes on one H200 by its stage limits: attention_tests on the CUDA and flex tests
-only, gpu_check_seed in its quick mode) and the full one (<= 7.5 minutes, 30 s inside the 8 minutes of machine time
-it is given: every attention test, gpu_check_seed on 20,000 documents, the training entry point at the Qwen3-8B
-shape). ``--cpu``: the same stages at CPU size (the tiny shape).
+Modes: the full one, the one command a GPU session runs (<= 7 min 5 s on one H200 by its stage limits, 55 s
+inside the 8 minutes of machine time it is given: attention_tests, gpu_check with both regimes, the training entry
+point at the Qwen3-8B shape) and ``--quick`` (<= 4 minutes: attention_tests, gpu_check_seed on 8,000 documents).
+``--cpu``: the same stages at CPU size (the tiny shape).
 Stages, in order:
 
-1. ``attention_tests``: pytest on tests/test_model_attention.py and every other test file that checks
-   ``torch.cuda.is_available()`` (the CUDA-only tests: the flex_attention backward against the dense oracle at
-   head dim 128, bf16, 32 query / 8 key-value heads); quick: only the tests named ``cuda``, ``flex_operator`` or
-   ``counts_flex``. One line with passed / failed / skipped / error counts and the names of the failed and skipped
+1. ``attention_tests``: pytest ``-m cuda`` on the test files with tests marked ``cuda``: the tests that need a
+   CUDA device (the compiled flex_attention forward and backward against the dense oracle at the draft's shape
+   class, head dim 128, bf16, 32 query / 8 key-value heads; the one-pass LM head at Qwen3-8B's head against the
+   float32 reference, and its memory against the memory model's head terms). The other tests run on a CPU in CI on
+   every commit. One line with passed / failed / skipped / error counts and the names of the failed and skipped
    tests. On a CPU the CUDA tests are skipped and recorded as skipped.
-2. ``gpu_check_seed``: ``benchmarks/gpu_check.py --regime seed``: the seed run's regime (one GPU capped at 96 GiB,
-   32,768-token steps at the Qwen3-8B shape, no block budget, recipe anchors, checkpointing only on the steps the
-   memory model says do not fit) for full_random, bucketed and packed, each timed on one step per cost stratum of
-   its epoch plan; CPU: the tiny shape. Lines: ``gpu_check_setup``, ``gpu_check_step`` (one per step),
-   ``gpu_check`` (one per policy), ``gpu_check_epoch`` (the step-time fit and the epoch's full_random / bucketed
-   ratio next to the planner's), ``gpu_check_ckpt`` (one step again with checkpointing), ``gpu_check_profile``
-   (one bucketed step under torch.profiler: time by kernel class and range), ``gpu_check_seed_status``.
+2. ``gpu_check`` (full mode): ``benchmarks/gpu_check.py --regime seed,plan`` in one process on one model (the start
+   and the compiled graphs paid once):
+   - the seed run's regime (one GPU capped at 96 GiB, 32,768-token steps at the Qwen3-8B shape, no block budget,
+     recipe anchors, checkpointing only on the steps the memory model says do not fit) for full_random, bucketed
+     and packed; then
+   - the memory plan's regime (the device's whole memory, each policy's block budget and checkpointing from the
+     memory plan: where the MFU goal is set) for bucketed and packed;
+   each policy timed on one step per cost stratum of its epoch plan (5 on a GPU) of 20,000 documents; CPU: the tiny
+   shape. The seed regime starts no step that would leave the plan regime less than ``PLAN_RESERVE_S``. Lines, each
+   with its ``regime``: ``gpu_check_setup``, ``gpu_check_step`` (one per step), ``gpu_check`` (one per policy),
+   ``gpu_check_epoch`` (the step-time fit and the epoch's full_random / bucketed ratio next to the planner's),
+   ``gpu_check_ckpt`` (seed: one step again with checkpointing), ``gpu_check_profile`` (one bucketed step under
+   torch.profiler: time by kernel class and range), then ``gpu_check_status``.
+   ``gpu_check_seed`` (quick mode) and ``gpu_check_plan`` (``--only``): one regime alone.
 3. ``train`` (full mode): the real entry point at the real shape: ``scripts/make_random_qwen3.py --shape qwen3_8b
    --random-init`` writes a Qwen3-8B config (36 layers) with a local tokenizer and no weights (the run builds random
    bf16 weights on the GPU: dflash_lab/model/random_target.py), then ``python -m dflash_lab.train trainer=gpu
@@ -29,8 +37,6 @@ Stages, in order:
    ``TORCH_LOGS=recompiles`` (torchrun over 2 ranks when 2 GPUs exist; CPU: trainer=cpu at the tiny shape, the
    memory plan against ``trainer.gpu_mem_gb=1``). One line: status, Ktok/s, tau, the preflight's predicted peak
    against the measured one, the compiled graphs and the recompiles dynamo logged.
-4. ``gpu_check_plan`` (only with ``--only``): ``benchmarks/gpu_check.py`` in the memory plan's regime (bucketed and
-   packed, the device's memory, the plan's block budget and checkpointing) with the same lines.
 
 Each stage has a time limit (``TIMEOUTS``, each one's source in ``LIMIT_SOURCES``; gpu_check stops starting steps
 ``DEADLINE_MARGIN_S`` before its own and still reports); a stage that fails or times out records ``ok: false`` and
@@ -50,43 +56,62 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = {"quick": ("attention_tests", "gpu_check_seed"), "full": ("attention_tests", "gpu_check_seed", "train")}
+STAGES = {"quick": ("attention_tests", "gpu_check_seed"), "full": ("attention_tests", "gpu_check", "train")}
+# The gpu_check stages: the regimes of benchmarks/gpu_check.py each runs, in that order, in one process.
+REGIMES = {"gpu_check": ("seed", "plan"), "gpu_check_seed": ("seed",), "gpu_check_plan": ("plan",)}
+SEED_POLICIES = ("full_random", "bucketed", "packed")   # the seed's three (its ratio: full_random / bucketed)
+PLAN_POLICIES = ("bucketed", "packed")                  # where the plan regime's MFU goal is set
 # Seconds per stage, by device and mode. GPU: from the first H200 run (one H200, torch 2.11, cold kernel cache;
 # docs/gpu.md "Stage limits"), each about 1.2x what that run measured or what its parts add up to; the gpu_check
 # stages' steps priced by benchmarks/gpu_stage_budget.py (the stage's own plans on a CPU, each step's executed
-# FLOPs at that run's measured rate): quick sums to 265 s, full to 450 s. gpu_check_plan is outside both modes.
-TIMEOUTS = {("gpu", "quick"): {"attention_tests": 75, "gpu_check_seed": 190, "train": 125, "gpu_check_plan": 135},
-            ("gpu", "full"): {"attention_tests": 135, "gpu_check_seed": 190, "train": 125, "gpu_check_plan": 135},
+# FLOPs at that run's measured rate): quick sums to 240 s, full to 425 s (7 min 5 s: 55 s inside the 8 minutes of
+# machine time). gpu_check_seed and gpu_check_plan alone are for --only.
+TIMEOUTS = {("gpu", "quick"): {"attention_tests": 50, "gpu_check_seed": 190, "gpu_check": 250, "train": 125,
+                               "gpu_check_plan": 145},
+            ("gpu", "full"): {"attention_tests": 50, "gpu_check_seed": 190, "gpu_check": 250, "train": 125,
+                              "gpu_check_plan": 145},
             # a CPU is not lent by the minute, and a shared one can be 10x slower than when idle (a packed step's
             # compile alone: 30-100 s)
-            ("cpu", "quick"): {"attention_tests": 300, "gpu_check_seed": 900, "train": 400, "gpu_check_plan": 600},
-            ("cpu", "full"): {"attention_tests": 420, "gpu_check_seed": 1200, "train": 400, "gpu_check_plan": 600}}
+            ("cpu", "quick"): {"attention_tests": 300, "gpu_check_seed": 900, "gpu_check": 1200, "train": 400,
+                               "gpu_check_plan": 600},
+            ("cpu", "full"): {"attention_tests": 300, "gpu_check_seed": 1200, "gpu_check": 1500, "train": 400,
+                              "gpu_check_plan": 600}}
+# In the gpu_check stage the seed regime starts no step that would leave the plan regime less than this (its
+# priced share: benchmarks/gpu_stage_budget.py --regime seed,plan, the plan part 48 s, at 1.2x; CPU: the tiny
+# shape's plan part took 30 s here, at 10x)
+PLAN_RESERVE_S = {"gpu": 60, "cpu": 300}
 LIMIT_SOURCES = {
-    "attention_tests": "full: tests/test_model_attention.py took 114 s (pytest 98 s, the flex oracle test alone 67 s) "
-                       "on a cold kernel cache (the old 90 s limit stopped it); quick: its three named tests took "
-                       "13 s after the oracle test had compiled, + ~16 s of pytest start; alone and cold they "
-                       "compile their own forward too",
+    "attention_tests": "the tests that need CUDA (marked cuda; the others run in CI on every commit): in the first "
+                       "run the CUDA flex test took 12.7 s on a cold kernel cache (compiling its kernels), + ~16 s "
+                       "of pytest start; the one-pass head's CUDA test adds a few bf16 matmuls at the Qwen3-8B "
+                       "head (~2.5 TFLOP each: milliseconds) and the generation of its 1.2 GB head: ~35 s",
     "gpu_check_seed": "the first run's seed stage took 137 s: 42 s outside the steps (start, model, plans), 57 s of "
                       "warm-up (the first step compiles for 38 s); its timed steps ran at executed FLOPs / 459-469 "
                       "TFLOP/s + 0.12-0.18 s. Now 5 strata x 3 policies (full: of 20,000 documents; quick: 8,000), "
                       "priced from the stage's own plans (benchmarks/gpu_stage_budget.py --regime seed: 15 steps of "
                       "706-2,894 executed TFLOP, 8 with checkpointing, + the checkpointing step + the profiled step "
                       "at 3 steps: 61 s): 160 s; 8 strata would be 187 s",
+    "gpu_check": "the seed regime as gpu_check_seed (160 s), then the plan regime in the same process on the same "
+                 "model (benchmarks/gpu_stage_budget.py --regime seed,plan): no start and no first compile, 5 "
+                 "strata x bucketed and packed of 20,000 documents (10 steps of 767-1,412 executed TFLOP, "
+                 "checkpointing off), its warm-up by the fit + 3.5 s per policy, its profiled step, its plans' "
+                 "CPU time: 48 s; 208 s in all",
     "train": "the run at hidden 1024 took 112-121 s (60 steps, 8 tau prompts x 64 tokens: 21.5 s of evaluation); "
              "at Qwen3-8B: ~40 s first-step compile + 7 steps of ~2 s (4,096 tokens, ~60K block tokens), 2 tau "
              "prompts x 32 tokens (~20 s with the draft's compile), ~25 s of start (imports, random 8B weights "
              "on the GPU, data, memory plan): ~100 s",
     "gpu_check_plan": "the first run's plan stage took 90 s (2 + 3 steps x 2 policies, checkpointing on); now "
                       "checkpointing off at a ~120K block budget: benchmarks/gpu_stage_budget.py --regime plan "
-                      "--steps 3 --policies bucketed,packed: 6 steps of 799-1,373 executed TFLOP (15 s) + 42 s "
-                      "outside + 57 s of warm-up: 114 s"}
+                      "--steps 3 --policies bucketed,packed: 6 steps of 799-1,373 executed TFLOP and the profiled "
+                      "step (23 s) + 42 s outside + 57 s of warm-up: 122 s"}
 DEADLINE_MARGIN_S = 30   # gpu_check.py stops starting steps this long before its stage's limit
-QUICK_TESTS = "cuda or flex_operator or counts_flex"
+CUDA_MARKER = "cuda"     # pytest marker of the tests that need a CUDA device (pyproject.toml)
 TRAIN_STEPS = {"gpu": 8, "cpu": 6}
-SEED_STRATA = {"gpu": 5}   # gpu_check_seed's timed steps per policy on a GPU, both modes (TIMEOUTS)
+SEED_STRATA = {"gpu": 5}   # timed steps per policy (and regime) on a GPU, both modes (TIMEOUTS)
 SUMMARY_KEYS = ("status", "steps", "ktok_s", "tau", "tau_baseline", "final_loss", "final_acc", "pad_eff",
                 "world_size", "eta_s", "overhead_frac", "eval_frac", "wall_time_s", "anchor_rule", "max_block_tokens",
                 "activation_checkpointing", "target_digest")
@@ -126,11 +151,10 @@ def _error(code: int | None, timeout: float, tail: str) -> str:
 
 
 def cuda_test_files() -> list[str]:
-    files = {"tests/test_model_attention.py"}
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
-        if "cuda.is_available()" in path.read_text(errors="replace"):
-            files.add(str(path.relative_to(ROOT)))
-    return sorted(files)
+    """The test files with tests marked ``cuda`` (collecting only them keeps pytest's start short)."""
+    marker = f"pytest.mark.{CUDA_MARKER}"
+    return sorted(str(path.relative_to(ROOT)) for path in sorted((ROOT / "tests").glob("test_*.py"))
+                  if marker in path.read_text(errors="replace"))
 
 
 def junit_counts(junit: Path) -> dict:
@@ -153,9 +177,8 @@ def stage_attention_tests(mode: str, run_mode: str, work: Path) -> list[dict]:
     timeout = TIMEOUTS[(mode, run_mode)]["attention_tests"]
     files = cuda_test_files()
     junit = work / "attention_tests.xml"
-    select = ["-k", QUICK_TESTS] if run_mode == "quick" else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-m", "",
-           f"--junitxml={junit}", *select, *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-m", CUDA_MARKER,
+           f"--junitxml={junit}", *files]
     code, seconds, tail = run(cmd, timeout, work / "attention_tests.log")
     row = {"check": "attention_tests", "files": files, "seconds": round(seconds, 1), "timeout_s": timeout}
     if not junit.exists():
@@ -170,20 +193,24 @@ def stage_attention_tests(mode: str, run_mode: str, work: Path) -> list[dict]:
 # -------------------------------------------------------------------------------------------- gpu_check
 
 
-def gpu_check_command(regime: str, mode: str, run_mode: str, timeout: float, work: Path) -> list[str]:
-    """benchmarks/gpu_check.py for a stage: the seed or the plan regime, at the Qwen3-8B shape on a GPU and the
-    tiny one on a CPU, stopping new steps DEADLINE_MARGIN_S before the stage's limit."""
+def gpu_check_command(stage: str, mode: str, run_mode: str, timeout: float, work: Path) -> list[str]:
+    """benchmarks/gpu_check.py for a stage (``REGIMES``: the seed regime, the plan regime, or both in one process),
+    at the Qwen3-8B shape on a GPU and the tiny one on a CPU. No step starts that could not end DEADLINE_MARGIN_S
+    before the stage's limit; with both regimes the seed one also leaves the plan's share (``PLAN_RESERVE_S``)."""
     device = ["--device", "cuda", "--shape", "qwen3-8b"] if mode == "gpu" else ["--device", "cpu", "--shape", "tiny"]
-    if regime == "seed":
-        strata = ["--steps", str(SEED_STRATA[mode])] if mode in SEED_STRATA else []
-        args = ["--regime", "seed", *(["--quick"] if run_mode == "quick" else []), *strata,
-                "--profile-trace", str(work / "profile_trace.json")]
-    elif mode == "gpu":
-        args = ["--policies", "bucketed,packed", "--num-samples", "8000", "--warmup", "2", "--steps", "3"]
-    else:
-        args = ["--policies", "bucketed,packed", "--warmup", "1", "--steps", "2"]
-    return [sys.executable, "benchmarks/gpu_check.py", *device, *args,
-            "--deadline-s", str(max(10, timeout - DEADLINE_MARGIN_S))]
+    regimes = REGIMES[stage]
+    args = ["--regime", ",".join(regimes), *(["--quick"] if run_mode == "quick" else []),
+            "--profile-trace", str(work / "profile_trace.json")]
+    if "seed" in regimes:
+        args += ["--steps", str(SEED_STRATA[mode])] if mode in SEED_STRATA else []
+        args += ["--policies", ",".join(SEED_POLICIES)]
+    if "plan" in regimes:
+        args += ["--policies", ",".join(PLAN_POLICIES)]
+        args += [] if "seed" in regimes else ["--num-samples", "8000", "--steps", "3"] if mode == "gpu" else []
+    deadline = max(10, timeout - DEADLINE_MARGIN_S)
+    if len(regimes) > 1:   # the seed regime's deadline leaves the plan regime its share of the stage
+        args += ["--deadline-s", str(max(10, deadline - PLAN_RESERVE_S[mode]))]
+    return [sys.executable, "benchmarks/gpu_check.py", *device, *args, "--deadline-s", str(deadline)]
 
 
 def parse_gpu_check_lines(text: str) -> list[dict]:
@@ -207,20 +234,23 @@ def policy_ok(row: dict) -> bool:
     return not (row.get("error") or row.get("skipped")) and bool(row.get("finite", False)) and row.get("steps", 0) > 0
 
 
-def gpu_check_problems(regime: str, rows: list[dict]) -> list[str]:
-    """What a gpu_check stage's lines lack: a policy without a good row, the seed regime's epoch and profile lines
+def gpu_check_problems(regimes: tuple[str, ...], rows: list[dict]) -> list[str]:
+    """What a gpu_check stage's lines lack, per regime: a policy without a good row, the epoch and profile lines
     (each without an error)."""
-    expected = ["full_random", "bucketed", "packed"] if regime == "seed" else ["bucketed", "packed"]
-    policies = [r for r in rows if r["check"] == "gpu_check"]
-    problems = [f"{r.get('policy')}: {r.get('error') or r.get('skipped') or 'no finite step'}" for r in policies
-                if not policy_ok(r)]
-    missing = [p for p in expected if p not in [r.get("policy") for r in policies]]
-    if missing:
-        problems.append(f"no row for {', '.join(missing)}")
-    for check in (("gpu_check_epoch", "gpu_check_profile") if regime == "seed" else ()):
-        line = next((r for r in rows if r["check"] == check), None)
-        if line is None or line.get("error"):
-            problems.append(f"{check}: {line['error'] if line else 'no line'}")
+    problems = []
+    for regime in regimes:
+        own = [r for r in rows if r.get("regime") == regime]
+        expected = SEED_POLICIES if regime == "seed" else PLAN_POLICIES
+        policies = [r for r in own if r["check"] == "gpu_check"]
+        problems += [f"{regime} {r.get('policy')}: {r.get('error') or r.get('skipped') or 'no finite step'}"
+                     for r in policies if not policy_ok(r)]
+        missing = [p for p in expected if p not in [r.get("policy") for r in policies]]
+        if missing:
+            problems.append(f"{regime}: no row for {', '.join(missing)}")
+        for check in ("gpu_check_epoch", "gpu_check_profile"):
+            line = next((r for r in own if r["check"] == check), None)
+            if line is None or line.get("error"):
+                problems.append(f"{regime} {check}: {line['error'] if line else 'no line'}")
     return problems
 
 
@@ -233,17 +263,16 @@ def mark_rows(rows: list[dict], ok: bool) -> None:
             r["ok"] = ok if r["check"] == "gpu_check_setup" else not r.get("error")
 
 
-def stage_gpu_check(regime: str, mode: str, run_mode: str, work: Path) -> list[dict]:
-    stage = f"gpu_check_{regime}"
+def stage_gpu_check(stage: str, mode: str, run_mode: str, work: Path) -> list[dict]:
     timeout = TIMEOUTS[(mode, run_mode)][stage]
-    cmd = gpu_check_command(regime, mode, run_mode, timeout, work)
+    cmd = gpu_check_command(stage, mode, run_mode, timeout, work)
     env = {**os.environ, **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")} if mode == "cpu" else {})}
     code, seconds, tail = run(cmd, timeout, work / f"{stage}.log", env)
     rows = parse_gpu_check_lines(tail)
-    problems = gpu_check_problems(regime, rows)
+    problems = gpu_check_problems(REGIMES[stage], rows)
     ok = code == 0 and not problems
     mark_rows(rows, ok)
-    summary = {"check": f"{stage}_status", "ok": ok, "seconds": round(seconds, 1), "timeout_s": timeout,
+    summary = {"check": f"{stage}_status", "regimes": list(REGIMES[stage]), "ok": ok, "seconds": round(seconds, 1), "timeout_s": timeout,
                "command": " ".join(cmd[1:])}
     if not ok:
         summary["error"] = "; ".join(problems) + ("; " if problems else "") + _error(code, timeout, tail)
@@ -320,8 +349,7 @@ def stage_train(mode: str, run_mode: str, work: Path) -> list[dict]:
 def run_stage(name: str, mode: str, run_mode: str, work: Path) -> list[dict]:
     """One stage's rows; a stage that raises is recorded as failed."""
     stages = {"attention_tests": stage_attention_tests, "train": stage_train,
-              "gpu_check_seed": lambda *a: stage_gpu_check("seed", *a),
-              "gpu_check_plan": lambda *a: stage_gpu_check("plan", *a)}
+              **{stage: partial(stage_gpu_check, stage) for stage in REGIMES}}
     try:
         return stages[name](mode, run_mode, work)
     except Exception as exc:   # a broken stage is recorded, the next one runs
@@ -331,11 +359,12 @@ def run_stage(name: str, mode: str, run_mode: str, work: Path) -> list[dict]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the CPU path at the tiny shape")
-    parser.add_argument("--quick", action="store_true", help="the quick mode (<= 4.5 min on one H200)")
+    parser.add_argument("--quick", action="store_true", help="the quick mode (<= 4 min on one H200)")
     parser.add_argument("out", help="JSON lines output")
     parser.add_argument("--work-dir", default=None, help="logs, the random model, the run (default: a temp dir)")
     parser.add_argument("--only", default=None, help="comma-separated stages (default: the mode's: "
-                        + "; ".join(f"{m}: {','.join(s)}" for m, s in STAGES.items()) + "; also gpu_check_plan)")
+                        + "; ".join(f"{m}: {','.join(s)}" for m, s in STAGES.items())
+                        + "; also gpu_check_seed, gpu_check_plan: one regime alone)")
     args = parser.parse_args(argv)
     args.mode, args.run_mode = "cpu" if args.cpu else "gpu", "quick" if args.quick else "full"
     args.stages = args.only.split(",") if args.only else list(STAGES[args.run_mode])

@@ -73,3 +73,16 @@ def test_fragmentation_margin_and_cuda_context_are_the_recorded_out_of_memory_li
     assert max(ratios) <= footprint.FRAGMENTATION_FRACTION < max(ratios) + 0.001, ratios
     contexts = [in_use - allocated - fragments for in_use, allocated, fragments in failures]
     assert all(abs(c - footprint.CUDA_CONTEXT_GIB) <= 0.011 for c in contexts), contexts
+
+
+def test_a_step_is_repredicted_with_its_own_checkpointing():
+    """The seed regime checkpoints only the steps that do not fit its cap, and says so on each step line: a step
+    that ran checkpointed is predicted checkpointed, whatever its memory plan (no checkpointing in that regime)."""
+    lines = [json.loads(line) for line in (DATA / "seed.jsonl").read_text().splitlines() if line.strip()]
+    setup = next(line for line in lines if line["check"] == "gpu_check_setup")
+    step = next(line for line in lines if line["check"] == "gpu_check_step" and line["phase"] == "timed"
+                and not line["oom"] and not line.get("activation_checkpointing"))
+    plain, checkpointed = (gpu_repredict.repredict([setup, {**step, "activation_checkpointing": flag}])[0]
+                           for flag in (False, True))
+    assert (plain["activation_checkpointing"], checkpointed["activation_checkpointing"]) == (False, True)
+    assert checkpointed["pred_peak_gb"] < 0.9 * plain["pred_peak_gb"]

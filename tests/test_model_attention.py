@@ -170,6 +170,7 @@ def _relative_error(got, want) -> float:
 REAL_HEADS, REAL_KV_HEADS, REAL_DIM = 32, 8, 128
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has a backward on CUDA only")
 def test_flex_gradients_equal_the_dense_oracle_on_cuda():
     """The compiled CUDA flex kernel, forward and backward, at the draft's shape class (head dim 128, bf16, 32 query
