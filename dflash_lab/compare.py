@@ -29,7 +29,9 @@ were overridden and give the launch protocol's answer next to the overridden one
 Duplicates. Two runs of one arm with one seed (the same sweep launched twice, a rerun in another folder, a run
 given both as its directory and as W&B run) are separate runs, not two seeds. By default compare refuses them, naming
 both runs: pass only one, give reruns different seeds, or choose --duplicates=latest (keep the run that wrote its
-files last) or --duplicates=first (keep the first given); the run kept is named in the notes.
+files last) or --duplicates=first (keep the first given); the run kept is named in the notes. Runs recorded on
+different topologies (summary.json `topology`: 1 node x 2 ranks, 2 nodes x 1 rank) are not duplicates: the topology
+is then a swept key, and each is its own arm (`bucketed topology=2x1`; dflash_lab/analysis/arms.py).
 
 Digests. Each run's summary.json records what it trained against: target_digest (the target's weights) and
 data_digest (the training data). The batching policy changes neither, so runs that agree on every swept key outside

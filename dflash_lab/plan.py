@@ -70,7 +70,7 @@ from .planning.report import (  # noqa: F401
     describe_block_budgets, describe_bucket_keying, describe_cost, describe_relative_speed, describe_target_mode,
     _number, full_columns, legend, recommend_floors, recommendation, to_markdown,
 )
-from .planning.progress import Progress
+from .planning.progress import StageTimer
 from .planning.table import (  # noqa: F401
     largest_block_budget, memory_columns, memory_inputs, plan_table, plot_k_sweep, quantile_bands,
     resolve_block_budget, sweep_bucket_counts,
@@ -135,11 +135,11 @@ def run_plan(cfg: Mapping[str, Any]) -> pd.DataFrame:
     if blocked:   # said before any work: a long plan must not end in mkdir's traceback
         raise ValueError(f"out_dir: {blocked}: the plan's files (plan.csv, plan.json, plan.md) go into a directory; "
                          f"choose a new or existing directory (out_dir=<dir>)")
-    with Progress("plan", plan.progress_every_s) as progress:
+    with StageTimer("plan", plan.progress_every_s) as progress:
         return _plan(cfg, plan, progress)
 
 
-def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: Progress) -> pd.DataFrame:
+def _plan(cfg: Mapping[str, Any], plan: PlanSettings, progress: StageTimer) -> pd.DataFrame:
     """:func:`run_plan`'s work after its own settings, each stage named to ``progress``."""
     progress.stage("checking the sampler, data and cost settings")
     builtin_corpus = (cfg.get("data") or {}).get("kind") == "synthetic"

@@ -371,6 +371,25 @@ def run_loop(run: Run) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ finish
+def exit_line(status: str, step: int, total_steps: int, summary: Mapping[str, Any], env: dist.DistEnv) -> str:
+    """The run's last log line. Rank 0 keeps the metric history and measures tau, so only its summary holds the
+    loss, accuracy, throughput and tau; another rank's would read NaN, so its line names rank 0 as the holder.
+
+    Example:
+        >>> print(exit_line("finished", 40, 40, {"wall_time_s": 12.3}, dist.DistEnv(rank=1, world_size=2)))
+        finished: step 40/40 on rank 1 of 2, 12 s; the loss, accuracy, throughput and tau are in rank 0's log line \
+and summary.json (only rank 0 keeps the metric history)
+    """
+    if not env.is_main:
+        return (f"{status}: step {step}/{total_steps} on rank {env.rank} of {env.world_size}, "
+                f"{summary['wall_time_s']:.0f} s; the loss, accuracy, throughput and tau are in rank 0's log line "
+                f"and summary.json (only rank 0 keeps the metric history)")
+    return (f"{status}: step {step}/{total_steps}, loss {summary['final_loss']:.4f}, acc "
+            f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
+            f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "
+            f"{summary['wall_time_s']:.0f} s, tau {summary['tau']:.3f} (untrained {summary['tau_baseline']:.3f})")
+
+
 def finish(run: Run, failure: str) -> dict[str, Any]:
     """End the run: final probes and checkpoint, tau of the trained and untrained draft, ``summary.json``, the exit
     line. A failed run keeps its last good checkpoint; a preemption during tau exits for a requeue."""
@@ -392,7 +411,6 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         taus.pop("complete")
         if ckpt.checkpoint_requested():
             status = "preempted"
-    tau, tau_baseline = taus["tau"], taus["tau_baseline"]
     summary = run.books.records.summary(status, steps=position.step, **taus, error=failure or None)
     run.books.records.logger.close(exit_code={"failed": FAILED_EXIT_CODE,
                                         "preempted": ckpt.PREEMPTED_EXIT_CODE}.get(status, 0))
@@ -400,10 +418,7 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         log.info("finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
                  "caches are built, and summary.json records steps 0")
         return summary
-    log.info(f"{status}: step {position.step}/{run.parts.plan.total_steps}, loss {summary['final_loss']:.4f}, acc "
-             f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
-             f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "
-             f"{summary['wall_time_s']:.0f} s, tau {tau:.3f} (untrained {tau_baseline:.3f})")
+    log.info(exit_line(status, position.step, run.parts.plan.total_steps, summary, run.env))
     if status == "preempted":
         log.warning(f"tau measurement interrupted ({ckpt.request_reason()}); exiting with code "
                     f"{ckpt.PREEMPTED_EXIT_CODE}: the requeued job measures it again")

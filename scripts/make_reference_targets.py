@@ -106,7 +106,13 @@ def make_target(name: str, section: dict, out: Path, cache: Path, preset_name: s
 
 
 def check(out: Path) -> list[str]:
-    """Each manifest entry's file: its sha256 and its weights digest as loaded (what every run checks)."""
+    """Each manifest entry's file: its sha256 and its weights digest as loaded (what every run checks). A folder
+    without a manifest is a problem, not an empty success: there is nothing to verify."""
+    manifest = out / target_module.MANIFEST
+    if not manifest.is_file():
+        make = "python scripts/make_reference_targets.py"
+        make += "" if out == target_module.SHIPPED_DIR else f" --out {out}"
+        return [f"no manifest to check: {manifest} does not exist; `{make}` makes the targets and writes it"]
     problems = []
     for entry in target_module.shipped_targets(out):
         path = out / entry["file"]
@@ -131,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=target_module.SHIPPED_DIR, help="where the files go")
     parser.add_argument("--check", action="store_true", help="only verify the shipped files")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if not args.check:
+    if not args.check:   # --check only reads: it leaves no empty --out folder behind
+        args.out.mkdir(parents=True, exist_ok=True)
         made: dict[str, dict] = {}
         wanted = [preset_section(name, int(seed)) + (name,) for name in filter(None, args.presets.split(","))
                   for seed in args.seeds.split(",")]

@@ -2,6 +2,7 @@
 earlier one, foreign files refused), runs of one arm and one seed are refused as duplicates, and refusals are one
 line. Hand-made run directories (tests/test_analysis_loading.write_run), no training."""
 
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,46 @@ def test_runs_of_different_arms_or_seeds_are_not_duplicates(sweep, tmp_path):
     # not duplicates; the one note says that bucketed pools the seeds of two launches (issue 23, item 11)
     assert len(comparison.runs) == 6 and len(comparison.notes) == 1
     assert comparison.notes[0].startswith("arm 'bucketed' pools the runs of 2 launches")
+
+
+def _record_topology(run_dir, topology):
+    """Where the run's ranks ran, as the trainer records it in summary.json (nodes x ranks per node)."""
+    path = run_dir / "summary.json"
+    nodes, per_node = map(int, topology.split("x"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "topology": topology, "num_nodes": nodes,
+                                "tasks_per_node": per_node, "world_size": nodes * per_node}))
+
+
+def test_runs_that_differ_only_by_topology_are_separate_arms_and_true_duplicates_are_still_refused(sweep, rerun,
+                                                                                                   tmp_path):
+    """The sweep ran on 1 node x 2 ranks; the bucketed seed-0 run again on 2 nodes x 1 rank is another run, not a
+    duplicate: its own arm and row. A second 2x1 run of it is a duplicate, refused as before."""
+    for run_dir in sweep.iterdir():
+        _record_topology(run_dir, "1x2")
+    _record_topology(rerun, "2x1")
+    out = tmp_path / "out"
+    assert compare.main([str(sweep), str(rerun.parent), "--out", str(out), "--no-plots", "--baseline",
+                         "full_random"]) == 0
+    runs = pd.read_csv(out / "comparison.csv").set_index("location")
+    assert len(runs) == 5 and list(runs.columns).count("topology") == 1
+    assert runs.loc[str(rerun), "arm"] == "bucketed topology=2x1" and runs.loc[str(rerun), "topology"] == "2x1"
+    assert runs.loc[str(sweep / "2_bucketed_s0"), "arm"] == "bucketed topology=1x2"
+    groups = pd.read_csv(out / "comparison_groups.csv", index_col="arm")
+    assert groups.loc["bucketed topology=1x2", "seeds"] == "0 1" and groups.loc["bucketed topology=2x1", "seeds"] == "0"
+    assert set(pd.read_csv(out / "paired.csv")["n_pairs"]) == {2}   # 1x2 pairs with 1x2 only
+    markdown = (out / "comparison.md").read_text()
+    assert "stratum 'topology=2x1': no arm matches baseline 'full_random'" in markdown   # said, not dropped
+    again = write_run(tmp_path / "runs" / "again" / "0_bucketed_s0", "bucketed", 0, steps=60)
+    _record_topology(again, "2x1")
+    with pytest.raises(ValueError, match="not two seeds"):
+        compare_records(load_runs([sweep, rerun, again]).runs)
+
+
+def test_one_topology_beside_runs_recorded_before_topologies_splits_no_arm(sweep):
+    for run_dir in sorted(sweep.iterdir())[:2]:   # the full_random runs; the bucketed ones recorded none
+        _record_topology(run_dir, "1x1")
+    comparison = compare_records(load_runs([sweep]).runs)
+    assert sorted(set(comparison.runs["arm"])) == ["bucketed", "full_random"] and "topology" not in comparison.swept
 
 
 # -------------------------------------------------------------------------------------------- one-line refusals

@@ -17,7 +17,7 @@ from dflash_lab.data import build_dataset
 from dflash_lab.data.cache import build_once
 from dflash_lab.data.jsonl import JsonlReport, UnusableLine, encode_jsonl, encode_line, line_chunks
 from dflash_lab.data.parallel import available_cpus, ordered_map, resolve_num_proc
-from dflash_lab.data.progress import Progress
+from dflash_lab.data.progress import ItemProgress
 from dflash_lab.data.store import StoreWriter, chunked
 from dflash_lab.data.tokenizer import ByteTokenizer
 
@@ -150,7 +150,7 @@ def test_a_hugging_face_template_in_forked_workers_gives_the_one_process_result(
 def test_preparation_logs_progress_then_time_and_size_and_a_cache_hit_says_so(tmp_path, caplog):
     chat = tmp_path / "chat.jsonl"
     _chat_file(chat, 200, seed=2)
-    report, progress = JsonlReport(), Progress(chat.name, chat.stat().st_size, every_s=0.0)
+    report, progress = JsonlReport(), ItemProgress(chat.name, chat.stat().st_size, every_s=0.0)
     with caplog.at_level(logging.INFO, logger="dflash_lab"):
         chunks = list(encode_jsonl(ByteTokenizer(), path=str(chat), max_length=2048, max_bad_fraction=0.3,
                                    report=report, progress=progress, chunk_bytes=16384))
@@ -191,7 +191,7 @@ def test_waiting_for_a_slow_worker_still_calls_on_wait_and_keeps_the_order():
 
 def test_progress_line_names_count_share_rate_and_eta():
     clock = iter([0.0, 4.0, 10.0, 10.0, 10.0])
-    progress = Progress("chat.jsonl", 4000, every_s=10.0, clock=lambda: next(clock))
+    progress = ItemProgress("chat.jsonl", 4000, every_s=10.0, clock=lambda: next(clock))
     progress.advance(100, 1000)   # at 4 s: not due yet
     assert progress.lines == 0
     assert progress.line() == "data: 100 conversations (25% of chat.jsonl) in 10s: 10 conversations/s, ETA 30s"

@@ -208,6 +208,17 @@ def test_two_rank_loss_curve_matches_one_rank_with_the_same_global_batches(two_r
     assert float((p1 - p2).abs().max()) <= 1e-4 * max(1.0, float(p1.abs().max()))
 
 
+def test_each_ranks_exit_line_states_only_what_that_rank_knows(two_ranks):
+    """Rank 0 ends its log with the loss; rank 1, which keeps no metric history, names rank 0 instead of a NaN."""
+    def exit_line(rank: int) -> str:
+        lines = (two_ranks["run_dir"] / f"train_rank{rank}.log").read_text().splitlines()
+        return [line for line in lines if "] finished: " in line][-1]
+
+    assert f"finished: step {STEPS}/" in exit_line(0) and ", loss " in exit_line(0)
+    rank_1 = exit_line(1)
+    assert "nan" not in rank_1.lower() and "on rank 1 of 2" in rank_1 and "rank 0's log line" in rank_1
+
+
 def torch_equal(a, b) -> bool:
     import torch
 

@@ -218,10 +218,8 @@ def test_the_default_target_and_the_protocols_five_are_shipped_and_found_by_thei
     assert target_module.shipped_target(*other) is None   # another recipe: pretrained locally
 
 
-def test_every_tiny_target_of_the_forgetting_ablation_is_shipped_and_found_by_its_jobs_settings():
-    """The six targets the forgetting ablation's 45 jobs load (aligned and independent skills corpora x target
-    seeds 0-2: its data carries band skills, so each is pretrained on the run's own corpus) are shipped: each job's
-    settings, composed as Hydra launches it, find a manifest entry (scripts/make_reference_targets.py --sweeps)."""
+def _reference_targets_script():
+    """scripts/make_reference_targets.py as a module (scripts/ is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("make_reference_targets",
@@ -229,13 +227,32 @@ def test_every_tiny_target_of_the_forgetting_ablation_is_shipped_and_found_by_it
                                                   / "make_reference_targets.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    sections = script.sweep_sections("forgetting_ablation")
+    return script
+
+
+def test_every_tiny_target_of_the_forgetting_ablation_is_shipped_and_found_by_its_jobs_settings():
+    """The six targets the forgetting ablation's 45 jobs load (aligned and independent skills corpora x target
+    seeds 0-2: its data carries band skills, so each is pretrained on the run's own corpus) are shipped: each job's
+    settings, composed as Hydra launches it, find a manifest entry (scripts/make_reference_targets.py --sweeps)."""
+    sections = _reference_targets_script().sweep_sections("forgetting_ablation")
     assert [name for name, _ in sections] == [f"tiny_{skills}_n1000_s{seed}" for skills in ("aligned", "independent")
                                               for seed in range(3)]
     for name, section in sections:
         entry = target_module.shipped_target(*_spec(section))
         assert entry is not None and entry["name"] == name, name
         assert entry["settings"]["corpus"]["band_skills"] == section["pretrain_data"]["band_skills"]
+
+
+def test_check_without_a_manifest_fails_naming_it_and_the_command_that_writes_it(tmp_path, capsys):
+    """--check of a folder with no manifest.json verifies nothing: one error line names the missing file and the
+    command that writes it, the exit status is 1, and the folder is not created."""
+    out = tmp_path / "targets"
+    assert _reference_targets_script().main(["--check", "--out", str(out)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert str(out / target_module.MANIFEST) in lines[0]
+    assert f"python scripts/make_reference_targets.py --out {out}" in lines[0]
+    assert not out.exists()
 
 
 def test_a_shipped_target_loads_with_the_manifests_digest_without_pretraining(monkeypatch):

@@ -607,10 +607,10 @@ def test_progress_lines_name_the_stage_at_their_time():
     import io
     import time
 
-    from dflash_lab.planning.progress import Progress
+    from dflash_lab.planning.progress import StageTimer
 
     out = io.StringIO()
-    with Progress("plan", every_s=0.05, stream=out) as progress:
+    with StageTimer("plan", every_s=0.05, stream=out) as progress:
         progress.stage("reading the data")
         time.sleep(0.3)
         progress.stage("policy bucketed (1 of 1)")
@@ -620,3 +620,13 @@ def test_progress_lines_name_the_stage_at_their_time():
     assert "reading the data" in stages and stages[-1] == "policy bucketed (1 of 1)"
     assert stages == sorted(stages, key=["reading the data", "policy bucketed (1 of 1)"].index)   # in order
     assert re.fullmatch(r"plan: done in [01] s", lines[-1]), lines
+
+
+def test_the_planners_stage_timer_and_the_data_passs_item_counter_are_named_apart():
+    """Both were ``Progress``: an import or a type hint did not say which one it meant."""
+    from dflash_lab.data import progress as data_progress
+    from dflash_lab.planning import progress as planning_progress
+
+    assert not hasattr(data_progress, "Progress") and not hasattr(planning_progress, "Progress")
+    assert (data_progress.ItemProgress.__name__, planning_progress.StageTimer.__name__) == ("ItemProgress",
+                                                                                             "StageTimer")

@@ -102,7 +102,7 @@ def test_two_nodes_and_one_node_give_the_same_run_and_records_name_the_nodes(ref
     log = (two / "train_rank0.log").read_text()
     assert f"topology 2x1 (nodes x ranks per node): {', '.join(summary['rank_nodes'])}" in log
 
-    # compare shows where each run ran (the two runs are one arm and seed: compare takes them one at a time)
+    # compare shows where the run ran
     out = subprocess.run([sys.executable, "-m", "dflash_lab.compare", str(two), "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -97,6 +97,30 @@ def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
         record.build_summary(rows, plan, totals, identity=identity, status="done")
 
 
+def test_the_exit_line_of_a_rank_without_the_metric_history_names_rank_0_instead_of_a_nan_loss():
+    """Only rank 0 keeps the metric history: rank 1's summary (built from none, as a DDP run's rank 1 builds it)
+    holds NaN loss and throughput, so its exit line says where they are instead of printing them."""
+    from dflash_lab.train import exit_line
+    from dflash_lab.training.dist import DistEnv
+
+    plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
+    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
+                            compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
+    totals = record.RunTotals(wall_time_s=7.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
+                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=1)
+    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 2}
+    rank_1 = record.build_summary([], plan, totals, identity=identity, status="finished", steps=6)
+    assert math.isnan(rank_1["final_loss"])   # why its line cannot state the loss
+    line = exit_line("finished", 6, 6, rank_1, DistEnv(rank=1, world_size=2))
+    assert "nan" not in line.lower() and "loss" in line
+    assert line.startswith("finished: step 6/6 on rank 1 of 2, 7 s;") and "rank 0's log line and summary.json" in line
+    rank_0 = record.build_summary(rows, plan, totals, identity=identity, status="finished",
+                                   extra={"tau": 2.5, "tau_baseline": 1.1})
+    line = exit_line("finished", 6, 6, rank_0, DistEnv(rank=0, world_size=2))
+    assert line.startswith(f"finished: step 6/6, loss {rank_0['final_loss']:.4f}, acc ") and "rank" not in line
+    assert line.endswith("tau 2.500 (untrained 1.100)")
+
+
 def test_step_stats_reduce_by_their_rules():
     import numpy as np
 

@@ -16,6 +16,13 @@ logger, analysis, overrides, the W&B config's `resolved` facts).
 
 Arm = the tuple of the run's swept values; its label reads `bucketed run_length=8 band_skills=aligned`.
 
+Topology. Where the ranks ran (summary.json `topology`: nodes x ranks per node, `2x1`, `1x2`) is set by the launcher
+(`hydra.launcher.*`, not a setting), yet runs on two layouts are two runs, not one run given twice: when the runs
+record more than one topology it is a swept key (`topology`, last), so `bucketed topology=2x1` and `bucketed
+topology=1x2` are separate arms (a stratum key unless the baseline selector names it) and never duplicates of one
+seed. A run recorded before topologies were has none (its arm label lacks the key); a topology that only restates
+another swept key adds nothing.
+
 Baseline selector (`--baseline` / `analysis.baseline`): `first` (a grid sweep's first point: every swept value of
 job 0, the run folder numbered `0_`), `full_random` (= `sampler=full_random`) or comma-separated `key=value` terms, e.g. `sampler=full_random,sampler.tokens_per_step=equal` (values as in the swept columns; a
 list value keeps its commas inside brackets). The selector's keys, and the swept keys below them (`sampler.*` for
@@ -65,6 +72,7 @@ SEED_KEY = "seed"
 NOT_SETTINGS = ("hydra", "run_dir", "experiment", "logger", "analysis", "overrides", "resume", "resolved")
 BUCKET_KEYS = ("sampler.boundaries", "sampler.num_buckets")
 UNSET = "(unset)"
+TOPOLOGY_KEY = "topology"   # summary.json's topology (training.dist.DistEnv.topology): part of a run's identity
 
 
 # ------------------------------------------------------------------------------------------------- overrides
@@ -286,6 +294,10 @@ def sweep_of(records: list[RunRecord]) -> Sweep:
     # the sampler's own options read next to it: "bucketed run_length=8 band_skills=aligned"
     keys = ["sampler"] + sorted(varied, key=lambda k: not k.startswith("sampler."))
     values = values[keys]
+    topology = pd.Series({r.run_id: str(r.summary.get(TOPOLOGY_KEY) or UNSET) for r in records}).reindex(values.index)
+    if topology[topology != UNSET].nunique() > 1 and not any(_same_partition(topology, values[k]) for k in keys):
+        values = values.assign(**{TOPOLOGY_KEY: topology})
+        keys.append(TOPOLOGY_KEY)
     overridden = {run_id: {k for k in (items or {}) if k in keys} for run_id, items in parsed.items()}
     return Sweep(keys=keys, values=values, overridden=overridden, source=source)
 
@@ -652,7 +664,8 @@ def recorded_digest(record: RunRecord, name: str) -> str | None:
 
 
 def _non_sampler_setting(values: pd.Series) -> str:
-    keys = [k for k in values.index if k != "sampler" and not k.startswith("sampler.")]
+    # the topology, like the sampler, changes neither digest: runs on other layouts are checked against each other
+    keys = [k for k in values.index if k not in ("sampler", TOPOLOGY_KEY) and not k.startswith("sampler.")]
     return " ".join(f"{k}={values[k]}" for k in keys) or "all runs"
 
 

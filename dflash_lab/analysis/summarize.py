@@ -519,9 +519,12 @@ def place_arms(records: list[RunRecord], baseline: str | None, duplicates: str, 
         labels = sweep.values.apply(arms_module.arm_label, axis=1)
     digest_notes = arms_module.check_digests(records, sweep, mixed_digests)
     notes += arms_module.pooled_launch_notes(records, labels)
-    settings = sweep.values.drop(columns="sampler").join(arms_module.bucket_columns(records, sweep))
+    # a swept topology is the runs table's own topology column (summary.topology): not joined a second time
+    topology = [arms_module.TOPOLOGY_KEY] if arms_module.TOPOLOGY_KEY in sweep.keys else []
+    settings = sweep.values.drop(columns=["sampler", *topology]).join(arms_module.bucket_columns(records, sweep))
     pairing = arms_module.pair_arms(sweep, labels, baseline) if baseline else None
-    return ArmPlacement(records=records, labels=labels, settings=settings, swept=["sampler", *settings.columns],
+    return ArmPlacement(records=records, labels=labels, settings=settings,
+                        swept=["sampler", *settings.columns, *topology],
                         pairing=pairing, notes=notes, digest_notes=digest_notes)
 
 

@@ -56,7 +56,7 @@ from dflash_lab.data import synthetic as synthetic_module
 from dflash_lab.data import tokenizer as tokenizer_module
 from dflash_lab.data.cache import build_once, config_hash, default_cache_dir, source_hash
 from dflash_lab.data.parallel import resolve_num_proc
-from dflash_lab.data.progress import PROGRESS_EVERY_S, Progress, format_bytes
+from dflash_lab.data.progress import PROGRESS_EVERY_S, ItemProgress, format_bytes
 from dflash_lab.data.store import StoreWriter, chunked
 from dflash_lab.data.tokenizer import ByteTokenizer, load_chat_template
 from dflash_lab.metrics.throughput import format_eta
@@ -456,7 +456,7 @@ def build_dataset(kind: str = "synthetic", *, tokenizer=None, cache_dir: str | N
             return jsonl_module.encode_jsonl(tokenizer, path=str(file), max_length=int(max_length),
                                              max_bad_fraction=float(max_bad_fraction), report=report,
                                              chat_template=template, num_proc=processes, spill_dir=tmp,
-                                             progress=Progress(file.name, config["size"]))
+                                             progress=ItemProgress(file.name, config["size"]))
     else:
         raise ValueError(f"data.kind={kind!r}: choose one of {', '.join(KINDS)}")
 

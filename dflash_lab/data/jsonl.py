@@ -78,7 +78,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_lab.data.parallel import ordered_map
-from dflash_lab.data.progress import Progress
+from dflash_lab.data.progress import ItemProgress
 from dflash_lab.data.tokenizer import (
     TemplateLacksReasoning,
     TemplateLacksTools,
@@ -757,7 +757,7 @@ def encode_chunk(settings: ChunkSettings, bounds: tuple[int, int]) -> EncodedChu
 
 
 def encode_jsonl(tokenizer, *, path: str, max_length: int, max_bad_fraction: float, report: JsonlReport,
-                 chat_template: str | None = None, num_proc: int = 1, progress: Progress | None = None,
+                 chat_template: str | None = None, num_proc: int = 1, progress: ItemProgress | None = None,
                  spill_dir: Path | None = None,
                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Yield the usable conversations as chunks ``(tokens, loss_mask, lengths)`` in file order, encoded in

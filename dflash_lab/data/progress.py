@@ -1,6 +1,6 @@
 """Progress of a data preparation pass: a log line at least every ``PROGRESS_EVERY_S`` seconds.
 
-Algorithm: :class:`Progress` counts the items done (conversations) and the bytes of the source they came from;
+Algorithm: :class:`ItemProgress` counts the items done (conversations) and the bytes of the source they came from;
 ``advance`` after each chunk of work and ``tick`` while waiting for one write a line when ``every_s`` seconds
 have passed since the last line (or the start): items done, their share of the source (bytes), items per second
 and the ETA (the bytes left at the bytes-per-second so far). Lines go to the ``dflash_lab.data`` logger, plain
@@ -35,7 +35,7 @@ def format_bytes(count: float) -> str:
     return f"{count:.0f} B"
 
 
-class Progress:
+class ItemProgress:
     """Items done out of a source of ``total_bytes`` bytes, logged at least every ``every_s`` seconds.
 
     Args:
@@ -46,7 +46,7 @@ class Progress:
         clock: seconds (monotonic).
 
     Example:
-        >>> progress = Progress("chat.jsonl", 1000, every_s=0.0)
+        >>> progress = ItemProgress("chat.jsonl", 1000, every_s=0.0)
         >>> progress.advance(10, 250)
         >>> progress.lines
         1
@@ -83,7 +83,7 @@ class Progress:
 
         Example:
             >>> times = iter([0.0, 20.0])
-            >>> progress = Progress("chat.jsonl", 1000, clock=lambda: next(times))
+            >>> progress = ItemProgress("chat.jsonl", 1000, clock=lambda: next(times))
             >>> progress.items, progress.bytes = 4000, 250
             >>> progress.line()
             'data: 4,000 conversations (25% of chat.jsonl) in 20s: 200 conversations/s, ETA 1m 00s'

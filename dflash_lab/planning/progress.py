@@ -1,7 +1,7 @@
 """Progress lines for a command that may run long (the planner on millions of samples: minutes, no table until the
 end): what it is doing and for how long, on stderr.
 
-:class:`Progress` is a context manager around the work. The work names its stage as it goes (``stage(text)``: "reading
+:class:`StageTimer` is a context manager around the work. The work names its stage as it goes (``stage(text)``: "reading
 the data", "policy bucketed (3 of 6): ..."); a daemon thread prints ``<name>: <elapsed> s, <stage>`` once ``every_s``
 seconds have passed since the start, then every ``every_s`` seconds, whatever the stage and however long one
 stage lasts (a line per stage change alone would leave a slow stage silent). A command that ends sooner prints no
@@ -11,7 +11,7 @@ it goes to stderr: what the command prints on stdout and writes to its files sta
 Example:
     >>> import io
     >>> out = io.StringIO()
-    >>> with Progress("plan", every_s=0, stream=out) as progress:   # every_s=0: no lines at all
+    >>> with StageTimer("plan", every_s=0, stream=out) as progress:   # every_s=0: no lines at all
     ...     progress.stage("reading the data")
     >>> out.getvalue()
     ''
@@ -25,8 +25,8 @@ import time
 from typing import TextIO
 
 
-class Progress:
-    """Timed progress lines (module docstring).
+class StageTimer:
+    """Progress lines on a timer, each naming the stage the work is in (module docstring).
 
     Args:
         name: what prefixes each line (the command: ``plan``).
@@ -64,7 +64,7 @@ class Progress:
                 self.lines += 1
                 self._write(f"{now - self._started:.0f} s, {self.current}")
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> StageTimer:
         self._started = self._last = time.monotonic()
         if self.every_s > 0:
             self._thread = threading.Thread(target=self._run, name=f"{self.name}-progress", daemon=True)

@@ -38,7 +38,7 @@ def plan_table(
     checkpointing resolved against the GPU), predicted peak GPU memory, TFLOPs per step and fit
     (``memory_columns``). ``block_tokens`` (per sample, ``sampling.anchors``) add the block-token columns and the
     supervision share per band (``share <lo>-<hi>``, over ``bands`` or the first bucketed policy's boundaries).
-    ``on_policy(text)`` is told which policy is planned (``planning.progress.Progress.stage``)."""
+    ``on_policy(text)`` is told which policy is planned (``planning.progress.StageTimer.stage``)."""
     rows = []
     share_bands = list(bands) if bands is not None else None
     for number, (name, sampler_cfg) in enumerate(samplers.items(), start=1):
@@ -199,7 +199,7 @@ def sweep_bucket_counts(
 
     Args:
         k_range: ``[k_min, k_max]`` (``sweep_range`` checks it).
-        on_count: told which bucket count is planned (``planning.progress.Progress.stage``).
+        on_count: told which bucket count is planned (``planning.progress.StageTimer.stage``).
     """
     k_min, k_max = sweep_range(k_range)
     as_choice("sweep_method", method, FIT_METHODS)
