@@ -6,7 +6,7 @@
 #                                                    step per cost stratum, each regime's epoch line (step-time fit,
 #                                                    the planner's ratio beside), memory lines, MFU and profile; python
 #                                                    -m dflash_lab.train trainer=gpu at the Qwen3-8B shape on random
-#                                                    weights, to tau. Full <= 7 min 5 s (inside 8 min of machine
+#                                                    weights, to tau. Full <= 7 min 15 s (inside 8 min of machine
 #                                                    time), --quick <= 4 min on an H200 by the stages' limits
 # bash scripts/gpu_check.sh --cpu OUT.jsonl        -- the same path on a CPU at the tiny shape (minutes)
 # One JSON object per line in OUT.jsonl, each with a "check" key; a failing stage records its error and the
