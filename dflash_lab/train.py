@@ -279,10 +279,10 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     (``run_config.json``)."""
     position.totals.segments += 1
     ledger = record.TimeLedger(position.totals, start=started)   # this segment's wall time counts from its start
-    run_id = directory.wandb_run_id((state or {}).get("wandb_run_id"), log) if env.is_main else None
     last_probe_step = state["extra"].get("last_probe_step") if state is not None else None
-    records = RunRecords.open(settings, env, directory, parts, position, (state or {}).get("extra"), run_id, ledger,
-                              log)
+    # checks the records against the checkpoint before it writes any of them (or W&B): a refusal changes nothing
+    records = RunRecords.open(settings, env, directory, parts, position, (state or {}).get("extra"),
+                              (state or {}).get("wandb_run_id"), ledger, log)
     evaluation = Evaluation(model=parts.model, heldout_ds=parts.heldout_ds, pad_id=parts.tokenizer.pad_token_id,
                             device=device, autocast=parts.autocast, probes=parts.probes,
                             tau_every=settings.trainer.tau_every, model_cfg=settings.config["model"],
@@ -292,7 +292,8 @@ def start(settings: RunSettings, env: dist.DistEnv, device: torch.device, direct
     trainer, plan = settings.trainer, parts.plan
     clock = StepClock(plan.end_step, position.step, show_bar=env.is_main and trainer.progress and sys.stderr.isatty(),
                       log_every=trainer.log_every, log_every_s=trainer.log_every_s, name=parts.policy.name, log=log)
-    checkpointer = Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, run_id, log)
+    checkpointer = Checkpointer(checkpoints, settings, env, directory, parts, records, evaluation, records.run_id,
+                                log)
     books = Bookkeeping(records=records, evaluation=evaluation, checkpointer=checkpointer, clock=clock,
                         policy=parts.policy, end_step=plan.end_step, is_main=env.is_main, log=log,
                         after_step=hooks.after_step)

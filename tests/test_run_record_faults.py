@@ -109,12 +109,14 @@ def test_resume_refuses_side_files_missing_steps_and_repairs_a_torn_line_with_a_
     with pytest.raises(Refused, match=r"probes\.jsonl lacks the probe evaluations of steps \[5\]"):
         train(compose_small(run_dir, "trainer.max_steps=30", *common))
     restore()
-    # tau.jsonl torn mid-line: the row of step 10 (before the checkpoint of step 20) would be lost in silence
+    # tau.jsonl torn mid-line: the row of step 10 (before the checkpoint of step 20) would be lost in silence; the
+    # refusal names the torn line and leaves it in the file
     first_row = (run_dir / "tau.jsonl").read_text().splitlines()[0]
     (run_dir / "tau.jsonl").write_text(first_row[: len(first_row) // 2])
-    with pytest.raises(Refused, match=r"tau\.jsonl lacks the tau measurements of steps \[10\]"):
+    with pytest.raises(Refused, match=r"tau\.jsonl lacks the tau measurements of steps \[10\]; tau\.jsonl line 1 is "
+                                      r"read as no row: not JSON \(e\.g\. a line torn by a kill\)"):
         train(compose_small(run_dir, "trainer.max_steps=30", *common))
-    assert "repaired" in (run_dir / "train_rank0.log").read_text()
+    assert (run_dir / "tau.jsonl").read_text() == first_row[: len(first_row) // 2]
     restore()
     # issue 31, defect 1: the last band row of the checkpointed step deleted, or torn by a kill (repaired, then
     # missing): that evaluation would keep 5 of its 6 bands, and compare would count the band one evaluation short
@@ -360,7 +362,8 @@ def test_a_metrics_row_without_its_columns_is_refused_naming_the_file_and_step_a
     before = _files(run_dir)
     with pytest.raises(Refused, match=r"^resume from the checkpoint of step 6: metrics\.jsonl's row of step 6 lacks "
                                       r"the columns epoch, loss, acc, .* and 12 more \(every row holds the 21 of "
-                                      r"record\.STEP_FIELDS\)\. The run's records are incomplete: restore them"):
+                                      r"record\.STEP_FIELDS\)\. The run's records are incomplete or damaged: "
+                                      r"restore them"):
         train(compose_small(run_dir, "trainer.max_steps=8", "resume=true", *common))   # a new config: not recorded
     assert _files(run_dir) == before
 
@@ -410,3 +413,46 @@ def test_the_temporary_copies_of_killed_rewrites_are_removed_under_the_lock_and_
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "notes.tmp", "run.lock"]
     assert "removed metrics.jsonl.tmp, summary.json.tmp: left by a run killed while it rewrote metrics.jsonl, " \
            "summary.json, whose last complete version is kept" in caplog.text
+
+
+# ------------------------------------------------ a refused resume changes nothing; saved rows are checked for types
+def _tree(run_dir: Path) -> dict[str, bytes | str]:
+    """Every entry of a run directory but its text log, by path: a file's bytes, a link's target, a folder."""
+    return {str(p.relative_to(run_dir)): (f"link to {os.readlink(p)}" if p.is_symlink() else
+                                           p.read_bytes() if p.is_file() else "folder")
+            for p in sorted(run_dir.rglob("*")) if p.name != "train_rank0.log"}
+
+
+DAMAGED_ROW_2 = {
+    "without_columns": ({"step": 2}, r"metrics\.jsonl's row of step 2 lacks the columns epoch, loss, .*"),
+    "loss_a_list": ({"loss": [1.5, 2.0]}, r"metrics\.jsonl's row of step 2 holds loss \[1\.5, 2\.0\] where the trainer "
+                                          r"writes a number or null\. "),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", sorted(DAMAGED_ROW_2))
+def test_a_refused_resume_drops_no_row_and_starts_no_wandb_run(tmp_path, damage):
+    """A resume refused by the records check used to drop the rows logged after its checkpoint and start its W&B
+    run (offline files in wandb/) before it refused: now it refuses first, so the directory stays as it was, and the
+    relaunch after the fix the message names drops those rows and trains them again. A value of another type than
+    the trainer writes (a loss that is a list) used to pass the check; it is refused like a missing column."""
+    run_dir = tmp_path / damage
+    common = ["logger=wandb", "trainer.measure_tau=false", "probes.every=0", "trainer.ckpt_every=3",
+              "trainer.max_steps=6"]
+    train(compose_small(run_dir, *common))
+    (run_dir / "checkpoints" / "step_6.pt").unlink()   # as a kill after step 6's row, before its checkpoint
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    change, refusal = DAMAGED_ROW_2[damage]
+    row_2 = change if damage == "without_columns" else {**json.loads(lines[1]), **change}
+    metrics.write_text("".join([lines[0], json.dumps(row_2) + "\n", *lines[2:]]))
+    before = _tree(run_dir)
+    assert any(name.startswith("wandb/offline-run-") for name in before)
+    with pytest.raises(Refused, match=rf"^resume from the checkpoint of step 3: {refusal}.*restore them .*"
+                                      rf"hydra\.run\.dir=<new dir>"):
+        train(compose_small(run_dir, *common))
+    assert _tree(run_dir) == before   # rows 4..6 kept, nothing written into wandb/
+    metrics.write_text("".join(lines))   # the records restored
+    summary = train(compose_small(run_dir, *common))
+    assert summary["status"] == "finished" and [row["step"] for row in read_rows(metrics)] == [1, 2, 3, 4, 5, 6]

@@ -9,6 +9,7 @@ import pytest
 
 from dflash_lab.records import record
 from dflash_lab.records import run_logger as rl
+from dflash_lab.records.run_dir import RunRecordsAtRisk, check_records_cover
 
 
 def _row(step: int, **over):
@@ -70,6 +71,71 @@ def test_fresh_start_keeps_no_rows_of_an_earlier_attempt(tmp_path):
     logger.log_step(_row(1))
     again = rl.RunLogger(tmp_path, is_main=True, resume_step=None)  # e.g. killed before its first checkpoint
     assert again.metrics_path.read_text() == "" and again.history == []
+
+
+def test_a_read_only_resume_changes_no_file_until_it_starts(tmp_path):
+    """The trainer checks the records before it writes any: read_only reads the rows the resume keeps and leaves the
+    files as they are (a refused resume changes nothing); start() then trims them."""
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
+    for step in range(1, 6):
+        logger.log_step(_row(step))
+    with open(logger.metrics_path, "a") as handle:
+        handle.write('{"step": 6, "lo')   # torn by a kill
+    before = logger.metrics_path.read_bytes()
+    resumed = rl.RunLogger(tmp_path, is_main=True, resume_step=3, read_only=True)
+    assert [r["step"] for r in resumed.history] == [1, 2, 3]
+    assert resumed.unusable_lines == {record.METRICS_FILE: [(6, "not JSON (e.g. a line torn by a kill)")]}
+    assert logger.metrics_path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        record.METRICS_FILE]
+    resumed.start()
+    assert [json.loads(line)["step"] for line in resumed.metrics_path.read_text().splitlines()] == [1, 2, 3]
+
+
+def _check_resume(run_dir, step: int) -> None:
+    """The resume check of ``run_dir``'s records at the checkpoint of ``step``, as the trainer runs it."""
+    logger = rl.RunLogger(run_dir, is_main=True, resume_step=step, read_only=True)
+    check_records_cover(step, logger.history, logger.probed_steps, None, None, tau_steps=logger.tau_steps,
+                        probe_bands=logger.probe_bands, incomplete_rows=logger.incomplete_rows,
+                        mistyped_rows=logger.mistyped_rows, unusable_lines=logger.unusable_lines)
+
+
+@pytest.mark.parametrize("file, change, refusal", [
+    (record.METRICS_FILE, {"loss": [1.5, 2.0]},
+     "metrics.jsonl's row of step 2 holds loss [1.5, 2.0] where the trainer writes a number or null"),
+    (record.METRICS_FILE, {"epoch": "0", "clipped": 1},
+     'metrics.jsonl holds values of another type than the trainer writes: step 2 holds epoch "0" (a number or null), '
+     "clipped 1 (true, false or null)"),
+    (record.METRICS_FILE, {"step": "2"},
+     'metrics.jsonl holds 2 of the 3 steps up to it (missing [2]); metrics.jsonl line 2 is read as no row: its step '
+     '"2" is not a step number (an integer >= 0)'),
+    (record.PROBES_FILE, {"band": [0]}, "probes.jsonl's row of step 2 holds band [0] where the trainer writes a "
+                                        "number or null"),
+    (record.TAU_FILE, {"tau_by_band": "1.5"}, 'tau.jsonl\'s row of step 2 holds tau_by_band "1.5" where the trainer '
+                                              "writes a list of numbers and nulls"),
+])
+def test_resume_refuses_a_value_of_another_type_naming_the_file_row_and_column(tmp_path, file, change, refusal):
+    """The check read the columns of each row but not their values: a loss that is a list passed (and the summary or
+    the analysis computed with it); a step that is a string was read as no row without a word on which line."""
+    logger = rl.RunLogger(tmp_path, is_main=True, resume_step=None)
+    for step in (1, 2, 3):
+        logger.log_step(_row(step, clipped=False))
+        logger.log_probes([{"step": step, "band": 0, "band_lo": 0, "band_hi": 96, "loss": 1.0, "acc": 0.5,
+                            "tokens": 3}])
+        logger.log_tau({"step": step, "tau": 1.5, "tau_se": 0.1, "tau_prompts": 2, "tau_band_min": 1.5,
+                        "tau_band_mean": 1.5, "tau_by_band": [1.5, None]})
+    _check_resume(tmp_path, 3)   # the records as written pass
+    path = tmp_path / file
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), **change})
+    path.write_text("\n".join(lines) + "\n")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(RunRecordsAtRisk) as refused:
+        _check_resume(tmp_path, 3)
+    message = str(refused.value)
+    assert message.startswith(f"resume from the checkpoint of step 3: {refusal}") and message.endswith(
+        "restore them (e.g. from a backup of the run directory), or start a fresh run directory "
+        "(hydra.run.dir=<new dir>)"), message
+    assert "\n" not in message and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def _stats(**over):

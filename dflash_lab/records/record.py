@@ -215,7 +215,8 @@ def read_jsonl(path: Path | str, *, key: str = "step") -> tuple[list[dict[str, A
     """Rows of a run's JSON-lines file and the count of lines skipped as unusable.
 
     A line is skipped (and counted) when it is not JSON (a line torn by a kill), not an object (``123``), or its
-    ``key`` is not a valid step number (``"abc"``, ``1e308``, negative). Missing file: ``([], 0)``.
+    ``key`` is not a valid step number (``"abc"``, ``1e308``, negative). Missing file: ``([], 0)``. Which lines,
+    and why: :func:`read_jsonl_lines`.
 
     Example:
         >>> import tempfile
@@ -224,24 +225,104 @@ def read_jsonl(path: Path | str, *, key: str = "step") -> tuple[list[dict[str, A
         >>> read_jsonl(file)
         ([{'step': 1}], 3)
     """
+    rows, unusable = read_jsonl_lines(path, key=key)
+    return rows, len(unusable)
+
+
+def read_jsonl_lines(path: Path | str, *, key: str = "step") -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """Rows of a run's JSON-lines file and its unusable lines (the rule of :func:`read_jsonl`), each as (line
+    number, counted from 1, why), so a refusal can name them. Missing file: ``([], [])``.
+
+    Example:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "m.jsonl"
+        >>> _ = file.write_text('{"step": 1}\\n123\\n{"step": "2"}\\n{"step": 4')
+        >>> for line, why in read_jsonl_lines(file)[1]:
+        ...     print(line, why)
+        2 not a JSON object
+        3 its step "2" is not a step number (an integer >= 0)
+        4 not JSON (e.g. a line torn by a kill)
+    """
     path = Path(path)
     if not path.is_file():
-        return [], 0
-    rows, bad = [], 0
+        return [], []
+    rows: list[dict[str, Any]] = []
+    unusable: list[tuple[int, str]] = []
     with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                bad += 1
+                unusable.append((number, "not JSON (e.g. a line torn by a kill)"))
                 continue
-            if not isinstance(row, dict) or not valid_step(row.get(key)):
-                bad += 1
-                continue
-            rows.append(row)
-    return rows, bad
+            if not isinstance(row, dict):
+                unusable.append((number, "not a JSON object"))
+            elif key not in row:
+                unusable.append((number, f"it has no {key}"))
+            elif not valid_step(row[key]):
+                unusable.append((number, f"its {key} {shown_value(row[key])} is not a step number (an integer >= 0)"))
+            else:
+                rows.append(row)
+    return rows, unusable
+
+
+def shown_value(value: Any, limit: int = 40) -> str:
+    """A value of a JSON row as it reads in the file, cut after ``limit`` characters (for messages).
+
+    Example:
+        >>> shown_value("2"), shown_value(list(range(30)))
+        ('"2"', '[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1...')
+    """
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (an int or a float; true and false are not).
+
+    Example:
+        >>> is_number(3), is_number(0.5), is_number(True), is_number("3")
+        (True, True, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+NUMBER_OR_NULL: tuple[str, Callable[[Any], bool]] = ("a number or null",
+                                                      lambda value: value is None or is_number(value))
+"""What every column of the JSON-lines files holds, but those of :data:`COLUMN_TYPES` (a non-finite figure is written
+as null: :func:`json_safe`): what it is called in messages, and its test."""
+COLUMN_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "clipped": ("true, false or null", lambda value: value is None or isinstance(value, bool)),
+    "tau_by_band": ("a list of numbers and nulls",
+                    lambda value: isinstance(value, list) and all(v is None or is_number(v) for v in value)),
+}
+
+
+def column_type(name: str) -> str:
+    """What column ``name`` of a run's JSON-lines files holds, as the trainer writes it (for messages)."""
+    return COLUMN_TYPES.get(name, NUMBER_OR_NULL)[0]
+
+
+def rows_mistyped(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """The steps whose rows hold, in some of ``columns``, a value of another type than the trainer writes there
+    (:func:`column_type`), each with those columns and their values; rows whose values all fit are left out, and a
+    column a row lacks is :func:`rows_lacking`'s. Such a row is JSON with a valid step, so it is kept, not
+    repaired: the resume check refuses it by name (the summary and the analysis would compute with it).
+
+    Example:
+        >>> rows_mistyped([{"step": 1, "loss": 2.0}, {"step": 2, "loss": [2.0]}, {"step": 3, "loss": None},
+        ...                {"step": 4, "loss": "nan", "clipped": 1}], ("step", "loss", "clipped"))
+        {2: {'loss': [2.0]}, 4: {'loss': 'nan', 'clipped': 1}}
+    """
+    mistyped: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        wrong = {name: row[name] for name in columns
+                 if name in row and not COLUMN_TYPES.get(name, NUMBER_OR_NULL)[1](row[name])}
+        if wrong:
+            mistyped.setdefault(int(row["step"]), {}).update(wrong)
+    return mistyped
 
 
 def rows_lacking(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> dict[int, list[str]]:

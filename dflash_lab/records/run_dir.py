@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -354,14 +354,20 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
                         tau_steps_expected: list[int] | None = None,
                         probe_bands: Mapping[int, set[int]] | None = None,
                         probe_bands_expected: list[int] | None = None,
-                        incomplete_rows: Mapping[str, Mapping[int, list[str]]] | None = None) -> None:
+                        incomplete_rows: Mapping[str, Mapping[int, list[str]]] | None = None,
+                        mistyped_rows: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
+                        unusable_lines: Mapping[str, Sequence[tuple[int, str]]] | None = None) -> None:
     """On resume from a checkpoint of ``step``: the side files must hold the run up to it (every metrics row
     1..step, once each, and every row of the JSON-lines files with all its file's columns (``incomplete_rows``:
-    file name -> {step: the columns its rows lack}, ``RunLogger.incomplete_rows``); every probe evaluation and tau measurement the checkpoint's run had written, or, for
-    checkpoints that do not list them, the probe evaluation of its last probe step; every band of each probe
-    evaluation (``probe_bands``: step -> bands held; ``probe_bands_expected``: the bands each evaluation wrote, from
-    the checkpoint; else every band seen at any step); presentations as many rows as it had written); otherwise the
-    run would end "finished" with holes in its records, so it is refused, naming each file.
+    file name -> {step: the columns its rows lack}, ``RunLogger.incomplete_rows``), each of the type the trainer
+    writes (``mistyped_rows``: file name -> {step: {column: value}}, ``RunLogger.mistyped_rows``); every probe
+    evaluation and tau measurement the checkpoint's run had written, or, for checkpoints that do not list them, the
+    probe evaluation of its last probe step; every band of each probe evaluation (``probe_bands``: step -> bands
+    held; ``probe_bands_expected``: the bands each evaluation wrote, from the checkpoint; else every band seen at
+    any step); presentations as many rows as it had written); otherwise the run would end "finished" with holes or
+    values it cannot compute with in its records, so it is refused, naming each file, before any file is changed.
+    A refusal also names the lines read as no row (``unusable_lines``: file name -> [(line number, why)],
+    ``RunLogger.unusable_lines``): a line that held a step the checkpoint covers is why that step is missing.
 
     Example:
         >>> check_records_cover(2, [{"step": 1}, {"step": 2}], {0}, 0, None, probed_steps_expected=[0],
@@ -380,9 +386,20 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
         Traceback (most recent call last):
         ...
         dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: metrics.jsonl's row of step 2 lacks the columns loss, acc (every row holds the 21 of record.STEP_FIELDS). ...
+        >>> check_records_cover(2, [{"step": 1}, {"step": 2}], set(), None, None,
+        ...                     mistyped_rows={"metrics.jsonl": {2: {"loss": [1.5, 2.0]}}})
+        Traceback (most recent call last):
+        ...
+        dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: metrics.jsonl's row of step 2 holds loss [1.5, 2.0] where the trainer writes a number or null. ...
+        >>> check_records_cover(2, [{"step": 1}], set(), None, None,
+        ...                     unusable_lines={"metrics.jsonl": [(2, 'its step "2" is not a step number')]})
+        Traceback (most recent call last):
+        ...
+        dflash_lab.records.run_dir.RunRecordsAtRisk: resume from the checkpoint of step 2: metrics.jsonl holds 1 of the 2 steps up to it (missing [2]); metrics.jsonl line 2 is read as no row: its step "2" is not a step number. ...
     """
     problems = [_metrics_problem(step, history)]
     problems += [_incomplete_rows_problem(name, lacking) for name, lacking in (incomplete_rows or {}).items()]
+    problems += [_mistyped_rows_problem(name, mistyped) for name, mistyped in (mistyped_rows or {}).items()]
     wanted = set(probed_steps_expected or []) | ({last_probe_step} if last_probe_step is not None else set())
     if wanted - probed_steps:
         problems.append(f"{record.PROBES_FILE} lacks the probe evaluations of steps {_some(sorted(wanted - probed_steps))}")
@@ -391,10 +408,11 @@ def check_records_cover(step: int, history: list[dict[str, Any]], probed_steps: 
     if lacking_tau:
         problems.append(f"{record.TAU_FILE} lacks the tau measurements of steps {_some(sorted(lacking_tau))}")
     problems = [problem for problem in [*problems, presentations_problem] if problem]
-    if problems:
+    if problems:   # lines read as no row are repaired when the resume goes on; here they may be why a step is missing
+        problems += [_unusable_lines_problem(name, lines) for name, lines in (unusable_lines or {}).items() if lines]
         raise RunRecordsAtRisk(
-            f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are incomplete: "
-            f"restore them (e.g. from a backup of the run directory), or start a fresh run directory "
+            f"resume from the checkpoint of step {step}: {'; '.join(problems)}. The run's records are incomplete "
+            f"or damaged: restore them (e.g. from a backup of the run directory), or start a fresh run directory "
             f"(hydra.run.dir=<new dir>)")
 
 
@@ -445,6 +463,45 @@ def _incomplete_rows_problem(name: str, lacking: Mapping[int, list[str]], shown:
     described = "; ".join(f"step {s} lacks {listed(lacking[s])}" for s in steps[:shown])
     more = f"; and {len(steps) - shown} more steps ({_some(steps[shown:])})" if len(steps) > shown else ""
     return f"{name} holds rows without all their columns: {described}{more}{of}"
+
+
+def _mistyped_rows_problem(name: str, mistyped: Mapping[int, Mapping[str, Any]], shown: int = 3) -> str | None:
+    """Rows of the JSON-lines file ``name`` that hold a value of another type than the trainer writes
+    (``record.rows_mistyped``), named by step and column with the value and the type the column takes, or None.
+
+    Example:
+        >>> _mistyped_rows_problem("metrics.jsonl", {5: {"epoch": "0"}, 4: {"loss": [1.5], "clipped": 1}})
+        'metrics.jsonl holds values of another type than the trainer writes: step 4 holds loss [1.5] (a number or null), clipped 1 (true, false or null); step 5 holds epoch "0" (a number or null)'
+    """
+    if not mistyped:
+        return None
+    steps = sorted(mistyped)
+    if len(steps) == 1 and len(mistyped[steps[0]]) == 1:
+        ((column, value),) = mistyped[steps[0]].items()
+        return (f"{name}'s row of step {steps[0]} holds {column} {record.shown_value(value)} where the trainer "
+                f"writes {record.column_type(column)}")
+
+    def listed(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"{column} {record.shown_value(value)} ({record.column_type(column)})"
+                         for column, value in values.items())
+
+    described = "; ".join(f"step {s} holds {listed(mistyped[s])}" for s in steps[:shown])
+    more = f"; and {len(steps) - shown} more steps ({_some(steps[shown:])})" if len(steps) > shown else ""
+    return f"{name} holds values of another type than the trainer writes: {described}{more}"
+
+
+def _unusable_lines_problem(name: str, lines: Sequence[tuple[int, str]], shown: int = 3) -> str:
+    """The lines of the JSON-lines file ``name`` read as no row (``record.read_jsonl_lines``), by number and why.
+
+    Example:
+        >>> _unusable_lines_problem("tau.jsonl", [(1, "not JSON (e.g. a line torn by a kill)")])
+        'tau.jsonl line 1 is read as no row: not JSON (e.g. a line torn by a kill)'
+    """
+    if len(lines) == 1:
+        return f"{name} line {lines[0][0]} is read as no row: {lines[0][1]}"
+    described = "; ".join(f"line {number}: {why}" for number, why in lines[:shown])
+    more = f"; and {len(lines) - shown} more lines" if len(lines) > shown else ""
+    return f"{name} has lines read as no row ({described}{more})"
 
 
 def _probe_bands_problem(probe_bands: Mapping[int, set[int]], expected: list[int] | None) -> str | None:

@@ -5,10 +5,12 @@ Rules:
     * every rank writes its own text log ``train_rank<r>.log`` (:func:`setup_text_log`);
     * names and columns of every file come from :mod:`dflash_lab.records.record`; W&B receives the same names.
 
-Exact under faults: on start, :class:`RunLogger` applies the record's one resume rule to metrics.jsonl and
-probes.jsonl (keep rows with ``step <=`` the checkpoint's step; a fresh start keeps none), dropping unusable lines
-with a count in the log. After that every row is appended and flushed as it is produced (a kill loses nothing
-that a later resume would keep), so no step ever appears twice.
+Exact under faults: on start, :class:`RunLogger` applies the record's one resume rule to metrics.jsonl,
+probes.jsonl and tau.jsonl (keep rows with ``step <=`` the checkpoint's step; a fresh start keeps none), dropping
+unusable lines with a count in the log. The trainer reads them first and changes nothing (``read_only=True``) until
+the resume check passed (:meth:`RunLogger.start`): a refused resume leaves every file as it was and starts no W&B
+run. After that every row is appended and flushed as it is produced (a kill loses nothing that a later resume would
+keep), so no step ever appears twice.
 
 W&B names (what a sweep's runs look like side by side): per-step values as ``train/<field>`` with ``step`` and a
 cumulative ``tokens_seen`` as axes, probe values as ``probe/<lo>-<hi>/<loss|acc>`` (the band's length range), the
@@ -43,7 +45,7 @@ from typing import Any
 from dflash_lab.records.record import (
     METRICS_FILE, PROBE_FIELDS, PROBES_FILE, RUN_FILES, STEP_FIELDS, SUMMARY_FILE, TAU_FIELDS, TAU_FILE,
     WANDB_ID_FILE,
-    json_safe, rank_log_name, read_jsonl, rows_lacking, rows_through,
+    is_number, json_safe, rank_log_name, read_jsonl_lines, rows_lacking, rows_mistyped, rows_through,
 )
 
 LOGGER_NAME = "dflash_lab"
@@ -85,16 +87,20 @@ def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def trim_jsonl(path: Path, last_step: int | None) -> tuple[list[dict[str, Any]], int, int]:
-    """Apply the resume rule to one JSON-lines file in place; returns (kept rows, removed rows, unusable lines)."""
-    rows, bad = read_jsonl(path)
+def kept_rows(path: Path, last_step: int | None) -> tuple[list[dict[str, Any]], int, list[tuple[int, str]]]:
+    """The resume rule applied to one JSON-lines file, read only: (kept rows, removed rows, unusable lines as (line
+    number, why): ``record.read_jsonl_lines``)."""
+    rows, unusable = read_jsonl_lines(path)
     kept = rows_through(rows, last_step)
-    removed = len(rows) - len(kept)
-    if path.is_file() and (removed or bad or last_step is None):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(tmp, path)
-    return list(kept), removed, bad
+    return list(kept), len(rows) - len(kept), unusable
+
+
+def rewrite_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace a JSON-lines file by ``rows`` through a temporary copy and a rename (a reader never sees half a
+    file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, path)
 
 
 class WandbSink:
@@ -201,6 +207,9 @@ class RunLogger:
         config: the full resolved config (for W&B).
         run_id: W&B run id (see :func:`load_or_create_run_id`).
         log: text logger.
+        read_only: read the files as the resume rule keeps them, and change nothing (no file trimmed, no W&B run)
+            until :meth:`start`, which then takes the W&B arguments: the trainer checks the rows first, so a
+            refused resume leaves the directory as it was.
 
     Attributes:
         history: metrics rows of the whole run so far (all segments), for the summary.
@@ -210,13 +219,18 @@ class RunLogger:
         tau_rows: step -> its tau.jsonl row (what a measurement of the draft at that step found).
         incomplete_rows: file name -> {step: the columns its kept rows lack} (files whose rows are whole are left
             out): the resume check refuses them (``run_dir.check_records_cover``).
+        mistyped_rows: file name -> {step: {column: value}} of kept rows that hold a value of another type than the
+            trainer writes (``record.rows_mistyped``; files without any are left out): refused the same way.
+        unusable_lines: file name -> [(line number, why)] of the lines read as no row (``record.read_jsonl_lines``;
+            files without any are left out): removed by :meth:`start`, named by a refusal.
     """
 
     def __init__(self, run_dir: Path | str, *, is_main: bool, resume_step: int | None,
                  wandb_settings: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-                 run_id: str | None = None, log: logging.Logger | None = None):
+                 run_id: str | None = None, log: logging.Logger | None = None, read_only: bool = False):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
+        self.resume_step = resume_step
         self.log = log or logging.getLogger(LOGGER_NAME)
         self.history: list[dict[str, Any]] = []
         self.probed_steps: set[int] = set()
@@ -224,33 +238,54 @@ class RunLogger:
         self.tau_steps: set[int] = set()
         self.tau_rows: dict[int, dict[str, Any]] = {}
         self.incomplete_rows: dict[str, dict[int, list[str]]] = {}
+        self.mistyped_rows: dict[str, dict[int, dict[str, Any]]] = {}
+        self.unusable_lines: dict[str, list[tuple[int, str]]] = {}
         self.tokens_seen = 0
         self.wandb: WandbSink | None = None
+        # file name -> what the resume rule keeps of it (rows, rows removed, unusable lines), written by start()
+        self._kept: dict[str, tuple[list[dict[str, Any]], int, list[tuple[int, str]]]] = {}
         if not is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.history, removed, bad = trim_jsonl(self.metrics_path, resume_step)
-        probes, removed_probes, bad_probes = trim_jsonl(self.probes_path, resume_step)
-        taus, removed_taus, bad_taus = trim_jsonl(self.tau_path, resume_step)
-        for row in probes:
-            self.probe_bands.setdefault(int(row["step"]), set()).add(row.get("band"))
+        self._kept = {name: kept_rows(self.run_dir / name, resume_step)
+                      for name in (METRICS_FILE, PROBES_FILE, TAU_FILE)}
+        self.history = self._kept[METRICS_FILE][0]
+        probes, taus = self._kept[PROBES_FILE][0], self._kept[TAU_FILE][0]
+        for row in probes:   # a band of another type is refused by name (mistyped_rows), not counted as one
+            band = row.get("band")
+            self.probe_bands.setdefault(int(row["step"]), set()).update([band] if is_number(band) else [])
         self.probed_steps = set(self.probe_bands)
         self.tau_rows = {int(row["step"]): row for row in taus}
         self.tau_steps = set(self.tau_rows)
-        lacking = {METRICS_FILE: rows_lacking(self.history, STEP_FIELDS),
-                   PROBES_FILE: rows_lacking(probes, PROBE_FIELDS), TAU_FILE: rows_lacking(taus, TAU_FIELDS)}
+        columns = {METRICS_FILE: STEP_FIELDS, PROBES_FILE: PROBE_FIELDS, TAU_FILE: TAU_FIELDS}
+        lacking = {name: rows_lacking(self._kept[name][0], columns[name]) for name in columns}
         self.incomplete_rows = {name: steps for name, steps in lacking.items() if steps}
+        mistyped = {name: rows_mistyped(self._kept[name][0], columns[name]) for name in columns}
+        self.mistyped_rows = {name: steps for name, steps in mistyped.items() if steps}
+        self.unusable_lines = {name: read[2] for name, read in self._kept.items() if read[2]}
+        if not read_only:
+            self.start(wandb_settings=wandb_settings, config=config, run_id=run_id)
+
+    def start(self, *, wandb_settings: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+              run_id: str | None = None) -> None:
+        """Apply the resume rule to the files (rows after ``resume_step`` and unusable lines removed, with a log
+        line) and start W&B (arguments as the constructor's): from here on the run writes its records."""
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name, (rows, removed, unusable) in self._kept.items():
+            path = self.run_dir / name
+            if path.is_file() and (removed or unusable or self.resume_step is None):
+                rewrite_jsonl(path, rows)
         self.tokens_seen = int(sum(row.get("real_tokens") or 0 for row in self.history))
-        if removed + removed_probes + removed_taus:
-            self.log.info(f"resume: removed {removed} metric and {removed_probes} probe rows logged after step "
-                          f"{resume_step} (they are run again)"
-                          + (f"; and {removed_taus} tau row(s)" if removed_taus else ""))
-        repaired = {name: count for name, count in ((METRICS_FILE, bad), (PROBES_FILE, bad_probes),
-                                                     (TAU_FILE, bad_taus)) if count}
-        if repaired:   # e.g. the last line, torn by a kill; steps they held are then missing: the resume check says so
+        removed = {name: kept[1] for name, kept in self._kept.items()}
+        if sum(removed.values()):
+            self.log.info(f"resume: removed {removed[METRICS_FILE]} metric and {removed[PROBES_FILE]} probe rows "
+                          f"logged after step {self.resume_step} (they are run again)"
+                          + (f"; and {removed[TAU_FILE]} tau row(s)" if removed[TAU_FILE] else ""))
+        if self.unusable_lines:   # e.g. the last line, torn by a kill (one of a step the checkpoint covers is refused)
             self.log.warning("repaired (e.g. a line torn by a kill): "
-                             + "; ".join(f"skipped {count} unusable line(s) in {name}, removed from the file"
-                                         for name, count in repaired.items()))
+                             + "; ".join(f"skipped {len(lines)} unusable line(s) in {name}, removed from the file"
+                                         for name, lines in self.unusable_lines.items()))
         if wandb_settings is not None and wandb_settings["mode"] != "disabled":
             self.wandb = WandbSink(self.run_dir, wandb_settings, config or {}, run_id or secrets.token_hex(4),
                                    self.log)
@@ -338,5 +373,5 @@ class RunLogger:
         self.wandb.finish(exit_code)
 
 
-__all__ = ["RunLogger", "WandbSink", "close_text_log", "load_or_create_run_id", "setup_text_log", "trim_jsonl",
-           "write_json_atomic"]
+__all__ = ["RunLogger", "WandbSink", "close_text_log", "kept_rows", "load_or_create_run_id", "rewrite_jsonl",
+           "setup_text_log", "write_json_atomic"]

@@ -52,41 +52,48 @@ class RunRecords:
         self.steady_warmup_steps = steady_warmup_steps
         self.warmup_steps, self.grad_clip = warmup_steps, grad_clip   # the LR schedule's W, trainer.grad_clip
         self.checkpoint_step: int | None = None   # the run's last checkpoint (summary.json: checkpoint_step)
+        self.run_id: str | None = None            # this segment's W&B run id (rank 0; checkpoints keep it)
 
     @classmethod
     def open(cls, settings: RunSettings, env: dist.DistEnv, directory: RunDirectory, parts: Components,
-             position: Position, checkpoint_extra: dict[str, Any] | None, run_id: str | None,
+             position: Position, checkpoint_extra: dict[str, Any] | None, checkpoint_run_id: str | None,
              ledger: record.TimeLedger, log: logging.Logger) -> RunRecords:
-        """The records of this segment: rows after the checkpoint dropped, and checked to cover the run up to it
-        (``checkpoint_extra``: the resumed checkpoint's ``extra``, which says what the records held when it was
-        written; None on a fresh start)."""
-        wandb_settings, wandb_config = wandb_run_settings(settings, parts, env)
+        """The records of this segment: checked to cover the run up to the checkpoint, then rows after it dropped
+        and W&B started (``checkpoint_extra``: the resumed checkpoint's ``extra``, which says what the records held
+        when it was written; ``checkpoint_run_id``: its W&B run id; both None on a fresh start). A refused resume
+        changes no file: the check runs on the rows as read, before any file is trimmed or W&B is started."""
         logger = RunLogger(directory.path, is_main=env.is_main, resume_step=position.loaded_step, log=log,
-                           run_id=run_id, wandb_settings=wandb_settings, config=wandb_config)
-        # the file is resumed (rows after the checkpoint dropped) even when this segment records none
+                           read_only=True)
+        # the file is resumed (rows after the checkpoint dropped) even when this segment records none; in memory
+        # only (written at the next checkpoint), but a fresh start removes it
         presentations = PresentationRecorder(directory.path / record.PRESENTATIONS_FILE, parts.probes.bands)
         recording = settings.probes.presentations
+        dropped = presentations.resume(position.loaded_step) if env.is_main else 0
+        if env.is_main and position.loaded_step:
+            expected = checkpoint_extra or {}
+            problem = presentations.resume_problem or (
+                f"{record.PRESENTATIONS_FILE} is missing or empty"
+                if recording and presentations.covered_step() is None else None)
+            rows = expected.get("presentation_rows")
+            if recording and not problem and rows is not None and len(presentations) != rows:
+                problem = (f"{record.PRESENTATIONS_FILE} holds {len(presentations)} rows up to step "
+                           f"{position.loaded_step}, the checkpoint's run had written {rows} (steps "
+                           f"{presentations.missing_steps(position.loaded_step)} lack theirs)")
+            check_records_cover(position.loaded_step, logger.history, logger.probed_steps,
+                                expected.get("last_probe_step"), problem,
+                                probed_steps_expected=expected.get("probed_steps"),
+                                tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"),
+                                probe_bands=logger.probe_bands,
+                                probe_bands_expected=expected.get("probe_bands"),
+                                incomplete_rows=logger.incomplete_rows, mistyped_rows=logger.mistyped_rows,
+                                unusable_lines=logger.unusable_lines)
+        # the records are the run's: from here on they are written
+        run_id = directory.wandb_run_id(checkpoint_run_id, log) if env.is_main else None
+        wandb_settings, wandb_config = wandb_run_settings(settings, parts, env)
+        logger.start(wandb_settings=wandb_settings, config=wandb_config, run_id=run_id)
         if env.is_main:
-            dropped = presentations.resume(position.loaded_step)
             if dropped:
                 log.info(f"resume: removed {dropped} presentation rows logged after step {position.loaded_step}")
-            if position.loaded_step:
-                expected = checkpoint_extra or {}
-                problem = presentations.resume_problem or (
-                    f"{record.PRESENTATIONS_FILE} is missing or empty"
-                    if recording and presentations.covered_step() is None else None)
-                rows = expected.get("presentation_rows")
-                if recording and not problem and rows is not None and len(presentations) != rows:
-                    problem = (f"{record.PRESENTATIONS_FILE} holds {len(presentations)} rows up to step "
-                               f"{position.loaded_step}, the checkpoint's run had written {rows} (steps "
-                               f"{presentations.missing_steps(position.loaded_step)} lack theirs)")
-                check_records_cover(position.loaded_step, logger.history, logger.probed_steps,
-                                    expected.get("last_probe_step"), problem,
-                                    probed_steps_expected=expected.get("probed_steps"),
-                                    tau_steps=logger.tau_steps, tau_steps_expected=expected.get("tau_steps"),
-                                    probe_bands=logger.probe_bands,
-                                    probe_bands_expected=expected.get("probe_bands"),
-                                    incomplete_rows=logger.incomplete_rows)
             if recording:
                 presentations.warm_up()
             write_data_skipped(directory.path, parts.train_ds, log)
@@ -96,6 +103,7 @@ class RunRecords:
                       steady_warmup_steps=settings.trainer.steady_warmup_steps,
                       warmup_steps=parts.schedule.warmup_steps, grad_clip=settings.trainer.grad_clip)
         records.checkpoint_step = position.loaded_step or None
+        records.run_id = run_id
         return records
 
     def step(self, step: int, epoch: int, result: StepResult, micro_batches: list[dict[str, Any]], policy,
