@@ -88,6 +88,7 @@ from dflash_lab.analysis.recommendation import THROUGHPUT_SOURCES, compared_poli
 from dflash_lab.analysis.summarize import Comparison
 from dflash_lab.analysis.sweep_jobs import unstarted_job_notes
 from dflash_lab.metrics.forgetting import LEARNED_THRESHOLD
+from dflash_lab.refusal import Refused
 
 
 def _endpoints(text: str) -> list[str]:
@@ -222,10 +223,6 @@ TABLE_FILES = ("comparison.csv", "comparison_groups.csv", "comparison.md", "pair
 OUTPUT_FILES = frozenset(TABLE_FILES + PLOT_FILES)  # every file compare may write: what it owns in --out
 
 
-class Refused(Exception):
-    """compare will not go on: main prints the one-line message (no traceback unless --debug) and exits 2."""
-
-
 def check_out(out: Path | str, force: bool = False, inputs: list[str | Path] = ()) -> Path:
     """The folder --out names (a symlink followed), once it is safe to replace it whole.
 
@@ -241,7 +238,7 @@ def check_out(out: Path | str, force: bool = False, inputs: list[str | Path] = (
         >>> check_out(out)
         Traceback (most recent call last):
         ...
-        dflash_lab.compare.Refused: --out ... holds 1 file compare never writes (notes.txt): choose another --out, move it away, or pass --force to replace the folder whole (deleting it)
+        dflash_lab.refusal.Refused: --out ... holds 1 file compare never writes (notes.txt): choose another --out, move it away, or pass --force to replace the folder whole (deleting it)
         >>> check_out(out, force=True) == out.resolve()
         True
     """

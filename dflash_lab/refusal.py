@@ -1,10 +1,11 @@
 """Refusals and environment failures as one line each: what the command line prints instead of a traceback.
 
-- :class:`Refused`: a launch stopped for a named cause whose message says the fix (a damaged cache, no intact
-  checkpoint, a run directory that cannot be written...). ``python -m dflash_lab.train`` prints its message in one
-  line and exits with code 2, as it does for the ``ValueError``/``FileNotFoundError`` of a refused config; the
-  traceback only with ``HYDRA_FULL_ERROR=1``. Subclasses also derive from the builtin error they replace
-  (``RuntimeError``, ``PermissionError``), so callers that caught those still do.
+- :class:`Refused`: a command stopped for a named cause whose message says the fix (a launch: a damaged cache, no
+  intact checkpoint, a run directory that cannot be written...; compare: an --out it must not replace, runs that
+  are not replicates...). ``python -m dflash_lab.train`` prints its message in one line and exits with code 2, as it
+  does for the ``ValueError``/``FileNotFoundError`` of a refused config; the traceback only with
+  ``HYDRA_FULL_ERROR=1``; ``python -m dflash_lab.compare`` and ``export`` likewise. Subclasses also derive from the
+  builtin error they replace (``RuntimeError``, ``PermissionError``), so callers that caught those still do.
 - :func:`unwritable_file`: a file the run must write that refuses it (permissions, ``chattr +i``, a read-only
   file system, a directory in its place), named with its path, in one line and in ``summary.json``'s ``error``.
 - :func:`output_directory_problem`: an output directory a command would create where a file stands (the path, or
@@ -36,7 +37,8 @@ UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR)   # a
 
 
 class Refused(Exception):
-    """A launch refused for a named cause; the message says the fix (printed as one line by the command line)."""
+    """A command (a launch, compare, export) refused for a named cause; the message says the fix (printed as one
+    line by the command line, exit code 2)."""
 
 
 class DamagedCache(Refused, RuntimeError):

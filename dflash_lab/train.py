@@ -372,23 +372,33 @@ def run_loop(run: Run) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ finish
-def exit_line(status: str, step: int, total_steps: int, summary: Mapping[str, Any], env: dist.DistEnv) -> str:
+def exit_line(status: str, step: int, total_steps: int, summary: Mapping[str, Any], env: dist.DistEnv,
+              tau_not_measured: str = "") -> str:
     """The run's last log line. Rank 0 keeps the metric history and measures tau, so only its summary holds the
     loss, accuracy, throughput and tau; another rank's would read NaN, so its line names rank 0 as the holder.
+    ``tau_not_measured``: why rank 0 measured no tau (``trainer.measure_tau=false``, a failed run); its line says
+    so instead of a NaN tau that reads like a broken measurement.
 
     Example:
         >>> print(exit_line("finished", 40, 40, {"wall_time_s": 12.3}, dist.DistEnv(rank=1, world_size=2)))
         finished: step 40/40 on rank 1 of 2, 12 s; the loss, accuracy, throughput and tau are in rank 0's log line \
 and summary.json (only rank 0 keeps the metric history)
+        >>> line = exit_line("finished", 40, 40, {"final_loss": 2.5, "final_acc": 0.4, "ktok_s": 1.0, "pad_eff": 0.9,
+        ...                  "overhead_frac": 0.1, "eval_frac": 0.0, "wall_time_s": 12.3, "tau": float("nan"),
+        ...                  "tau_baseline": float("nan")}, dist.DistEnv(), tau_not_measured="trainer.measure_tau=false")
+        >>> line.split(", ")[-1]
+        'tau not measured (trainer.measure_tau=false)'
     """
     if not env.is_main:
         return (f"{status}: step {step}/{total_steps} on rank {env.rank} of {env.world_size}, "
                 f"{summary['wall_time_s']:.0f} s; the loss, accuracy, throughput and tau are in rank 0's log line "
                 f"and summary.json (only rank 0 keeps the metric history)")
+    tau = (f"tau not measured ({tau_not_measured})" if tau_not_measured
+           else f"tau {summary['tau']:.3f} (untrained {summary['tau_baseline']:.3f})")
     return (f"{status}: step {step}/{total_steps}, loss {summary['final_loss']:.4f}, acc "
             f"{summary['final_acc']:.4f}, {summary['ktok_s']:.2f} Ktok/s, pad_eff {summary['pad_eff']:.3f}, "
             f"overhead {summary['overhead_frac']:.1%}, evaluation {summary['eval_frac']:.1%} of "
-            f"{summary['wall_time_s']:.0f} s, tau {summary['tau']:.3f} (untrained {summary['tau_baseline']:.3f})")
+            f"{summary['wall_time_s']:.0f} s, {tau}")
 
 
 def finish(run: Run, failure: str) -> dict[str, Any]:
@@ -404,8 +414,11 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         run.books.evaluation.probe(position.step)
         if position.step != position.loaded_step:
             run.books.checkpointer.save(position)
+    # summary.json keeps an unmeasured tau as null (analysis notes why from run_config's trainer.measure_tau)
     taus = {"tau": math.nan, "tau_baseline": math.nan}
-    if status != "failed" and trainer.measure_tau and run.env.is_main:
+    tau_not_measured = ("the run failed" if status == "failed"
+                        else "" if trainer.measure_tau else "trainer.measure_tau=false")
+    if not tau_not_measured and run.env.is_main:
         # a relaunch of a run that finished (its summary.json lost) finds the trained draft measured: never twice
         taus = run.books.evaluation.final_tau(position.step, should_stop=ckpt.checkpoint_requested,
                                               recorded=run.books.records.logger.tau_rows.get(position.step))
@@ -419,7 +432,7 @@ def finish(run: Run, failure: str) -> dict[str, Any]:
         log.info("finished without training: trainer.max_steps=0 trains no step; the target, the data and their "
                  "caches are built, and summary.json records steps 0")
         return summary
-    log.info(exit_line(status, position.step, run.parts.plan.total_steps, summary, run.env))
+    log.info(exit_line(status, position.step, run.parts.plan.total_steps, summary, run.env, tau_not_measured))
     if status == "preempted":
         log.warning(f"tau measurement interrupted ({ckpt.request_reason()}); exiting with code "
                     f"{ckpt.PREEMPTED_EXIT_CODE}: the requeued job measures it again")

@@ -107,14 +107,19 @@ def make_target(name: str, section: dict, out: Path, cache: Path, preset_name: s
 
 def check(out: Path) -> list[str]:
     """Each manifest entry's file: its sha256 and its weights digest as loaded (what every run checks). A folder
-    without a manifest is a problem, not an empty success: there is nothing to verify."""
+    without a manifest, or a manifest that lists no target, is a problem, not an empty success: there is nothing
+    to verify."""
     manifest = out / target_module.MANIFEST
+    make = "python scripts/make_reference_targets.py"
+    make += "" if out == target_module.SHIPPED_DIR else f" --out {out}"
     if not manifest.is_file():
-        make = "python scripts/make_reference_targets.py"
-        make += "" if out == target_module.SHIPPED_DIR else f" --out {out}"
         return [f"no manifest to check: {manifest} does not exist; `{make}` makes the targets and writes it"]
+    entries = target_module.shipped_targets(out)
+    if not entries:
+        return [f"no target to check: {manifest} lists none (its 'targets' list is empty); `{make}` makes the "
+                f"targets and writes them into it"]
     problems = []
-    for entry in target_module.shipped_targets(out):
+    for entry in entries:
         path = out / entry["file"]
         if not path.is_file() or file_sha256(path) != entry["file_sha256"]:
             problems.append(f"{path}: missing or not the file the manifest records")

@@ -13,6 +13,7 @@ import pytest
 from dflash_lab import compare
 from dflash_lab.analysis import compare_records, load_runs
 from dflash_lab.analysis import plots
+from dflash_lab.refusal import Refused
 from helpers import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
 
 
@@ -203,12 +204,22 @@ def test_one_topology_beside_runs_recorded_before_topologies_splits_no_arm(sweep
 
 
 # -------------------------------------------------------------------------------------------- one-line refusals
+def test_compare_refuses_with_the_one_refused_class_the_other_commands_raise(tmp_path):
+    """compare had a Refused of its own beside dflash_lab.refusal.Refused (the same concept: a one-line refusal
+    naming the fix, exit 2): a caller catching the package's Refused missed compare's refusals."""
+    file = tmp_path / "out"
+    file.write_text("")
+    with pytest.raises(Refused, match=r"--out .* is a file, not a folder"):
+        compare.check_out(file)
+    assert compare.Refused is Refused
+
+
 def test_refusals_show_the_traceback_with_debug_or_hydra_full_error(sweep, rerun, tmp_path, monkeypatch):
     args = [str(sweep), str(rerun.parent), "--out", str(tmp_path / "o"), "--no-plots"]
-    with pytest.raises(compare.Refused, match="not two seeds"):
+    with pytest.raises(Refused, match="not two seeds"):
         compare.main([*args, "--debug"])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    with pytest.raises(compare.Refused, match="not two seeds"):
+    with pytest.raises(Refused, match="not two seeds"):
         compare.main(args)
 
 

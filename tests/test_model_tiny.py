@@ -1,5 +1,6 @@
 """Tiny target: built by our own pretraining, cached by config hash, built once under concurrency; learning check."""
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -253,6 +254,19 @@ def test_check_without_a_manifest_fails_naming_it_and_the_command_that_writes_it
     assert str(out / target_module.MANIFEST) in lines[0]
     assert f"python scripts/make_reference_targets.py --out {out}" in lines[0]
     assert not out.exists()
+
+
+def test_check_of_a_manifest_listing_no_target_fails_naming_it_and_the_command_that_writes_it(tmp_path, capsys):
+    """--check of a manifest.json whose 'targets' list is empty verifies nothing: one error line names the manifest
+    and the command that writes its targets, and the exit status is 1 (not a silent success)."""
+    out = tmp_path / "targets"
+    out.mkdir()
+    (out / target_module.MANIFEST).write_text(json.dumps({"about": "emptied", "targets": []}))
+    assert _reference_targets_script().main(["--check", "--out", str(out)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert str(out / target_module.MANIFEST) in lines[0] and "lists none" in lines[0]
+    assert f"python scripts/make_reference_targets.py --out {out}" in lines[0]
 
 
 def test_a_shipped_target_loads_with_the_manifests_digest_without_pretraining(monkeypatch):

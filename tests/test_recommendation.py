@@ -19,6 +19,7 @@ from dflash_lab import compare
 from dflash_lab.analysis import protocol as protocol_module
 from dflash_lab.analysis import verdict as verdict_module
 from dflash_lab.analysis.recommendation import decide, ratio_interval
+from dflash_lab.refusal import Refused
 from helpers import write_run  # tests/ is on sys.path (pytest rootdir-relative import)
 
 PLAIN = {"sampler.real_tokens_per_step": None, "trainer.lr_scaling": None}
@@ -147,7 +148,7 @@ def test_a_plan_gives_the_throughput_ratio_and_a_plan_without_the_policies_is_re
     assert rate["source"] == "plan" and rate["value"] == pytest.approx(1.23) and "FLOPs form" in rate["detail"]
     plan.write_text(json.dumps({"policies": {"packed": {"pred_ktok_s": 9.0}}}))
     args = compare.parse_args([str(root), "--throughput-from", str(plan)])
-    with pytest.raises(compare.Refused) as refused:
+    with pytest.raises(Refused) as refused:
         compare.given_throughput(args, verdict["recommendation"])
     message = str(refused.value)
     assert "--throughput-from" in message and "bucketed, full_random" in message and "\n" not in message

@@ -95,6 +95,16 @@ def test_every_sampler_trains(tmp_path, sampler):
     assert all((r["bucket"] == -1) if unbucketed else (r["bucket"] >= 0) for r in rows)
 
 
+def test_a_run_without_tau_says_so_in_its_exit_line_and_keeps_tau_null_in_the_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_cfg(run_dir, "trainer.max_steps=3", "trainer.measure_tau=false", "probes.every=0"))
+    exit_line = (run_dir / "train_rank0.log").read_text().splitlines()[-1]
+    assert "finished: step 3/" in exit_line and "nan" not in exit_line.lower(), exit_line
+    assert exit_line.endswith("tau not measured (trainer.measure_tau=false)"), exit_line
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["tau"] is None and saved["tau_baseline"] is None   # null, not a number: analysis notes why
+
+
 def train_in_parts(run_dir: Path, stops: list[int], *overrides: str) -> dict:
     """Train `run_dir` to the end, preempted at each step in `stops` and continued each time."""
     for step in stops:

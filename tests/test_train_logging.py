@@ -187,6 +187,24 @@ def test_the_exit_line_of_a_rank_without_the_metric_history_names_rank_0_instead
     assert line.endswith("tau 2.500 (untrained 1.100)")
 
 
+def test_the_exit_line_of_a_run_that_measured_no_tau_says_why_instead_of_a_nan_tau():
+    """trainer.measure_tau=false (or a failed run) leaves tau NaN in the summary: the exit line says tau was not
+    measured and why, not 'tau nan (untrained nan)' that reads like a broken measurement."""
+    from dflash_lab.train import exit_line
+    from dflash_lab.training.dist import DistEnv
+
+    plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
+    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
+                            compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
+    totals = record.RunTotals(wall_time_s=7.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
+                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=1)
+    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 1}
+    summary = record.build_summary(rows, plan, totals, identity=identity, status="finished")
+    assert math.isnan(summary["tau"])   # what the line would print
+    line = exit_line("finished", 6, 6, summary, DistEnv(), tau_not_measured="trainer.measure_tau=false")
+    assert line.endswith(", tau not measured (trainer.measure_tau=false)") and "nan" not in line.lower()
+
+
 def test_step_stats_reduce_by_their_rules():
     import numpy as np
 
