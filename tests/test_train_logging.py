@@ -144,13 +144,19 @@ def _stats(**over):
     return record.StepStats(**values)
 
 
-def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
+def _six_steps(wall_time_s: float, world_size: int = 1, segments: int = 1):
+    """Plan facts, step rows, totals and identity of a run of 6 steps over 2 epochs of 3."""
     plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
     rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
                             compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
-    totals = record.RunTotals(wall_time_s=1.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
-                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=2)
-    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 1}
+    totals = record.RunTotals(wall_time_s=wall_time_s, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
+                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=segments)
+    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": world_size}
+    return plan, rows, totals, identity
+
+
+def test_summary_orders_contract_fields_and_keeps_totals_of_all_segments():
+    plan, rows, totals, identity = _six_steps(1.0, segments=2)
     summary = record.build_summary(rows, plan, totals, identity=identity, status="finished")
     assert list(summary)[: len(record.SUMMARY_FIELDS)] == list(record.SUMMARY_FIELDS)
     assert summary["steps"] == 6 and summary["steps_per_epoch"] == [3, 3] and summary["segments"] == 2
@@ -169,12 +175,7 @@ def test_the_exit_line_of_a_rank_without_the_metric_history_names_rank_0_instead
     from dflash_lab.train import exit_line
     from dflash_lab.training.dist import DistEnv
 
-    plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
-    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
-                            compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
-    totals = record.RunTotals(wall_time_s=7.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
-                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=1)
-    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 2}
+    plan, rows, totals, identity = _six_steps(7.0, world_size=2)
     rank_1 = record.build_summary([], plan, totals, identity=identity, status="finished", steps=6)
     assert math.isnan(rank_1["final_loss"])   # why its line cannot state the loss
     line = exit_line("finished", 6, 6, rank_1, DistEnv(rank=1, world_size=2))
@@ -193,12 +194,7 @@ def test_the_exit_line_of_a_run_that_measured_no_tau_says_why_instead_of_a_nan_t
     from dflash_lab.train import exit_line
     from dflash_lab.training.dist import DistEnv
 
-    plan = record.PlanFacts(steps_per_epoch=(3, 3), batches_per_epoch=(3, 3), end_step=6)
-    rows = [record.step_row(step=s, epoch=0, stats=_stats(), lr=1e-3, grad_clip=1.0, bucket=0, step_time_s=0.1,
-                            compute_time_s=0.05, eta_s=0.0) for s in range(1, 7)]
-    totals = record.RunTotals(wall_time_s=7.0, setup_time_s=0.1, compute_time_s=0.3, data_wait_time_s=0.1,
-                              eval_time_s=0.25, checkpoint_time_s=0.05, segments=1)
-    identity = {"sampler": "bucketed", "seed": 0, "epochs": 2, "world_size": 1}
+    plan, rows, totals, identity = _six_steps(7.0)
     summary = record.build_summary(rows, plan, totals, identity=identity, status="finished")
     assert math.isnan(summary["tau"])   # what the line would print
     line = exit_line("finished", 6, 6, summary, DistEnv(), tau_not_measured="trainer.measure_tau=false")
