@@ -417,10 +417,18 @@ def test_the_temporary_copies_of_killed_rewrites_are_removed_under_the_lock_and_
 
 # ------------------------------------------------ a refused resume changes nothing; saved rows are checked for types
 def _tree(run_dir: Path) -> dict[str, bytes | str]:
-    """Every entry of a run directory but its text log, by path: a file's bytes, a link's target, a folder."""
-    return {str(p.relative_to(run_dir)): (f"link to {os.readlink(p)}" if p.is_symlink() else
-                                           p.read_bytes() if p.is_file() else "folder")
-            for p in sorted(run_dir.rglob("*")) if p.name != "train_rank0.log"}
+    """Every entry of a run directory but its text log, by path: a file's bytes, a link's target, a folder. A file
+    inside a W&B run's folder counts by its path only: W&B's service process may still be finishing it after
+    ``wandb.finish`` has returned (a new run shows as a new folder, and as new targets of wandb/'s links)."""
+    def entry(path: Path) -> bytes | str:
+        if path.is_symlink():
+            return f"link to {os.readlink(path)}"
+        if not path.is_file():
+            return "folder"
+        parts = path.relative_to(run_dir).parts
+        return "W&B's file" if parts[0] == "wandb" and len(parts) > 2 else path.read_bytes()
+
+    return {str(p.relative_to(run_dir)): entry(p) for p in sorted(run_dir.rglob("*")) if p.name != "train_rank0.log"}
 
 
 DAMAGED_ROW_2 = {
