@@ -93,9 +93,9 @@ gradient clipping and AdamW.
 Output (rank 0), one JSON object per line, each with its ``regime``: ``setup`` (device, world size, regime(s),
 peak FLOP/s and its source, attention path, token budget and its source, memory figure and cap, the checkpointing
 choice and its source, ``memory_plan``: per policy the block budget, checkpointing and the plan's reason); one
-``step`` line per step as it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its checkpointing, executed
-TFLOP, predicted and measured peak, predicted reserved memory ``pred_reserved_gb`` and measured fragments
-``frag_gb``, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
+``step`` line per step as it ends (policy, phase warmup/timed/ckpt, seconds, real/padded tokens, block slots, its
+checkpointing, executed TFLOP, predicted and measured peak, predicted reserved memory ``pred_reserved_gb`` and
+measured fragments ``frag_gb``, compiled, oom); one line per policy: ``policy, max_tokens, max_block_tokens,
 activation_checkpointing, truncated, sample, ktok_s, ktok_s_median_step, mfu, hfu, tflop_per_step,
 executed_tflop_per_step, executed_tflops, peak_mem_gb, peak_reserved_gb, pred_peak_mem_gb, pred_peak_mem_gb_ckpt,
 mem_ratio, step_time_s, pad_eff, block_tokens_per_step, real_tokens_per_step, docs_per_step, ckpt_steps, loss,

@@ -273,8 +273,8 @@ def stage_gpu_check(stage: str, mode: str, run_mode: str, work: Path) -> list[di
     problems = gpu_check_problems(REGIMES[stage], rows)
     ok = code == 0 and not problems
     mark_rows(rows, ok)
-    summary = {"check": f"{stage}_status", "regimes": list(REGIMES[stage]), "ok": ok, "seconds": round(seconds, 1), "timeout_s": timeout,
-               "command": " ".join(cmd[1:])}
+    summary = {"check": f"{stage}_status", "regimes": list(REGIMES[stage]), "ok": ok, "seconds": round(seconds, 1),
+               "timeout_s": timeout, "command": " ".join(cmd[1:])}
     if not ok:
         summary["error"] = "; ".join(problems) + ("; " if problems else "") + _error(code, timeout, tail)
     return rows + [summary]

@@ -258,7 +258,8 @@ def test_gpu_check_sh_cpu(tmp_path):
     assert tests["failed"] == tests["passed"] == 0 and tests["skipped"] >= 2   # only the CUDA tests: skipped here
     assert all("cuda" in name.split("::", 1)[1].split(":")[0] for name in tests["skipped_tests"])   # (the test's name)
     assert {"tests/test_model_attention.py", "tests/test_model_head.py"} <= set(tests["files"])
-    gpu_lines = [line for line in lines if line["check"].startswith("gpu_check") and line["check"] != "gpu_check_status"]
+    gpu_lines = [line for line in lines if line["check"] in ("gpu_check", *(f"gpu_check_{name}" for name in (
+        "setup", "step", "epoch", "ckpt", "profile")))]
     assert all(line["regime"] in ("seed", "plan") for line in gpu_lines)
     rows = [line for line in lines if line["check"] == "gpu_check"]
     assert [(line["regime"], line["policy"]) for line in rows] == [
