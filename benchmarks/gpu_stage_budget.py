@@ -97,10 +97,9 @@ def _seconds(policy: str, flop: float) -> float:
     return intercept + flop / rate
 
 
-def price(rows: list[dict], regime: str, first: bool = True, ckpt_step: bool | None = None,
-          plans_cpu_s: float = 0.0) -> dict:
+def price(rows: list[dict], regime: str, first: bool = True, plans_cpu_s: float = 0.0) -> dict:
     """Predicted seconds of one regime's part of a stage: its timed steps by the H200 fit, the checkpointing step
-    (``ckpt_step``, default: the seed regime's) and the profiled step; the first regime of a process adds the
+    (the seed regime's, as gpu_check runs it by default) and the profiled step; the first regime of a process adds the
     measured start and compiling warm-up, a later one its warm-up steps by the fit and its plans' CPU time."""
     out, total = [], 0.0
     for row in rows:
@@ -111,7 +110,7 @@ def price(rows: list[dict], regime: str, first: bool = True, ckpt_step: bool | N
     extra = 0.0
     profiled = next((r for r in rows if r["policy"] == "bucketed"), rows[0])
     plan = profiled["_plan"]
-    if regime == "seed" if ckpt_step is None else ckpt_step:   # the largest timed step again, checkpointed
+    if regime == "seed":   # the largest timed step again, checkpointed
         largest = max(profiled["timed"], key=lambda i: plan.pred_peak_plain[i])
         extra += _seconds("bucketed", float(plan.executed(True)[largest]))
     median = sorted(profiled["timed"], key=lambda i: plan.executed()[i])[len(profiled["timed"]) // 2]

@@ -207,7 +207,8 @@ def gpu_check_command(stage: str, mode: str, run_mode: str, timeout: float, work
         args += ["--policies", ",".join(SEED_POLICIES)]
     if "plan" in regimes:
         args += ["--policies", ",".join(PLAN_POLICIES)]
-        args += [] if "seed" in regimes else ["--num-samples", "8000", "--steps", "3"] if mode == "gpu" else []
+    if regimes == ("plan",):   # alone, the sample its limit was priced for
+        args += ["--num-samples", "8000", "--steps", "3"] if mode == "gpu" else ["--warmup", "1", "--steps", "2"]
     deadline = max(10, timeout - DEADLINE_MARGIN_S)
     if len(regimes) > 1:   # the seed regime's deadline leaves the plan regime its share of the stage
         args += ["--deadline-s", str(max(10, deadline - PLAN_RESERVE_S[mode]))]

@@ -440,3 +440,22 @@ def wait_for(predicate, timeout, what, proc=None, poll_s=1.0):
             raise AssertionError(f"submitter exited ({proc.returncode}) while waiting for {what}")
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def allocated_peak_bytes(run_step) -> int:
+    """Peak bytes the CPU allocator holds during ``run_step()`` above what it held before (torch.profiler's memory
+    events, ``Total Allocated``): every tensor allocation counts, small ones included, which the growth of resident
+    memory misses when malloc serves them from heap pages already resident."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        with open(f"{folder}/trace.json") as handle:
+            events = json.load(handle)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return int(max(totals) - min(totals))

@@ -18,6 +18,7 @@ from dflash_lab.model.footprint import (
     plan_peak_bytes, preflight, step_flops, step_memory,
 )
 from dflash_lab.model.footprint import attention_path as footprint_attention_path
+from helpers import allocated_peak_bytes
 
 torch.set_num_threads(1)
 LENGTHS = np.array([60, 50, 40, 30, 20])
@@ -153,25 +154,6 @@ def test_anchor_only_logits_flops_match_torch_flop_counter():
     assert target_logits > 0.01 * matmuls
 
 
-def _allocated_peak_bytes(run_step) -> int:
-    """Peak bytes the CPU allocator holds during ``run_step()`` above what it held before (torch.profiler's memory
-    events, ``Total Allocated``): every tensor allocation counts, small ones included, which the growth of resident
-    memory misses when malloc serves them from heap pages already resident."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_step()
-    with tempfile.TemporaryDirectory() as folder:
-        prof.export_chrome_trace(f"{folder}/trace.json")
-        with open(f"{folder}/trace.json") as handle:
-            events = json.load(handle)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return int(max(totals) - min(totals))
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -198,7 +180,7 @@ def test_predicted_peak_is_within_10_percent_of_the_allocators(packed, checkpoin
     tensors = [*model.parameters(), *model.buffers(),
                *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
     static = sum(t.numel() * t.element_size() for t in tensors)
-    measured = static + _allocated_peak_bytes(lambda: run_step(seed=1))
+    measured = static + allocated_peak_bytes(lambda: run_step(seed=1))
     step = StepModel.from_model(model)
     shapes = batch_shapes([np.arange(len(LENGTHS))], LENGTHS, packed=packed, model=step)
     settings = Settings(precision="fp32", attention=attention_path(model), activation_checkpointing=checkpointing)
